@@ -1,0 +1,166 @@
+"""`engine generate | serve | bench | adapt | eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from engine.decode import COMMIT_RULES, DecodeConfig
+
+
+def add_decode_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion",
+                   help="block diffusion (default) or the autoregressive baseline on the same weights")
+    g.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit in tokens (default 96)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--block-size", type=int, default=0, help="tokens per diffusion block (default: the checkpoint's)")
+    g.add_argument("--first-block-size", type=int, default=0,
+                   help="a smaller first block gets the first words out sooner (default: same as --block-size)")
+    g.add_argument("--rule", choices=sorted(COMMIT_RULES), default="threshold",
+                   help="commit rule: 'threshold' commits every position at least --threshold sure (and the "
+                        "surest one), 'topk' commits the --topk surest per step")
+    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for --rule threshold")
+    g.add_argument("--topk", type=int, default=1, help="positions committed per step for --rule topk")
+    g.add_argument("--max-steps", type=int, default=0, help="denoising steps per block before committing the rest "
+                                                           "(default: block size)")
+    g.add_argument("--no-release-prefix", action="store_true",
+                   help="hold a block until all of it is committed instead of releasing its finished left part")
+
+
+def decode_config(a: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                        block_size=a.block_size, first_block_size=a.first_block_size, rule=a.rule,
+                        threshold=a.threshold, topk=a.topk, max_steps=a.max_steps,
+                        release_prefix=not a.no_release_prefix)
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (packaged SmolLM2 + our diffusion adapter), a .gguf file, a Hugging Face "
+                        "model folder, or a hub id such as JetLM/SDAR-1.7B-Chat (needs network)")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter from `engine adapt` to merge into --model")
+
+
+def cmd_generate(a) -> int:
+    from engine.stream import Engine
+    engine = Engine.load(a.model, adapter=a.adapter)
+    cfg = decode_config(a)
+    messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
+    start = time.perf_counter()
+    stats = None
+    for piece in engine.generate_sync(messages, cfg):
+        print(piece.text, end="", flush=True)
+        stats = piece
+    print()
+    if stats:
+        print(f"[{stats.tokens} tokens, {stats.forwards} forwards, first block {stats.ttfb_ms:.0f} ms, "
+              f"total {(time.perf_counter() - start) * 1000:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from engine.server import serve
+    serve(a.model, a.adapter, a.host, a.port, decode_config(a))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from engine.bench import run_bench
+    run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit)
+    return 0
+
+
+def cmd_eval(a) -> int:
+    from engine.eval import run_eval
+    run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit)
+    return 0
+
+
+def cmd_adapt(a) -> int:
+    from engine import adapt, data
+    from engine.loading import load
+    import torch
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    adapt.write_log_header(out, sys.argv)
+    teacher = load(a.base)
+    distilled = out / "distilled.jsonl"
+    prompts = data.sample_prompts("train", a.distill, seed=a.seed)
+    data.distill(teacher, prompts, distilled, a.reply_tokens, a.distill_batch)
+    examples = data.training_examples(teacher, distilled, seed=a.seed)
+    n_held = max(1, len(examples) // 20)
+    heldout, train_set = examples[:n_held], examples[n_held:]
+    spec = teacher.spec
+    spec.block_size, spec.shift, spec.trained = a.block_size, not a.no_shift, True
+    cfg = adapt.AdaptConfig(block_size=a.block_size, shift=not a.no_shift, rank=a.rank, alpha=2.0 * a.rank, lr=a.lr,
+                            max_tokens=a.max_tokens, max_minutes=a.max_minutes, save_every=a.save_every,
+                            seed=a.seed)
+    result = adapt.train(teacher.model, train_set, spec, cfg, out, heldout)
+    print(json.dumps(result))
+    print(f"adapter: {out / 'adapter.safetensors'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engine", description="Diffusion LM engine: generate, serve, benchmark, "
+                                     "adapt an AR model to block diffusion, and evaluate it.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="reply to one prompt, streaming committed blocks to stdout")
+    add_model_option(p)
+    add_decode_options(p)
+    p.add_argument("prompt", help="the user message")
+    p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/models, /v1/chat/completions)")
+    add_model_option(p)
+    add_decode_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.set_defaults(func=cmd_serve)
+
+    for name, func, text in (("bench", cmd_bench, "AR vs diffusion on the same prompts: TTFB, tokens/s, "
+                                                   "tokens per forward, prefill time"),
+                             ("eval", cmd_eval, "diffusion replies vs the AR teacher: tokens per forward, TTFB, "
+                                                "teacher NLL, repetition")):
+        p = sub.add_parser(name, help=text, description=text)
+        add_model_option(p)
+        add_decode_options(p)
+        p.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": \"...\"} per line")
+        p.add_argument("--json", default="", help="write the full results here")
+        p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("adapt", help="train a block-diffusion LoRA adapter on an AR checkpoint",
+                       description="Distil the AR teacher's replies to chitchat prompts, then train LoRA + a mask "
+                                   "token embedding with the masked-block objective. Resumes from --out.")
+    p.add_argument("--base", default="default", help="AR checkpoint to adapt (default: packaged SmolLM2)")
+    p.add_argument("--out", default="runs/adapt", help="run folder: distilled data, checkpoints, adapter")
+    p.add_argument("--distill", type=int, default=800, help="number of prompts to distil teacher replies for")
+    p.add_argument("--distill-batch", type=int, default=32)
+    p.add_argument("--reply-tokens", type=int, default=40, help="teacher reply length limit")
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--no-shift", action="store_true", help="predict tokens in place instead of the next token")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--max-tokens", type=int, default=0, help="stop after this many trained tokens")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_adapt)
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Decoders over one Transformer: autoregressive and block diffusion, as plain generators.
+
+Both share `run`, the one forward used everywhere: it appends *clean* tokens (prompt or a
+finished block) to the KV cache with the checkpoint's context pattern and, in the same
+forward, lets an optional *draft block* (mask tokens being denoised) look at everything
+before it plus its own whole block. Fusing the write of block k with the first denoising
+step of block k+1 means a block costs only its denoising steps, and the prompt prefill
+doubles as the first step of the first block: that is what keeps time-to-first-block low.
+
+Cache invariant: `state.ids` are exactly the tokens whose cache rows are final. Anything
+past them is scratch, so stopping between any two forwards (barge-in) leaves a state the
+next turn can extend; the last finished block simply rides in with the next turn's prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engine.model import KVCache, Transformer, visibility_mask
+
+
+@dataclass
+class DiffusionSpec:
+    """What a checkpoint says about its own diffusion training (read by `engine.loading`)."""
+
+    mask_id: int
+    block_size: int = 4
+    shift: bool = True  # logits at i predict token i+1 (Fast-dLLM v2 token shift)
+    context: str = "causal"  # how committed tokens attend: causal | block_causal | bidirectional
+    sub_block_size: int = 0  # Fast-dLLM v2 denoises 32-token blocks in sub-blocks of 8
+    trained: bool = False  # False: an AR checkpoint; the diffusion decoder runs but gains nothing
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = "diffusion"  # diffusion | ar
+    max_new_tokens: int = 96
+    temperature: float = 0.0  # 0: greedy
+    block_size: int = 0  # 0: the checkpoint's
+    first_block_size: int = 0  # 0: same as block_size; smaller = earlier first words
+    rule: str = "threshold"  # threshold | topk
+    threshold: float = 0.9
+    topk: int = 1
+    max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
+    release_prefix: bool = True  # hand out a block's finished left part before the block is done
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("diffusion", "ar"):
+            raise ValueError(f"mode must be 'diffusion' or 'ar', not {self.mode!r}")
+        if self.rule not in COMMIT_RULES:
+            raise ValueError(f"rule must be one of {sorted(COMMIT_RULES)}, not {self.rule!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+
+
+@dataclass
+class Block:
+    """Newly committed tokens handed to the caller (a whole block, or its finished left part)."""
+
+    token_ids: list[int]
+    steps: int  # forwards spent on the block so far
+    forwards: int  # forwards since the request started (prefill included)
+    done: bool  # the reply is finished (EOS or token budget)
+    t: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class CacheState:
+    """One conversation's KV cache and the tokens whose rows in it are final."""
+
+    caches: list[KVCache]
+    ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
+        model.setup_cache(1, max_seq_len)
+        return cls(model.caches())
+
+    @property
+    def capacity(self) -> int:
+        return self.caches[0].k.shape[2]
+
+    def reuse_for(self, prompt: list[int]) -> list[int]:
+        """Keep the longest cached prefix of `prompt` (at least one token stays new); return the rest."""
+        keep = 0
+        for a, b in zip(self.ids, prompt[:-1]):
+            if a != b:
+                break
+            keep += 1
+        del self.ids[keep:]
+        return prompt[keep:]
+
+
+# --- commit rules: which masked positions become final this step ----------------------------
+
+CommitRule = Callable[[Tensor, int], Tensor]  # (confidence of masked positions, steps left) -> bool
+
+
+def threshold_rule(threshold: float) -> CommitRule:
+    """Fast-dLLM: commit all positions at least `threshold` sure, and always the surest one."""
+    def rule(confidence: Tensor, steps_left: int) -> Tensor:
+        commit = confidence >= threshold
+        commit[confidence.argmax()] = True
+        return commit
+    return rule
+
+
+def topk_rule(k: int) -> CommitRule:
+    """Commit the k surest positions each step (k=1: sequential unmasking by confidence)."""
+    def rule(confidence: Tensor, steps_left: int) -> Tensor:
+        commit = torch.zeros_like(confidence, dtype=torch.bool)
+        commit[confidence.topk(min(k, confidence.numel())).indices] = True
+        return commit
+    return rule
+
+
+COMMIT_RULES: dict[str, Callable[[DecodeConfig], CommitRule]] = {
+    "threshold": lambda cfg: threshold_rule(cfg.threshold),
+    "topk": lambda cfg: topk_rule(cfg.topk),
+}
+
+
+# --- the one forward -------------------------------------------------------------------------
+
+@torch.inference_mode()
+def run(model: Transformer, state: CacheState, clean: list[int], clean_is_block: bool,
+        draft: list[int], context: str = "causal") -> tuple[Tensor | None, Tensor | None]:
+    """Write `clean` into the cache after `state.ids`, and denoise `draft` after it, in one forward.
+
+    Returns (logits of the last clean row or None, logits of the draft rows or None).
+    """
+    start = len(state.ids)
+    n_clean, n_draft = len(clean), len(draft)
+    end = start + n_clean + n_draft
+    if end > state.capacity:
+        raise ContextOverflow(f"conversation needs {end} tokens but the context holds {state.capacity}")
+    pos = torch.arange(start, end)
+    if context == "bidirectional":
+        visible = torch.full((n_clean + n_draft,), end)
+    elif context == "block_causal" and clean_is_block:
+        visible = torch.full((n_clean + n_draft,), end)
+        visible[:n_clean] = start + n_clean
+    else:
+        visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
+    rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
+    model.use_caches(state.caches)
+    tokens = torch.tensor([clean + draft], dtype=torch.long)
+    logits = model(tokens, pos, visibility_mask(visible, end), rows)[0].float()
+    state.ids.extend(clean)
+    return (logits[0] if n_clean else None), (logits[1 if n_clean else 0:] if n_draft else None)
+
+
+class ContextOverflow(ValueError):
+    """The conversation no longer fits in the preallocated cache."""
+
+
+def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Token and its probability per row: greedy at temperature 0, sampled otherwise."""
+    if temperature <= 0:
+        probs = logits.softmax(-1)
+        confidence, token = probs.max(-1)
+        return token, confidence
+    probs = (logits / temperature).softmax(-1)
+    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, probs.gather(-1, token[:, None]).squeeze(-1)
+
+
+# --- decoders --------------------------------------------------------------------------------
+
+def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
+                stop_ids: set[int]) -> Iterator[Block]:
+    """Greedy/sampled next-token decoding: the baseline on the same weights and cache code."""
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    pending = new_prompt
+    for n in range(1, cfg.max_new_tokens + 1):
+        last, _ = run(model, state, pending, False, [])
+        token = int(pick(last[None], cfg.temperature, generator)[0])
+        done = token in stop_ids or n == cfg.max_new_tokens
+        yield Block([token], 1, n, done)
+        if done:
+            return
+        pending = [token]
+
+
+def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
+                       spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
+    """Block diffusion: each block starts as masks and is committed by `cfg.rule` over a few steps."""
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    rule = COMMIT_RULES[cfg.rule](cfg)
+    block_size = cfg.block_size or spec.sub_block_size or spec.block_size
+    size = min(cfg.first_block_size or block_size, cfg.max_new_tokens)
+    pending, pending_is_block = new_prompt, False
+    last_logits: Tensor | None = None
+    produced = forwards = 0
+    while True:
+        draft = [spec.mask_id] * size
+        masked = torch.ones(size, dtype=torch.bool)
+        max_steps = cfg.max_steps or size
+        steps = released = 0
+        stop_at = size  # index after the last token that belongs to the reply
+        while masked[:stop_at].any():
+            clean_last, logits = run(model, state, pending, pending_is_block, draft, spec.context)
+            forwards += 1
+            steps += 1
+            if pending:
+                last_logits, pending = clean_last, []
+            if spec.shift:
+                logits = torch.cat([last_logits[None], logits[:-1]])
+            logits[:, spec.mask_id] = float("-inf")
+            tokens, confidence = pick(logits, cfg.temperature, generator)
+            idx = masked.nonzero().squeeze(-1)
+            idx = idx[idx < stop_at]
+            commit = rule(confidence[idx], max_steps - steps) if steps < max_steps else torch.ones_like(idx, dtype=torch.bool)
+            for i in idx[commit].tolist():
+                draft[i] = int(tokens[i])
+                masked[i] = False
+                if draft[i] in stop_ids:
+                    stop_at = min(stop_at, i + 1)
+            ready = int(masked[:stop_at].int().argmax()) if masked[:stop_at].any() else stop_at
+            finished = ready == stop_at
+            done = finished and (stop_at < size or produced + stop_at >= cfg.max_new_tokens
+                                 or draft[stop_at - 1] in stop_ids)
+            if ready > released and (cfg.release_prefix or finished):
+                yield Block(draft[released:ready], steps, forwards, done)
+                released = ready
+        produced += stop_at
+        if done:
+            return
+        pending, pending_is_block = draft[:stop_at], True
+        size = min(block_size, cfg.max_new_tokens - produced)
+
+
+@torch.inference_mode()
+def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+                      temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state.
+
+    Prompts are left-padded; RoPE only sees relative positions, so a shared position axis
+    with pad keys masked out gives each row the same result as decoding it alone.
+    """
+    n, width = len(prompts), max(len(p) for p in prompts)
+    model.setup_cache(n, width + max_new_tokens)
+    tokens = torch.zeros(n, width, dtype=torch.long)
+    valid = torch.ones(n, width + max_new_tokens, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = torch.tensor(p)
+        valid[i, : width - len(p)] = False
+    pos = torch.arange(width)
+    mask = visibility_mask(pos + 1, width)[None] & valid[:, None, :width] | torch.eye(width, dtype=torch.bool)
+    logits = model(tokens, pos, mask[:, None], slice(-1, None))[:, -1].float()
+    replies: list[list[int]] = [[] for _ in prompts]
+    alive = torch.ones(n, dtype=torch.bool)
+    for step in range(max_new_tokens):
+        token, _ = pick(logits, temperature, generator)
+        for i in alive.nonzero().squeeze(-1).tolist():
+            replies[i].append(int(token[i]))
+            alive[i] = int(token[i]) not in stop_ids
+        if not alive.any() or step == max_new_tokens - 1:
+            break
+        p = width + step
+        logits = model(token[:, None], torch.tensor([p]), valid[:, None, None, : p + 1], slice(None))[:, -1].float()
+    model.use_caches([None] * len(model.layers))
+    return replies
+
+
+def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
+             spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
+    """Continue `state` with `prompt` (the whole conversation so far): only its uncached tail is prefilled."""
+    new = state.reuse_for(prompt)
+    if len(prompt) + cfg.max_new_tokens > state.capacity:
+        raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
+                              f"the context of {state.capacity}")
+    if cfg.mode == "ar":
+        yield from generate_ar(model, state, new, cfg, stop_ids)
+    else:
+        yield from generate_diffusion(model, state, new, cfg, spec, stop_ids)

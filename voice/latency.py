@@ -1,0 +1,98 @@
+"""Latency budget tracker: watches a session's events, times every stage of every turn.
+
+It is told about events and never asked anything by the stages. At the end of a turn it
+emits a `LatencyReport` (sent to the client like any other event), logs turns that broke a
+budget, and feeds the per-stage histograms served at /metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from voice.config import BudgetConfig
+from voice.events import (AudioSent, Event, LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript,
+                          TtsAudio)
+
+log = logging.getLogger("voice.latency")
+
+# stage name -> (from mark, to mark)
+STAGES = {
+    "endpoint": ("speech_end", "eos_detected"),
+    "asr": ("eos_detected", "final_transcript"),
+    "lm_first_block": ("final_transcript", "lm_first_block"),
+    "tts_first_audio": ("lm_first_block", "tts_first_audio"),
+    "send": ("tts_first_audio", "first_audio_sent"),
+    "voice_to_voice": ("speech_end", "first_audio_sent"),
+}
+
+
+class Metrics:
+    """Prometheus series for the whole server (one registry per app, so tests can run several)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        buckets = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+        self.stage_seconds = Histogram("voice_stage_seconds", "Time spent per pipeline stage per turn",
+                                       ["stage"], buckets=buckets, registry=self.registry)
+        self.turns = Counter("voice_turns", "Turns completed", registry=self.registry)
+        self.over_budget = Counter("voice_budget_violations", "Turns over a stage budget", ["stage"],
+                                   registry=self.registry)
+        self.sessions = Gauge("voice_sessions_active", "Open sessions", ["transport"], registry=self.registry)
+        self.errors = Counter("voice_errors", "Errors reported to clients", ["code"], registry=self.registry)
+        self.barge_ins = Counter("voice_barge_ins", "Replies interrupted by the user", registry=self.registry)
+
+
+@dataclass
+class _Turn:
+    marks: dict[str, float] = field(default_factory=dict)
+    blocks: list[float] = field(default_factory=list)
+
+
+class LatencyTracker:
+    def __init__(self, budgets: BudgetConfig, metrics: Metrics, emit: Callable[[Event], None], session_id: str):
+        self.budgets, self.metrics, self.emit, self.session_id = budgets, metrics, emit, session_id
+        self.turns: dict[int, _Turn] = {}
+
+    def observe(self, ev: Event) -> None:
+        turn = self.turns.setdefault(ev.turn, _Turn())
+        first = turn.marks.setdefault
+        if isinstance(ev, SpeechStopped):
+            first("speech_end", ev.speech_end)
+            first("eos_detected", ev.t)
+        elif isinstance(ev, Transcript) and ev.final:
+            first("final_transcript", ev.t)
+        elif isinstance(ev, ReplyText):
+            first("lm_first_block", ev.t)
+            turn.blocks.append(ev.t)
+        elif isinstance(ev, TtsAudio):
+            first("tts_first_audio", ev.t)
+        elif isinstance(ev, AudioSent):
+            first("first_audio_sent", ev.t)
+        elif isinstance(ev, ReplyDone):
+            first("reply_done", ev.t)
+            self._report(ev.turn, ev.t)
+
+    def _report(self, turn_no: int, now: float) -> None:
+        turn = self.turns.pop(turn_no)
+        marks = turn.marks
+        stages = {name: (marks[b] - marks[a]) * 1000 for name, (a, b) in STAGES.items() if a in marks and b in marks}
+        over = [name for name, ms in stages.items() if ms > getattr(self.budgets, name)]
+        origin = marks.get("speech_end", min(marks.values()))
+        rel = {name: round((t - origin) * 1000, 1) for name, t in marks.items()}
+        rel["lm_blocks"] = [round((t - origin) * 1000, 1) for t in turn.blocks]
+        for name, ms in stages.items():
+            self.metrics.stage_seconds.labels(name).observe(ms / 1000)
+        for name in over:
+            self.metrics.over_budget.labels(name).inc()
+        self.metrics.turns.inc()
+        if over:
+            log.warning("session=%s turn=%d over budget: %s", self.session_id, turn_no,
+                        ", ".join(f"{n} {stages[n]:.0f}ms > {getattr(self.budgets, n):.0f}ms" for n in over))
+        log.info("session=%s turn=%d latency %s", self.session_id, turn_no,
+                 " ".join(f"{n}={ms:.0f}ms" for n, ms in stages.items()))
+        self.emit(LatencyReport(turn_no, now, {k: round(v, 1) for k, v in stages.items()}, rel, over,
+                                round(stages["voice_to_voice"], 1) if "voice_to_voice" in stages else None))

@@ -1,0 +1,154 @@
+"""The native websocket protocol (PROTOCOL.md): JSON control + PCM16LE binary frames.
+
+Bad input is answered with an `error` event and dropped; only a missing or invalid `start`
+closes the socket, because without it nothing else can be understood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voice.events import PROTOCOL_VERSION, TtsAudio
+from voice.session import Session, Stages
+
+log = logging.getLogger("voice.native")
+RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+ENCODINGS = ("pcm_s16le",)
+
+
+class ProtocolError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def parse_start(text: str) -> dict:
+    """Validate a `start` message; returns {in_rate, out_rate, system_prompt, lm_mode}."""
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProtocolError("bad_json", f"expected a JSON start message: {err}") from err
+    if not isinstance(msg, dict) or msg.get("type") != "start":
+        raise ProtocolError("expected_start", "the first message must be {\"type\": \"start\", ...}")
+    version = msg.get("version", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("unsupported_version", f"protocol version {version!r} is not supported "
+                                                   f"(this server speaks {PROTOCOL_VERSION})")
+    rate = msg.get("sample_rate")
+    out_rate = msg.get("output_sample_rate", rate)
+    for name, value in (("sample_rate", rate), ("output_sample_rate", out_rate)):
+        if value not in RATES:
+            raise ProtocolError("bad_sample_rate", f"{name} must be one of {RATES}, not {value!r}")
+    if msg.get("encoding", "pcm_s16le") not in ENCODINGS:
+        raise ProtocolError("bad_encoding", f"encoding must be one of {ENCODINGS}")
+    session = msg.get("session") or {}
+    if not isinstance(session, dict):
+        raise ProtocolError("bad_session", "session must be an object")
+    mode = session.get("lm_mode")
+    if mode not in (None, "ar", "diffusion"):
+        raise ProtocolError("bad_session", "session.lm_mode must be 'ar' or 'diffusion'")
+    system = session.get("system_prompt")
+    if system is not None and not isinstance(system, str):
+        raise ProtocolError("bad_session", "session.system_prompt must be a string")
+    return {"in_rate": rate, "out_rate": out_rate, "system_prompt": system, "lm_mode": mode}
+
+
+async def handle(ws: WebSocket, stages: Stages) -> None:
+    await ws.accept()
+    cfg = stages.config.session
+    try:
+        start = await asyncio.wait_for(_read_start(ws), cfg.start_timeout_s)
+    except asyncio.TimeoutError:
+        await _fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
+        return
+    except ProtocolError as err:
+        await _fail(ws, err.code, str(err))
+        return
+    except WebSocketDisconnect:
+        return
+    session = Session(stages, start["in_rate"], start["out_rate"], "native", start["system_prompt"], start["lm_mode"])
+    await ws.send_json({"type": "ready", "version": PROTOCOL_VERSION, "session_id": session.id,
+                        "sample_rate": start["out_rate"], "encoding": "pcm_s16le"})
+    sender = asyncio.create_task(_send_events(ws, session))
+    try:
+        await _receive(ws, session)
+    finally:
+        sender.cancel()
+        await session.close()
+
+
+async def _read_start(ws: WebSocket) -> dict:
+    """Wait for a valid start; audio before it is answered with an error and ignored."""
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(msg.get("code", 1000))
+        if msg.get("bytes") is not None:
+            await ws.send_json({"type": "error", "code": "expected_start",
+                                "message": "audio arrived before the start message; it was dropped"})
+            continue
+        return parse_start(msg.get("text") or "")
+
+
+async def _fail(ws: WebSocket, code: str, message: str) -> None:
+    log.warning("closing websocket: %s: %s", code, message)
+    try:
+        await ws.send_json({"type": "error", "code": code, "message": message})
+        await ws.close(code=1008 if code != "start_timeout" else 1001, reason=code)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+
+
+async def _receive(ws: WebSocket, session: Session) -> None:
+    limit = session.config.session.max_frame_bytes
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            return
+        data, text = msg.get("bytes"), msg.get("text")
+        if data is not None:
+            if len(data) > limit:
+                session.error("frame_too_large", f"audio frame of {len(data)} bytes exceeds {limit}; dropped")
+            elif len(data) % 2:
+                session.error("bad_frame", "PCM16 frames must have an even number of bytes; dropped")
+            else:
+                await session.push_audio(data)
+        elif text is not None:
+            _control(session, text)
+
+
+def _control(session: Session, text: str) -> None:
+    try:
+        msg = json.loads(text)
+    except json.JSONDecodeError:
+        session.error("bad_json", "text frames must be JSON control messages; audio goes in binary frames")
+        return
+    kind = msg.get("type") if isinstance(msg, dict) else None
+    if kind == "start":
+        session.error("already_started", "the session has already started")
+    else:
+        session.error("unknown_message", f"unknown control message type {kind!r}")
+
+
+async def _send_events(ws: WebSocket, session: Session) -> None:
+    frame_bytes = session.out_rate * 2 * session.config.session.audio_frame_ms // 1000
+    try:
+        while True:
+            ev = await session.outbox.get()
+            if isinstance(ev, TtsAudio):
+                if not session.is_current(ev.turn):
+                    continue  # cleared by a barge-in
+                for i in range(0, len(ev.pcm), frame_bytes):
+                    if not session.is_current(ev.turn):
+                        break
+                    await ws.send_bytes(ev.pcm[i:i + frame_bytes])
+                    if i == 0:
+                        session.audio_sent(ev.turn, ev.text, len(ev.pcm) / 2 / ev.rate)
+            else:
+                await ws.send_json(ev.to_wire())
+    except (WebSocketDisconnect, RuntimeError):
+        return

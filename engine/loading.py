@@ -98,14 +98,19 @@ def args_from_hf_config(cfg: dict, max_seq_len: int) -> ModelArgs:
                            "intermediate_size") if k not in cfg]
     if missing:
         raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
-    if cfg.get("rope_scaling") and cfg["rope_scaling"].get("rope_type", cfg["rope_scaling"].get("type")) != "default":
-        raise ModelLoadError(f"rope_scaling {cfg['rope_scaling']} is not supported")
+    # transformers < 5 writes rope_theta / rope_scaling at the top level, >= 5 nests both in rope_parameters
+    rope_params = cfg.get("rope_parameters") or {}
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelLoadError(f"{key} {rope} is not supported")
     qwen3_like = family in ("qwen3", "sdar", "a2d")
     return ModelArgs(
         vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
         n_heads=cfg["num_attention_heads"], n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         hidden_dim=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or 0,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         max_seq_len=min(max_seq_len, cfg.get("max_position_embeddings", max_seq_len)),
         qkv_bias=family in ("qwen2", "fast_dllm") or bool(cfg.get("attention_bias")),
         qk_norm=qwen3_like, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))

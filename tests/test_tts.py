@@ -127,3 +127,12 @@ def test_splitter_loses_and_repeats_nothing_whatever_the_deltas():
 def test_config_rejects_bad_values(fields):
     with pytest.raises(ValueError):
         TtsConfig(**fields)
+
+
+def test_splitter_lets_the_first_phrase_end_after_a_few_words():
+    splitter = PhraseSplitter(min_chars=12, first_words=3)
+    assert splitter.push("The capital of") == []  # "of" may still be growing
+    assert splitter.push(" France is") == ["The capital of"]
+    assert splitter.push(" Paris and it is big") == []  # later phrases wait for punctuation
+    assert splitter.push(". Yes.") == ["France is Paris and it is big."]
+    assert splitter.flush() == "Yes."

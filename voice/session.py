@@ -202,7 +202,7 @@ class Session:
         messages = self._messages(user_text)
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(reply, phrases))
-        splitter = PhraseSplitter(self.config.tts.min_chars)
+        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
         try:
             block_no = 0
             async for block in self.chat.reply(messages, self.lm_mode):

@@ -28,12 +28,15 @@ class TtsConfig:
     voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
     length_scale: float = 1.0  # > 1 speaks slower
     min_chars: int = 12  # shorter phrases wait for more text unless flushed
+    first_words: int = 4  # the reply's first phrase may end after this many words (0: wait for punctuation)
 
     def __post_init__(self) -> None:
         if self.length_scale <= 0:
             raise ValueError(f"tts length_scale must be positive, got {self.length_scale}")
         if self.min_chars < 0:
             raise ValueError(f"tts min_chars must not be negative, got {self.min_chars}")
+        if self.first_words < 0:
+            raise ValueError(f"tts first_words must not be negative, got {self.first_words}")
 
 
 def load_voice(config: TtsConfig) -> PiperVoice:
@@ -46,11 +49,18 @@ def load_voice(config: TtsConfig) -> PiperVoice:
 
 
 class PhraseSplitter:
-    """Cuts streamed text into speakable phrases without losing or repeating any of it."""
+    """Cuts streamed text into speakable phrases without losing or repeating any of it.
 
-    def __init__(self, min_chars: int) -> None:
+    The first phrase of a reply is what the user waits for, so with `first_words` it may end
+    at a word boundary before any punctuation arrives; later phrases wait for punctuation,
+    which sounds better and costs nothing (earlier audio is still playing).
+    """
+
+    def __init__(self, min_chars: int, first_words: int = 0) -> None:
         self.min_chars = min_chars
+        self.first_words = first_words
         self._pending = ""
+        self._spoke = False
 
     def push(self, text_delta: str) -> list[str]:
         """Add text; return the phrases it completed (stripped, at least min_chars long)."""
@@ -61,7 +71,13 @@ class PhraseSplitter:
             if len(phrase) >= self.min_chars:
                 phrases.append(phrase)
                 start = boundary.end()
+        if not phrases and not self._spoke and self.first_words:
+            words = list(re.finditer(r"\S+(?=\s)", self._pending))
+            if len(words) >= self.first_words:
+                start = words[self.first_words - 1].end()
+                phrases.append(self._pending[:start].strip())
         self._pending = self._pending[start:]
+        self._spoke = self._spoke or bool(phrases)
         return phrases
 
     def flush(self) -> str:

@@ -1,0 +1,418 @@
+"""OpenAI-compatible HTTP server: `/v1/models`, `/v1/chat/completions` (plain and SSE), `/healthz`.
+
+Every request gets a fresh engine `Conversation` (the API is stateless), and generation runs
+through `Engine.stream`, so the event loop only awaits committed pieces and stays responsive.
+With `stream: true` each committed piece becomes one `chat.completion.chunk`. A client that
+disconnects cancels its generation at the next piece boundary, streaming or not.
+
+Besides the standard fields, the body may carry (the `openai` client's `extra_body`):
+`mode` ("diffusion" | "ar"), `block_size`, `first_block_size`, `threshold`, `rule`, `topk`,
+`max_steps`. Responses add a non-standard `x_engine` object with the decoder's statistics.
+Errors use OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
+from engine.stream import Conversation, Engine, Piece
+
+log = logging.getLogger("engine.server")
+
+LOG_KEY = "engine.request_log"  # per-request details the handlers leave in the ASGI scope for RequestLog
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# --- request parsing -------------------------------------------------------------------------
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value that means "off"
+    "n": lambda v: v in (None, 1),
+    "stop": lambda v: v in (None, "", []),
+    "logprobs": lambda v: v in (None, False),
+    "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []),
+}
+
+
+def _missing(name: str) -> APIError:
+    return APIError(400, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+
+
+def _number(body: dict, name: str, lo: float, hi: float, integer: bool) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
+        raise APIError(400, f"Invalid type for '{name}': expected {kind}, but got {json.dumps(value)[:40]}.",
+                       name, "invalid_type")
+    if not lo <= value <= hi:
+        raise APIError(400, f"Invalid value for '{name}': {value} is not between {lo} and {hi}.", name,
+                       "invalid_value")
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array of messages.", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where} must be an object.", where, "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"Invalid value for '{where}.role': {json.dumps(role)[:40]}; supported roles are "
+                           f"{', '.join(ROLES)}.", f"{where}.role", "invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood here
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"{where}.content: only text content parts are supported.",
+                                   f"{where}.content", "invalid_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or an array of text parts.",
+                           f"{where}.content", "invalid_type")
+        out.append({"role": ROLES[role], "content": content})
+    return out
+
+
+def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list[dict], DecodeConfig, dict]:
+    """(messages, decode config, options) from a chat-completions body; raises APIError."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
+    messages = _messages(body)
+    for name, off in UNSUPPORTED.items():
+        if not off(body.get(name)):
+            raise APIError(400, f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+    overrides: dict[str, Any] = {}
+    max_tokens = _number(body, "max_completion_tokens", 1, context, True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, context, True)
+    if max_tokens is not None:
+        overrides["max_new_tokens"] = max_tokens
+    for name, field, lo, hi, integer in (("temperature", "temperature", 0, 2, False),
+                                         ("seed", "seed", -2**63, 2**64 - 1, True),
+                                         ("block_size", "block_size", 0, context, True),
+                                         ("first_block_size", "first_block_size", 0, context, True),
+                                         ("threshold", "threshold", 0, 1, False),
+                                         ("topk", "topk", 1, context, True),
+                                         ("max_steps", "max_steps", 0, context, True)):
+        value = _number(body, name, lo, hi, integer)
+        if value is not None:
+            overrides[field] = value
+    if "seed" in overrides:
+        overrides["seed"] %= 2**63  # torch.Generator seeds are unsigned 64-bit; keep it simple and positive
+    _number(body, "top_p", 0, 1, False)  # accepted, not used: sampling is plain temperature sampling
+    for name, choices in (("mode", ("diffusion", "ar")), ("rule", tuple(sorted(COMMIT_RULES)))):
+        value = body.get(name)
+        if value is not None:
+            if value not in choices:
+                raise APIError(400, f"Invalid value for '{name}': {json.dumps(value)[:40]}; expected one of "
+                               f"{', '.join(choices)}.", name, "invalid_value")
+            overrides[name] = value
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, "Invalid type for 'stream': expected a boolean.", "stream", "invalid_type")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise APIError(400, "Invalid type for 'stream_options': expected an object.", "stream_options",
+                       "invalid_type")
+    include_usage = (stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, "Invalid type for 'stream_options.include_usage': expected a boolean.",
+                       "stream_options.include_usage", "invalid_type")
+    try:
+        cfg = replace(defaults, **overrides)
+    except ValueError as err:
+        raise APIError(400, str(err), None, "invalid_value") from err
+    return messages, cfg, {"stream": bool(stream), "include_usage": include_usage}
+
+
+# --- responses -------------------------------------------------------------------------------
+
+def _usage(last: Piece | None, prompt_tokens: int) -> dict:
+    completion = last.tokens if last else 0
+    prompt = last.prompt_tokens if last else prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _stats(last: Piece | None, cfg: DecodeConfig) -> dict:
+    if last is None:
+        return {"mode": cfg.mode}
+    return {"mode": cfg.mode, "ttfb_ms": round(last.ttfb_ms, 1), "elapsed_ms": round(last.elapsed_ms, 1),
+            "forwards": last.forwards, "tokens_per_forward": round(last.tokens / max(last.forwards, 1), 3),
+            "prefilled_tokens": last.prefilled_tokens}
+
+
+async def _wait_for_disconnect(receive) -> None:
+    """Returns once the client has gone (the request body must have been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStream:
+    """An SSE response that cancels its producer when the client disconnects.
+
+    (Starlette's StreamingResponse only watches for disconnects under older ASGI spec
+    versions; doing it here keeps cancellation independent of the server's spec version.)
+    """
+
+    def __init__(self, events, on_cancel=None):
+        self.events, self.on_cancel = events, on_cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+
+        async def pump() -> None:
+            async with contextlib.aclosing(self.events) as events:
+                async for event in events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        producer = asyncio.create_task(pump())
+        watcher = asyncio.create_task(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (producer, watcher):
+                task.cancel()
+            results = await asyncio.gather(producer, watcher, return_exceptions=True)
+        if isinstance(results[0], asyncio.CancelledError):  # the client went away first
+            if self.on_cancel:
+                self.on_cancel()
+        elif isinstance(results[0], BaseException):
+            raise results[0]
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+# --- app -------------------------------------------------------------------------------------
+
+def build_app(engine: Engine, defaults: DecodeConfig) -> Starlette:
+    model_id = engine.name
+    created = int(time.time())
+    context = engine.max_seq_len
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "engine"}]})
+
+    async def model_info(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != model_id:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+        return JSONResponse({"id": model_id, "object": "model", "created": created, "owned_by": "engine"})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model_id})
+
+    async def chat_completions(request: Request) -> Response:
+        info = request.scope.setdefault(LOG_KEY, {})
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(400, f"We could not parse the JSON body of your request: {err}.", None,
+                           "invalid_json") from err
+        if isinstance(body, dict) and body.get("model") is not None and body.get("model") != model_id:
+            info["model"] = str(body.get("model"))[:60]
+            raise APIError(404, f"The model `{body.get('model')}` does not exist; this server has "
+                           f"`{model_id}`.", "model", "model_not_found")
+        messages, cfg, opts = parse_request(body, defaults, context)
+        info.update(mode=cfg.mode, stream=opts["stream"], max_tokens=cfg.max_new_tokens)
+        try:
+            prompt = await asyncio.to_thread(engine.prompt_ids, messages)
+        except jinja2.TemplateError as err:
+            raise APIError(400, f"The chat template rejected the messages: {err}", "messages",
+                           "invalid_value") from err
+        info["prompt_tokens"] = len(prompt)
+        if len(prompt) + cfg.max_new_tokens > context:
+            raise APIError(400, f"This model's maximum context length is {context} tokens. However, you "
+                           f"requested {len(prompt) + cfg.max_new_tokens} tokens ({len(prompt)} in the messages, "
+                           f"{cfg.max_new_tokens} in the completion).", "messages", "context_length_exceeded")
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        now = int(time.time())
+        pieces = engine.stream(messages, cfg, Conversation())
+        if opts["stream"]:
+            return EventStream(_chunks(rid, now, pieces, cfg, opts, len(prompt), info),
+                               on_cancel=lambda: info.update(finish="cancelled"))
+        return await _complete(request, rid, now, pieces, cfg, len(prompt), info)
+
+    async def _complete(request: Request, rid: str, now: int, pieces, cfg: DecodeConfig, prompt_tokens: int,
+                        info: dict) -> Response:
+        async def collect() -> tuple[str, Piece | None]:
+            text, last = [], None
+            async with contextlib.aclosing(pieces) as stream:
+                async for piece in stream:
+                    text.append(piece.text)
+                    last = piece
+            return "".join(text), last
+
+        task = asyncio.create_task(collect())
+        watcher = asyncio.create_task(_wait_for_disconnect(request.receive))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            await asyncio.gather(task, return_exceptions=True)
+            info["finish"] = "cancelled"
+            return Response(status_code=499)  # nobody is listening any more
+        try:
+            text, last = task.result()
+        except ContextOverflow as err:
+            raise APIError(400, str(err), "messages", "context_length_exceeded") from err
+        finish = last.finish_reason if last else "length"
+        info.update(finish=finish, completion_tokens=last.tokens if last else 0,
+                    ttfb_ms=last.ttfb_ms if last else None, forwards=last.forwards if last else 0)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": now, "model": model_id, "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(last, prompt_tokens), "x_engine": _stats(last, cfg)})
+
+    async def _chunks(rid: str, now: int, pieces, cfg: DecodeConfig, opts: dict, prompt_tokens: int, info: dict):
+        usage_field = {"usage": None} if opts["include_usage"] else {}
+
+        def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_id,
+                         "system_fingerprint": None,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                         **usage_field, **extra})
+
+        last: Piece | None = None
+        try:
+            async with contextlib.aclosing(pieces) as stream:
+                async for piece in stream:
+                    if last is None:
+                        yield chunk({"role": "assistant", "content": piece.text})
+                    elif piece.text:
+                        yield chunk({"content": piece.text})
+                    last = piece
+        except ContextOverflow as err:
+            info["finish"] = "error"
+            yield _sse(APIError(400, str(err), "messages", "context_length_exceeded").body())
+            return
+        except Exception as err:  # the headers are out: report in-band, as OpenAI does
+            log.exception("generation failed")
+            info["finish"] = "error"
+            yield _sse(APIError(500, f"generation failed: {err}", None, "server_error", "server_error").body())
+            return
+        finish = last.finish_reason if last else "length"
+        info.update(finish=finish, completion_tokens=last.tokens if last else 0,
+                    ttfb_ms=last.ttfb_ms if last else None, forwards=last.forwards if last else 0)
+        yield chunk({}, finish, x_engine=_stats(last, cfg))
+        if opts["include_usage"]:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_id,
+                        "system_fingerprint": None, "choices": [], "usage": _usage(last, prompt_tokens)})
+        yield b"data: [DONE]\n\n"
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        request.scope.setdefault(LOG_KEY, {})["error"] = exc.code or exc.type
+        return exc.response()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, code).response()
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("request failed")
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error",
+                        "server_error").response()
+
+    app = Starlette(
+        routes=[Route("/v1/models", models), Route("/v1/models/{name:path}", model_info),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/healthz", healthz)],
+        middleware=[Middleware(RequestLog)],
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.engine, app.state.defaults = engine, defaults
+    return app
+
+
+class RequestLog:
+    """One log line per request: method, path, status, time, and what the handler noted."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [500]
+        info = scope.setdefault(LOG_KEY, {})
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            extra = " ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}" for k, v in info.items())
+            log.info("%s %s %s %d %.0fms %s", client[0], scope["method"], scope["path"], status[0],
+                     (time.perf_counter() - start) * 1000, extra)
+
+
+def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig) -> None:
+    """Load `model` and serve it until interrupted."""
+    import uvicorn
+
+    from engine.loading import ModelLoadError
+    try:
+        engine = Engine.load(model, adapter=adapter, defaults=defaults)
+    except ModelLoadError as err:
+        raise SystemExit(f"engine serve: {err}") from err
+    log.info("serving %s on http://%s:%d/v1 (mode %s, max_tokens %d)", engine.name, host, port, defaults.mode,
+             defaults.max_new_tokens)
+    uvicorn.run(build_app(engine, defaults), host=host, port=port, access_log=False, log_level="info")

@@ -1,0 +1,252 @@
+"""`engine serve` end to end: the real default model behind uvicorn, driven by the official client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from engine.data import chat
+from engine.decode import DecodeConfig
+from engine.server import build_app
+from engine.stream import Engine
+
+MAX_TOKENS = 16
+PROMPT = chat("Can you tell me a fun fact about space?")
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = Engine.load("default")
+    app = build_app(engine, DecodeConfig(max_new_tokens=MAX_TOKENS))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield engine, port
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    _, port = served
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def greedy(client):
+    """One non-streaming greedy diffusion reply, shared by the tests that compare against it."""
+    return client.chat.completions.create(model="default", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+
+
+def raw_request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_models_and_health(client, served):
+    _, port = served
+    assert [m.id for m in client.models.list()] == ["default"]
+    assert client.models.retrieve("default").id == "default"
+    assert raw_request(port, "GET", "/healthz") == (200, {"status": "ok", "model": "default"})
+
+
+def test_non_streaming(greedy, served):
+    engine, _ = served
+    assert greedy.object == "chat.completion"
+    assert greedy.model == "default"
+    choice = greedy.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content.strip()
+    assert choice.finish_reason in ("stop", "length")
+    usage = greedy.usage
+    assert usage.prompt_tokens == len(engine.prompt_ids(PROMPT))
+    assert 0 < usage.completion_tokens <= MAX_TOKENS
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == MAX_TOKENS
+    stats = greedy.model_extra["x_engine"]
+    assert stats["mode"] == "diffusion" and stats["forwards"] >= 1
+
+
+def test_streaming_matches_non_streaming(client, greedy):
+    stream = client.chat.completions.create(model="default", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) >= 2, "a reply of several blocks should arrive in several chunks"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [greedy.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == greedy.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streaming_without_usage(client):
+    chunks = list(client.chat.completions.create(model="default", messages=chat("Hi!"), max_tokens=4, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.usage is None for c in chunks)
+
+
+def test_ar_mode(client):
+    reply = client.chat.completions.create(model="default", messages=PROMPT, max_completion_tokens=8, temperature=0,
+                                           extra_body={"mode": "ar"})
+    assert reply.choices[0].message.content.strip()
+    stats = reply.model_extra["x_engine"]
+    assert stats["mode"] == "ar"
+    assert stats["forwards"] == reply.usage.completion_tokens <= 8  # one forward per token
+
+
+def test_diffusion_extras_and_seed(client):
+    kwargs = dict(model="default", messages=PROMPT, max_tokens=8, temperature=0.8, seed=7,
+                  extra_body={"mode": "diffusion", "block_size": 2, "first_block_size": 1, "threshold": 0.5})
+    a = client.chat.completions.create(**kwargs)
+    b = client.chat.completions.create(**kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content  # same seed, same sample
+    assert a.model_extra["x_engine"]["mode"] == "diffusion"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (dict(messages=PROMPT, max_tokens=0), "max_tokens"),
+    (dict(messages=PROMPT, max_tokens="many"), "max_tokens"),
+    (dict(messages=PROMPT, temperature="hot"), "temperature"),
+    (dict(messages=PROMPT, temperature=5), "temperature"),
+    (dict(messages=PROMPT, n=2), "n"),
+    (dict(messages=PROMPT, extra_body={"mode": "turbo"}), "mode"),
+    (dict(messages=PROMPT, extra_body={"threshold": 2}), "threshold"),
+    (dict(messages=PROMPT, extra_body={"block_size": -1}), "block_size"),
+    (dict(messages=PROMPT, stream=True, extra_body={"block_size": True}), "block_size"),
+])
+def test_bad_requests(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", **kwargs)
+    assert err.value.status_code == 400
+    assert err.value.type == "invalid_request_error"
+    assert err.value.param == param
+
+
+def test_missing_messages(served):
+    _, port = served
+    status, body = raw_request(port, "POST", "/v1/chat/completions", json.dumps({"model": "default"}).encode())
+    assert status == 400
+    assert body["error"]["code"] == "missing_required_parameter" and body["error"]["param"] == "messages"
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-17", messages=PROMPT)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_too_long(client, stream):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", messages=chat("hello " * 2500), stream=stream)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:  # fits alone, not with the completion budget
+        client.chat.completions.create(model="default", messages=PROMPT, max_tokens=2040)
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_malformed_json_and_routes(served):
+    _, port = served
+    for body in (b'{"model": "default", "messages": [', b"\xff\xfe", b"[1, 2]", b""):
+        status, reply = raw_request(port, "POST", "/v1/chat/completions", body)
+        assert status == 400, body
+        assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["code"] == "invalid_json"
+    status, reply = raw_request(port, "GET", "/v1/nothing")
+    assert status == 404 and "error" in reply
+    status, reply = raw_request(port, "GET", "/v1/chat/completions")
+    assert status == 405 and "error" in reply
+
+
+def count_forwards(engine: Engine):
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+    return calls, engine.model.register_forward_hook(hook)
+
+
+def wait_until_idle(calls: list[int], quiet_s: float = 1.5, limit_s: float = 30.0) -> bool:
+    """True once no forward has run for `quiet_s` (the generation has stopped)."""
+    deadline = time.monotonic() + limit_s
+    last, since = calls[0], time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if calls[0] != last:
+            last, since = calls[0], time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_generation(served, stream, caplog):
+    """A client that hangs up mid-reply stops the generation; meanwhile the server stays responsive."""
+    engine, port = served
+    caplog.set_level(logging.INFO, logger="engine.server")
+    calls, handle = count_forwards(engine)
+    try:
+        body = json.dumps({"model": "default", "messages": PROMPT, "max_tokens": 1500, "stream": stream,
+                           "mode": "ar", "temperature": 0.7, "seed": 1}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        if stream:
+            resp = conn.getresponse()
+            assert resp.status == 200
+            assert resp.readline().startswith(b"data: ")  # the first piece arrived
+        else:
+            deadline = time.monotonic() + 60
+            while calls[0] < 3:  # generation is under way
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        started = time.perf_counter()
+        assert raw_request(port, "GET", "/healthz")[0] == 200
+        assert time.perf_counter() - started < 5, "the event loop should not wait for forwards"
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        assert wait_until_idle(calls), "generation kept running after the client left"
+        assert calls[0] < 1000
+        deadline = time.monotonic() + 10
+        while not any("finish=cancelled" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+    finally:
+        handle.remove()
+
+
+def test_still_serves_after_errors(client):
+    reply = client.chat.completions.create(model="default", messages=chat("Hello!"), max_tokens=4)
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 4

@@ -76,6 +76,9 @@ class CacheState:
 
     caches: list[KVCache]
     ids: list[int] = field(default_factory=list)
+    # (start, end) of cached stretches whose rows attend forward within the stretch (block_causal
+    # blocks): cutting one would keep rows that saw dropped tokens, so reuse stops at its start
+    blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
@@ -93,12 +96,16 @@ class CacheState:
             if a != b:
                 break
             keep += 1
+        for start, end in self.blocks:
+            if start < keep < end:
+                return start
         return keep
 
     def reuse_for(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt`, drop the rest of the cache; return what is new."""
         keep = self.cached_prefix(prompt)
         del self.ids[keep:]
+        self.blocks = [b for b in self.blocks if b[1] <= keep]
         return prompt[keep:]
 
 
@@ -151,6 +158,8 @@ def run(model: Transformer, state: CacheState, clean: list[int], clean_is_block:
     elif context == "block_causal" and clean_is_block:
         visible = torch.full((n_clean + n_draft,), end)
         visible[:n_clean] = start + n_clean
+        if n_clean > 1:
+            state.blocks.append((start, start + n_clean))
     else:
         visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
     rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
@@ -215,8 +224,8 @@ def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[i
             steps += 1
             if pending:
                 last_logits, pending = clean_last, []
-            if spec.shift:
-                logits = torch.cat([last_logits[None], logits[:-1]])
+            # a fresh tensor either way: `run`'s output is an inference tensor, not writable out here
+            logits = torch.cat([last_logits[None], logits[:-1]]) if spec.shift else logits.clone()
             logits[:, spec.mask_id] = float("-inf")
             tokens, confidence = pick(logits, cfg.temperature, generator)
             idx = masked.nonzero().squeeze(-1)

@@ -86,7 +86,11 @@ def _family(cfg: dict) -> str:
     kind = (cfg.get("model_type") or "").lower()
     archs = " ".join(cfg.get("architectures") or []).lower()
     for family in SUPPORTED_FAMILIES:
-        if family in kind or family in archs:
+        if family in ("llama", "qwen2", "qwen3"):  # not their variants: qwen2_moe, qwen2_vl, mllama, ...
+            found = kind == family or not kind and f"{family}forcausallm" in archs.split()
+        else:
+            found = (family in kind or family in archs) and "moe" not in kind + archs
+        if found:
             return family
     raise ModelLoadError(f"model family {cfg.get('model_type')!r} ({archs or 'no architectures'}) is not supported; "
                          f"supported: {', '.join(SUPPORTED_FAMILIES)}")
@@ -128,7 +132,8 @@ def spec_from_hf_config(cfg: dict, tokenizer: Tokenizer) -> DiffusionSpec:
         raise ModelLoadError(f"{family} checkpoint lacks " + " and ".join(
             n for n, v in (("a mask token (config mask_token_id or a <|MASK|>-style token)", mask_id),
                            ("a block size (config block_size / bd_size)", block)) if v is None))
-    shift = bool(cfg.get("token_shift", family == "fast_dllm"))
+    # an AR checkpoint's row i predicts token i+1 (as load_gguf assumes); SDAR-style models predict in place
+    shift = bool(cfg.get("token_shift", family == "fast_dllm" or not diffusion))
     return DiffusionSpec(mask_id=mask_id if mask_id is not None else -1, block_size=int(block or 4),
                          shift=shift, context="block_causal" if diffusion else "causal",
                          sub_block_size=int(cfg.get("small_block_size") or 0), trained=diffusion)
@@ -201,6 +206,16 @@ def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
     arch = fields.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    try:
+        return _load_gguf(path, reader, fields, arch, max_seq_len, dtype, device)
+    except (KeyError, TypeError, ValueError) as err:  # missing metadata, truncated tensor data
+        if isinstance(err, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path} is not a usable {arch} GGUF file: {type(err).__name__}: {err}") from err
+
+
+def _load_gguf(path: Path, reader, fields: dict, arch: str, max_seq_len: int, dtype, device) -> LoadedModel:
+    import gguf
     p = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
     n_heads = int(p("attention.head_count"))
     n_kv = int(p("attention.head_count_kv", n_heads))

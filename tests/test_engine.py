@@ -1,0 +1,466 @@
+"""Correctness of the engine: parity with transformers, exact caching, decoding rules, cancellation, bad input.
+
+Tiny random checkpoints (tests/tinyckpt.py) cover the model families and the decoder's bookkeeping;
+the packaged SmolLM2 GGUF (loaded once for the module) covers the tokenizer, the chat template and
+greedy decoding against transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from engine.decode import (CacheState, ContextOverflow, DecodeConfig, DiffusionSpec, generate, generate_ar,
+                           generate_ar_batch, generate_diffusion, run)
+from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
+from engine.model import visibility_mask
+from engine.stream import Conversation, Engine
+
+import tinyckpt
+from tinyckpt import MASK_ID, VOCAB
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """These models are tiny or small: on a shared 2-core box, one intra-op thread is ~5x faster
+    than two fighting other processes (OpenMP spin-waits), and no slower alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Our forward without a KV cache under the plain causal mask: [T, V]."""
+    model.use_caches([None] * len(model.layers))
+    t = tokens.shape[-1]
+    with torch.no_grad():
+        return model(tokens.view(1, -1), torch.arange(t), visibility_mask(torch.arange(t) + 1, t))[0]
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """Random ids below the special tokens (so never the mask or EOS token)."""
+    return torch.randint(0, MASK_ID - 4, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tinyckpt.write_hf_folder(folder, "llama", tie=True, seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load(str(tiny_dir), max_seq_len=128)
+
+
+# --- 1. parity with transformers on tiny random checkpoints ----------------------------------
+
+@pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", False), ("qwen2", True),
+                                        ("qwen3", True), ("qwen3", False)])
+def test_hf_folder_matches_transformers(tmp_path, family, tie):
+    hf = tinyckpt.write_hf_folder(tmp_path, family, tie)
+    loaded = load(str(tmp_path))
+    args = loaded.model.args
+    assert (args.tie_embeddings, args.qkv_bias, args.qk_norm) == (tie, family == "qwen2", family == "qwen3")
+    assert args.rope_theta == tinyckpt.ROPE_THETA
+    tokens = torch.tensor(random_ids(40, seed=1) + [MASK_ID, tinyckpt.EOS_ID])
+    with torch.no_grad():
+        ref = hf(tokens[None]).logits[0]
+    ours = causal_logits(loaded.model, tokens)
+    assert ref.abs().max() > 1.0  # not a trivially small comparison
+    assert (ours - ref).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_llama_gguf_matches_transformers(tmp_path, tie):
+    hf = tinyckpt.hf_model("llama", tie, seed=5)
+    path = tmp_path / "tiny.gguf"
+    tinyckpt.write_llama_gguf(path, hf)
+    loaded = load(str(path))
+    assert loaded.model.args.tie_embeddings == tie
+    assert loaded.model.args.rope_theta == tinyckpt.ROPE_THETA
+    tokens = torch.tensor(random_ids(40, seed=2))
+    with torch.no_grad():
+        ref = hf(tokens[None]).logits[0]
+    assert (causal_logits(loaded.model, tokens) - ref).abs().max() <= ATOL
+    # the tokenizer rebuilt from GGUF metadata agrees with the tokenizer.json it was written from
+    tinyckpt.write_tokenizer(tmp_path / "tok")
+    from engine.tokenizer import tokenizer_from_folder
+    folder_tok = tokenizer_from_folder(tmp_path / "tok")
+    messages = [{"role": "user", "content": "the weather in Paris, 2024: wet!"},
+                {"role": "assistant", "content": "or not"}, {"role": "user", "content": "tell me ñ"}]
+    assert loaded.tokenizer.encode_chat(messages) == folder_tok.encode_chat(messages)
+    assert loaded.tokenizer.eos_ids == folder_tok.eos_ids == {tinyckpt.EOS_ID}
+
+
+def test_ar_checkpoint_spec_is_the_same_from_gguf_and_hf_folder(tmp_path):
+    """An AR checkpoint predicts the next token at every row, whatever file format it came in."""
+    hf = tinyckpt.write_hf_folder(tmp_path / "hf", "llama", tie=True)
+    tinyckpt.write_llama_gguf(tmp_path / "m.gguf", hf)
+    a, b = load(str(tmp_path / "hf")).spec, load(str(tmp_path / "m.gguf")).spec
+    assert (a.shift, a.context, a.trained) == (b.shift, b.context, b.trained) == (True, "causal", False)
+    # diffusion checkpoints keep what their config says: SDAR predicts in place, Fast-dLLM v2 shifts
+    from engine.loading import spec_from_hf_config
+    from engine.tokenizer import tokenizer_from_folder
+    tok = tokenizer_from_folder(tmp_path / "hf")
+    sdar = spec_from_hf_config({"model_type": "sdar", "block_size": 4}, tok)
+    assert (sdar.mask_id, sdar.shift, sdar.context, sdar.trained) == (MASK_ID, False, "block_causal", True)
+    fast = spec_from_hf_config({"model_type": "Fast_dLLM_Qwen", "bd_size": 32, "small_block_size": 8}, tok)
+    assert (fast.shift, fast.context, fast.block_size, fast.sub_block_size) == (True, "block_causal", 32, 8)
+
+
+# --- 2. the real SmolLM2 GGUF against transformers ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol():
+    """The packaged base GGUF itself (not `default`, which may merge our adapter)."""
+    return load(str(packaged_smollm2_gguf()), max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def smol_hf():
+    transformers = pytest.importorskip("transformers")
+    path = packaged_smollm2_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+CHATS = [
+    [{"role": "user", "content": "What is 12345 + 678? Answer with digits only."}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Héllo, wörld! Ça va? 東京 🚀 — “quotes”, <tags> & 3.14e-5%"}],
+    [{"role": "user", "content": "Name a fruit."},
+     {"role": "assistant", "content": "A banana."},
+     {"role": "user", "content": "  And a colour?\n\tJust one, please!!"}],
+]
+
+
+def hf_chat_ids(tok, messages) -> list[int]:
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("i", range(len(CHATS)))
+def test_smollm2_chat_ids_match_transformers(smol, smol_hf, i):
+    tok, _ = smol_hf
+    assert smol.tokenizer.encode_chat(CHATS[i]) == hf_chat_ids(tok, CHATS[i])
+
+
+def test_smollm2_plain_text_ids_match_transformers(smol, smol_hf):
+    tok, _ = smol_hf
+    for text in ["Version 2.0.11 costs $1,299.99!", "naïve café: 你好, мир 👋🏽", "  two  spaces\n\nand tabs\t."]:
+        assert smol.tokenizer.encode(text) == tok.encode(text, add_special_tokens=False), text
+        assert smol.tokenizer.decode(smol.tokenizer.encode(text)) == text
+
+
+def test_smollm2_greedy_ar_matches_transformers(smol, smol_hf):
+    tok, hf = smol_hf
+    engine = Engine(smol, max_seq_len=512)
+    for messages in CHATS:
+        prompt = hf_chat_ids(tok, messages)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=24, do_sample=False)
+        ref = out[0, len(prompt):].tolist()
+        pieces = list(engine.generate_sync(messages, DecodeConfig(mode="ar", max_new_tokens=24)))
+        ours = [t for p in pieces for t in p.token_ids]
+        assert ours == ref, (tok.decode(ours), tok.decode(ref))
+        assert pieces[-1].done and pieces[-1].finish_reason == ("stop" if ours[-1] in smol.tokenizer.eos_ids
+                                                                 else "length")
+
+
+# --- 3. the cache is exact: cached forwards == full recompute with the equivalent mask ------------
+
+class Reference:
+    """The committed sequence with each row's visibility, recomputed from scratch without a cache."""
+
+    def __init__(self, model, context: str):
+        self.model, self.context = model, context
+        self.tokens: list[int] = []
+        self.visible: list[int] = []  # row i attends tokens < visible[i]
+
+    def forward(self, clean: list[int], clean_is_block: bool, draft: list[int]):
+        start, n = len(self.tokens), len(clean)
+        end = start + n + len(draft)
+        if self.context == "block_causal" and clean_is_block:
+            clean_visible = [start + n] * n
+        else:
+            clean_visible = list(range(start + 1, start + n + 1))
+        tokens = self.tokens + clean + draft
+        visible = self.visible + clean_visible + [end] * len(draft)
+        self.model.use_caches([None] * len(self.model.layers))
+        with torch.no_grad():
+            logits = self.model(torch.tensor([tokens]), torch.arange(end),
+                                visibility_mask(torch.tensor(visible), end))[0].float()
+        self.tokens, self.visible = self.tokens + clean, self.visible + clean_visible
+        return (logits[start + n - 1] if n else None), (logits[start + n:] if draft else None)
+
+    def truncate(self, keep: int) -> None:
+        assert max(self.visible[:keep], default=0) <= keep, \
+            "a kept cache row attended to tokens that the cache no longer holds"
+        del self.tokens[keep:], self.visible[keep:]
+
+
+@pytest.mark.parametrize("context", ["causal", "block_causal"])
+def test_cached_run_equals_full_recompute(tiny, context):
+    model, m = tiny.model, MASK_ID
+    state, ref = CacheState.new(model, 64), Reference(model, context)
+    prompt, b1, b2 = random_ids(7, 10), random_ids(4, 11), random_ids(3, 12)
+
+    def step(clean, clean_is_block, draft):
+        got = run(model, state, clean, clean_is_block, draft, context)
+        want = ref.forward(clean, clean_is_block, draft)
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                assert (g - w).abs().max() <= ATOL
+        assert state.ids == ref.tokens
+
+    step(prompt, False, [m] * 4)  # prefill fused with the first denoising step
+    step([], False, [b1[0], m, b1[2], m])  # a later step of the same block
+    step(b1, True, [m] * 4)  # commit block 1 while denoising block 2 (scratch rows overwritten)
+    step(b2, True, [])  # a short last block, no draft
+    # next turn diverges inside block 1 (barge-in: only part of the reply was heard)
+    new_prompt = prompt + b1[:2] + random_ids(5, 13)
+    tail = state.reuse_for(new_prompt)
+    ref.truncate(len(state.ids))
+    assert state.ids + tail == new_prompt
+    step(tail, False, [m] * 4)
+    step([], False, [m, b2[0], m, m])
+    step(random_ids(4, 14), True, [m] * 2)
+
+
+# --- 4. topk=1 decoding is sequential unmasking by confidence ---------------------------------------
+
+def sequential_unmasking(model, prompt: list[int], spec: DiffusionSpec, max_new: int, stop_ids: set[int]):
+    """Recompute everything each step, commit the single surest masked position; block by block."""
+    ref = Reference(model, spec.context)
+    ref.forward(prompt, False, [])
+    out: list[int] = []
+    while len(out) < max_new:
+        size = min(spec.block_size, max_new - len(out))
+        block, masked, stop_at = [spec.mask_id] * size, [True] * size, size
+        while any(masked[:stop_at]):
+            start = len(ref.tokens)
+            tokens = ref.tokens + block
+            visible = ref.visible + [start + size] * size  # the block sees the prefix and all of itself
+            model.use_caches([None] * len(model.layers))
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens]), torch.arange(len(tokens)),
+                               visibility_mask(torch.tensor(visible), len(tokens)))[0].float()
+            rows = logits[start - 1:start - 1 + size] if spec.shift else logits[start:]
+            rows[:, spec.mask_id] = float("-inf")
+            confidence, best = rows.softmax(-1).max(-1)
+            j = max((i for i in range(stop_at) if masked[i]), key=lambda i: float(confidence[i]))
+            block[j], masked[j] = int(best[j]), False
+            if block[j] in stop_ids:
+                stop_at = min(stop_at, j + 1)
+        out += block[:stop_at]
+        if stop_at < size or block[stop_at - 1] in stop_ids:
+            break
+        ref.forward(block, True, [])
+    return out
+
+
+@pytest.mark.parametrize("context", ["causal", "block_causal"])
+@pytest.mark.parametrize("shift", [True, False])
+def test_topk1_is_sequential_unmasking(tiny, shift, context):
+    spec = DiffusionSpec(mask_id=MASK_ID, block_size=4, shift=shift, context=context)
+    prompt = random_ids(9, 20)
+    free = sequential_unmasking(tiny.model, prompt, spec, 10, set())
+    assert len(free) == 10
+    stop = {free[5]}  # a token the model does produce, to exercise the stop handling as well
+    for stop_ids in (set(), stop):
+        want = sequential_unmasking(tiny.model, prompt, spec, 10, stop_ids)
+        for cfg in (DecodeConfig(rule="topk", topk=1, max_new_tokens=10),
+                    DecodeConfig(rule="threshold", threshold=1.01, max_new_tokens=10, release_prefix=False)):
+            state = CacheState.new(tiny.model, 64)
+            blocks = list(generate_diffusion(tiny.model, state, prompt, cfg, spec, stop_ids))
+            assert [t for b in blocks for t in b.token_ids] == want
+            assert blocks[-1].done and not any(b.done for b in blocks[:-1])
+
+
+def test_ar_batch_equals_one_at_a_time(tiny):
+    prompts = [random_ids(n, 30 + n) for n in (3, 9, 6)]
+    batch = generate_ar_batch(tiny.model, prompts, 8, {tinyckpt.EOS_ID})
+    for prompt, reply in zip(prompts, batch):
+        state = CacheState.new(tiny.model, 64)
+        single = [b.token_ids[0] for b in generate_ar(tiny.model, state, prompt, DecodeConfig(mode="ar", max_new_tokens=8),
+                                                       {tinyckpt.EOS_ID})]
+        assert reply == single
+
+
+# --- 5. cancellation and multi-turn prefix reuse on the real model -------------------------------
+
+FIRST = [{"role": "user", "content": "Tell me something about the moon."}]
+
+
+def reply_ids(pieces) -> list[int]:
+    return [t for p in pieces for t in p.token_ids]
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smol):
+    return Engine(smol, max_seq_len=512, defaults=DecodeConfig(max_new_tokens=12))
+
+
+@pytest.fixture(scope="module")
+def barge_in(smol_engine):
+    """First turn cut after its first piece; the second turn's messages and a fresh conversation's reply."""
+    conv = Conversation()
+    pieces = smol_engine.generate_sync(FIRST, conversation=conv)
+    first = next(pieces)
+    pieces.close()
+    assert not first.done and first.text.strip()
+    second = FIRST + [{"role": "assistant", "content": first.text},
+                      {"role": "user", "content": "Interesting. And the sun?"}]
+    fresh = list(smol_engine.generate_sync(second, conversation=Conversation()))
+    return conv, second, fresh
+
+
+def test_closing_a_reply_then_next_turn_equals_fresh(smol_engine, barge_in):
+    conv, second, fresh = barge_in
+    pieces = list(smol_engine.generate_sync(second, conversation=conv))
+    assert reply_ids(pieces) == reply_ids(fresh)
+    assert "".join(p.text for p in pieces) == "".join(p.text for p in fresh)
+    assert pieces[0].prompt_tokens == fresh[0].prompt_tokens == fresh[0].prefilled_tokens
+    assert 0 < pieces[0].prefilled_tokens < pieces[0].prompt_tokens
+
+
+def test_cancelled_async_stream_then_next_turn_equals_fresh(smol_engine, barge_in):
+    _, second, fresh = barge_in
+
+    async def scenario():
+        conv = Conversation()
+        stream = smol_engine.stream(FIRST, conversation=conv)
+        first = await stream.__anext__()
+        await stream.aclose()  # what the service does on barge-in
+        assert first.text == second[1]["content"]
+        return [p async for p in smol_engine.stream(second, conversation=conv)]
+
+    pieces = asyncio.run(scenario())
+    assert reply_ids(pieces) == reply_ids(fresh)
+    assert pieces[0].prefilled_tokens < pieces[0].prompt_tokens
+
+
+def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge_in):
+    """Cancel the consuming task while a forward is running on the worker thread."""
+    _, second, fresh = barge_in
+
+    async def scenario():
+        conv = Conversation()
+        got_first = asyncio.Event()
+
+        async def consume():
+            async for _ in smol_engine.stream(FIRST, conversation=conv):
+                got_first.set()
+
+        task = asyncio.create_task(consume())
+        await got_first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return [p async for p in smol_engine.stream(second, conversation=conv)]
+
+    pieces = asyncio.run(scenario())
+    assert reply_ids(pieces) == reply_ids(fresh)
+
+
+def test_full_multi_turn_reuses_prefix_and_equals_fresh(smol_engine):
+    conv = Conversation()
+    cfg = DecodeConfig(mode="ar", max_new_tokens=8)
+    first = list(smol_engine.generate_sync(FIRST, cfg, conversation=conv))
+    assert first[0].prefilled_tokens == first[0].prompt_tokens
+    second = FIRST + [{"role": "assistant", "content": "".join(p.text for p in first)},
+                      {"role": "user", "content": "Thanks!"}]
+    again = list(smol_engine.generate_sync(second, cfg, conversation=conv))
+    fresh = list(smol_engine.generate_sync(second, cfg, conversation=Conversation()))
+    assert reply_ids(again) == reply_ids(fresh)
+    assert again[0].prefilled_tokens < again[0].prompt_tokens - first[0].prompt_tokens
+
+
+# --- 6. bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["/nonexistent/model-dir", "./no-such-model", "no-such-model", "missing.gguf"])
+def test_unknown_model_is_a_clear_error(name):
+    with pytest.raises(ModelLoadError, match="no such|neither"):
+        load(name)
+
+
+def test_corrupt_gguf_is_a_load_error(tmp_path):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match="garbage.gguf"):
+        load(str(garbage))
+    good = tmp_path / "good.gguf"
+    tinyckpt.write_llama_gguf(good, tinyckpt.hf_model("llama", True))
+    data = good.read_bytes()
+    for cut in (len(data) // 2, len(data) - 100, 64):
+        truncated = tmp_path / f"cut{cut}.gguf"
+        truncated.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError):
+            load(str(truncated))
+
+
+def test_gguf_without_tokenizer_is_a_load_error(tmp_path):
+    import gguf
+    path = tmp_path / "notok.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(64)
+    w.add_tensor("token_embd.weight", torch.zeros(8, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError):
+        load(str(path))
+
+
+@pytest.mark.parametrize("model_type,arch", [("gpt_neox", "GPTNeoXForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                             ("mllama", "MllamaForConditionalGeneration")])
+def test_unsupported_hf_family_is_named(tmp_path, tiny_dir, model_type, arch):
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    import json
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(model_type=model_type, architectures=[arch])
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=model_type):
+        load(str(tmp_path / "m"))
+
+
+def test_hf_folder_missing_files(tmp_path, tiny_dir):
+    for missing in ("config.json", "tokenizer.json", "model.safetensors"):
+        folder = tmp_path / missing
+        shutil.copytree(tiny_dir, folder)
+        (folder / missing).unlink()
+        with pytest.raises(ModelLoadError, match=missing.replace("model.", r"\*\.")):
+            load(str(folder))
+
+
+def test_prompt_longer_than_context(tiny):
+    engine = Engine(tiny, max_seq_len=32, defaults=DecodeConfig(max_new_tokens=4))
+    short = [{"role": "user", "content": "hi"}]
+    long_chat = [{"role": "user", "content": "the weather " * 20}]
+    assert len(engine.prompt_ids(short)) + 4 <= 32 < len(engine.prompt_ids(long_chat))
+    conv = Conversation()
+    for mode in ("diffusion", "ar"):
+        with pytest.raises(ContextOverflow):
+            list(engine.generate_sync(long_chat, conversation=conv, mode=mode))
+    # the conversation is still usable afterwards, and nothing of the failed turn leaks into it
+    assert reply_ids(engine.generate_sync(short, conversation=conv)) == reply_ids(engine.generate_sync(short))
+    state = CacheState.new(tiny.model, 16)
+    with pytest.raises(ContextOverflow):
+        run(tiny.model, state, random_ids(20, 1), False, [])
+    # a prompt that fits but leaves no room for the reply
+    with pytest.raises(ContextOverflow):
+        list(generate(tiny.model, CacheState.new(tiny.model, 16), random_ids(10, 2),
+                      DecodeConfig(max_new_tokens=8), tiny.spec, set()))

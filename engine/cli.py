@@ -44,6 +44,8 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                    help="'default' (packaged SmolLM2 + our diffusion adapter), a .gguf file, a Hugging Face "
                         "model folder, or a hub id such as JetLM/SDAR-1.7B-Chat (needs network)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter from `engine adapt` to merge into --model")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
 
 
 def cmd_generate(a) -> int:
@@ -84,9 +86,6 @@ def cmd_eval(a) -> int:
 def cmd_adapt(a) -> int:
     from engine import adapt, data
     from engine.loading import load
-    import torch
-    if a.threads:
-        torch.set_num_threads(a.threads)
     out = Path(a.out)
     adapt.write_log_header(out, sys.argv)
     teacher = load(a.base)
@@ -158,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_adapt)
 
     a = parser.parse_args(argv)
+    if getattr(a, "threads", 0):
+        import torch
+        torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return a.func(a)
 

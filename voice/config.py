@@ -36,6 +36,7 @@ class LmConfig:
     first_block_size: int = 0  # 0: same as block_size
     threshold: float = 0.9
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
+    threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):
@@ -64,6 +65,28 @@ class SessionConfig:
 
 
 @dataclass
+class SipConfig:
+    """The SIP/RTP telephony endpoint (docs/TELEPHONY.md); off unless `port` is set."""
+
+    port: int = 0  # UDP port for SIP; 0 = off
+    host: str = "127.0.0.1"  # interface for SIP and RTP
+    advertise: str = ""  # address put in Contact and SDP; "" = host
+    codecs: list[str] = field(default_factory=lambda: ["PCMU", "PCMA"])  # accepted; the caller's order picks
+    rtp_port_min: int = 20000  # RTP on even ports of this range, RTCP on the odd port above
+    rtp_port_max: int = 20199
+    ring_ms: int = 0  # 180 Ringing this long before answering
+    media_timeout_s: float = 60.0  # no RTP from the caller for this long: hang up; 0 = never
+    max_calls: int = 16  # more concurrent calls get 486 Busy Here
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.codecs if c not in ("PCMU", "PCMA")]
+        if bad or not self.codecs:
+            raise ValueError(f"sip.codecs must be a non-empty list of 'PCMU' and 'PCMA', not {self.codecs!r}")
+        if not 0 < self.rtp_port_min < self.rtp_port_max <= 65535:
+            raise ValueError("sip.rtp_port_min must be below sip.rtp_port_max (both 1-65535)")
+
+
+@dataclass
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     vad: VadConfig = field(default_factory=VadConfig)
@@ -72,6 +95,7 @@ class Config:
     tts: TtsConfig = field(default_factory=TtsConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
+    sip: SipConfig = field(default_factory=SipConfig)
 
 
 def _build(cls, values: dict, where: str):

@@ -25,8 +25,12 @@ class LocalLM:
     """The in-process diffusion engine, shared by all sessions."""
 
     def __init__(self, config: LmConfig):
+        import torch
+
         from engine.decode import DecodeConfig
         from engine.stream import Engine
+        if config.threads:
+            torch.set_num_threads(config.threads)
         self.config = config
         self.decode = DecodeConfig(mode=config.mode, max_new_tokens=config.max_new_tokens,
                                    block_size=config.block_size, first_block_size=config.first_block_size,

@@ -31,10 +31,13 @@ class AsrConfig:
     language: str = "en"  # "" = let Whisper detect it
     partial_interval_ms: int = 500  # new audio needed before the next partial decode
     cpu_threads: int = 0  # 0 = CTranslate2's default
+    early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
             raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
+        if self.early_final_ms < 0:
+            raise ValueError(f"asr early_final_ms must not be negative, got {self.early_final_ms}")
         if self.partial_interval_ms <= 0:
             interval = self.partial_interval_ms
             raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
@@ -89,6 +92,14 @@ class StreamingTranscriber:
             return None
         self._committed += hypothesis[len(self._committed) : agreed]
         return " ".join(self._committed)
+
+    async def snapshot(self) -> str:
+        """Transcript of the utterance so far, leaving it open.
+
+        The session calls this while the VAD waits out its hangover: if the user stays silent,
+        this becomes the final transcript and ASR time leaves the critical path.
+        """
+        return await self._transcribe(self._audio())
 
     async def finish(self) -> str:
         """Final transcript of the whole utterance; audio inserted meanwhile starts the next."""

@@ -53,29 +53,37 @@ class _Reply:
     turn: int
     text: str = ""
     task: asyncio.Task | None = None
-    phrases: list[tuple[str, float]] = field(default_factory=list)  # (text, seconds) on the wire
+    # (text, start, seconds) per phrase on the wire; the client plays each one when it arrives
+    # or when the previous one ends, whichever is later
+    phrases: list[tuple[str, float, float]] = field(default_factory=list)
+    pending: int = 0  # phrases handed to the transport but not on the wire yet
     playback_start: float | None = None
     finished: bool = False
 
+    def playback_end(self) -> float | None:
+        if not self.phrases:
+            return None
+        _, start, seconds = self.phrases[-1]
+        return start + seconds
+
+    def sent(self, text: str, now: float, seconds: float) -> None:
+        end = self.playback_end()
+        self.phrases.append((text, now if end is None else max(end, now), seconds))
+
     def playing(self, now: float) -> bool:
-        if self.playback_start is None:
-            return False
-        return now < self.playback_start + sum(d for _, d in self.phrases)
+        end = self.playback_end()
+        return end is not None and now < end
 
     def heard(self, now: float) -> str:
-        """Text the user heard by `now`, assuming playback in real time from the first frame."""
-        if self.playback_start is None:
-            return ""
-        left = now - self.playback_start
+        """Text the user heard by `now`, assuming each phrase plays in real time."""
         words: list[str] = []
-        for text, seconds in self.phrases:
+        for text, start, seconds in self.phrases:
             parts = text.split()
-            if left >= seconds:
+            if now >= start + seconds:
                 words += parts
             else:
-                words += parts[: int(len(parts) * max(left, 0) / seconds)]
+                words += parts[: int(len(parts) * max(now - start, 0) / seconds)]
                 break
-            left -= seconds
         return " ".join(words)
 
 
@@ -109,12 +117,12 @@ class Session:
     # --- events ------------------------------------------------------------------------------
 
     def emit(self, ev: Event, wire: bool = True) -> None:
+        if wire and not self.closed:
+            self.outbox.put_nowait(ev)  # before the tracker sees it: a turn's latency report follows its reply_done
         self.tracker.observe(ev)
         if isinstance(ev, Error):
             self.stages.metrics.errors.labels(ev.code).inc()
             log.warning("session=%s error %s: %s", self.id, ev.code, ev.message)
-        if wire and not self.closed:
-            self.outbox.put_nowait(ev)
 
     def error(self, code: str, message: str) -> None:
         self.emit(Error(self.turn, time.monotonic(), code, message))
@@ -216,6 +224,7 @@ class Session:
                 phrases.put_nowait(rest)
             phrases.put_nowait(None)
             await speaker
+            await self._played(reply)  # until then a barge-in still interrupts it
             reply.finished = True
         except asyncio.CancelledError:
             speaker.cancel()
@@ -235,7 +244,19 @@ class Session:
         while (phrase := await phrases.get()) is not None:
             pcm = await self.stages.synthesizer.synthesize(phrase, self.out_rate)
             if len(pcm):
+                reply.pending += 1
                 self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase))
+
+    async def _played(self, reply: _Reply) -> None:
+        """Wait until the transport has sent every phrase and the client has played them."""
+        while True:
+            now = time.monotonic()
+            if reply.pending:
+                await asyncio.sleep(0.02)
+            elif reply.playing(now):
+                await asyncio.sleep(reply.playback_end() - now)
+            else:
+                return
 
     def barge_in(self, now: float) -> None:
         """User speech while a reply is pending or playing: stop it and drop queued audio."""
@@ -260,7 +281,8 @@ class Session:
         if reply.playback_start is None:
             reply.playback_start = now
             self.emit(AudioSent(turn, now), wire=False)
-        reply.phrases.append((text, seconds))
+        reply.pending -= 1
+        reply.sent(text, now, seconds)
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""

@@ -64,6 +64,11 @@ class Endpointer:
     def in_speech(self) -> bool:
         return self._in_speech
 
+    @property
+    def silence_ms(self) -> int:
+        """Unvoiced audio at the end of the current speech so far (0 when not in speech)."""
+        return self._run * self.config.frame_ms if self._in_speech else 0
+
     def reset(self) -> None:
         """Start over as if newly built, for a new stream (utterances need no reset)."""
         self._vad = webrtcvad.Vad(self.config.aggressiveness)

@@ -71,13 +71,17 @@ async def handle(ws: WebSocket, stages: Stages) -> None:
     except WebSocketDisconnect:
         return
     session = Session(stages, start["in_rate"], start["out_rate"], "native", start["system_prompt"], start["lm_mode"])
-    await ws.send_json({"type": "ready", "version": PROTOCOL_VERSION, "session_id": session.id,
-                        "sample_rate": start["out_rate"], "encoding": "pcm_s16le"})
-    sender = asyncio.create_task(_send_events(ws, session))
-    try:
+    sender = None
+    try:  # the session is counted as open from here: close it whatever happens
+        await ws.send_json({"type": "ready", "version": PROTOCOL_VERSION, "session_id": session.id,
+                            "sample_rate": start["out_rate"], "encoding": "pcm_s16le"})
+        sender = asyncio.create_task(_send_events(ws, session))
         await _receive(ws, session)
+    except WebSocketDisconnect:
+        pass
     finally:
-        sender.cancel()
+        if sender is not None:
+            sender.cancel()
         await session.close()
 
 

@@ -43,7 +43,7 @@ def assert_partials_grow(partials: list[str]) -> None:
 def test_final_transcript(model):
     transcriber = StreamingTranscriber(model, AsrConfig())
     transcriber.insert_audio_chunk(speech("005.wav"))
-    text = asyncio.run(transcriber.finish()).lower()
+    text = asyncio.run(_final(transcriber)).lower()
     assert "spades" in text and "hearts" in text
     assert text == text.strip()
 
@@ -116,7 +116,7 @@ def test_reset_during_a_decode_keeps_it_out_of_the_next_utterance():
 
 
 def test_finish_without_audio_is_empty(model):
-    assert asyncio.run(StreamingTranscriber(model, AsrConfig()).finish()) == ""
+    assert asyncio.run(_final(StreamingTranscriber(model, AsrConfig()))) == ""
 
 
 def test_concurrent_sessions_share_the_model(model):
@@ -135,3 +135,17 @@ def test_concurrent_sessions_share_the_model(model):
 def test_config_rejects_bad_values(fields):
     with pytest.raises(ValueError):
         AsrConfig(**fields)
+
+
+async def _final(transcriber: StreamingTranscriber) -> str:
+    return await transcriber.finish()
+
+
+def test_snapshot_leaves_the_utterance_open(model):
+    async def run():
+        transcriber = StreamingTranscriber(model, AsrConfig())
+        transcriber.insert_audio_chunk(speech("001.wav"))
+        early = await transcriber.snapshot()
+        return early, await transcriber.finish()
+    early, final = asyncio.run(run())
+    assert early.strip() and early == final

@@ -93,19 +93,28 @@ class StreamingTranscriber:
         self._committed += hypothesis[len(self._committed) : agreed]
         return " ".join(self._committed)
 
-    async def snapshot(self) -> str:
+    def snapshot(self) -> asyncio.Future:
         """Transcript of the utterance so far, leaving it open.
 
-        The session calls this while the VAD waits out its hangover: if the user stays silent,
-        this becomes the final transcript and ASR time leaves the critical path.
+        The session asks for this while the VAD waits out its hangover: if the user stays
+        silent, it becomes the final transcript and ASR time leaves the critical path.
         """
-        return await self._transcribe(self._audio())
+        return self._submit(self._audio())
 
-    async def finish(self) -> str:
-        """Final transcript of the whole utterance; audio inserted meanwhile starts the next."""
+    def finish(self) -> asyncio.Future:
+        """Final transcript of the utterance. The audio is taken now, so whatever arrives next
+        (even in the same network frame) belongs to the next utterance."""
         audio = self._audio()
         self.reset()
-        return await self._transcribe(audio) if audio.size else ""
+        return self._submit(audio)
+
+    def _submit(self, audio: np.ndarray) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        if not audio.size:
+            done = loop.create_future()
+            done.set_result("")
+            return done
+        return loop.run_in_executor(_WORKER, self._decode, audio, "")
 
     def _audio(self) -> np.ndarray:
         return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)

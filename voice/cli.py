@@ -1,4 +1,4 @@
-"""`voice serve | bench`."""
+"""`voice serve | bench | mic`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def cmd_serve(a) -> int:
         config.server.port = a.port
     if a.lm_mode:
         config.lm.mode = a.lm_mode
+    if a.sip_port:
+        config.sip.port = a.sip_port
     serve(config)
     return 0
 
@@ -29,16 +31,26 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_mic(a) -> int:
+    from voice.clients import mic
+    if a.list_devices:
+        print(mic.list_devices())
+        return 0
+    return mic.mic(a.url, a.input, a.output)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice", description="Real-time voice assistant on a diffusion LM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the service: /ws, /healthz, /metrics and the web page",
+    p = sub.add_parser("serve", help="run the service: /ws, /twilio, /healthz, /metrics, the web page (and SIP)",
                        description="Start the voice service on the embedded models (or those in --config).")
     p.add_argument("--config", default=None, help="TOML config (default: built-in defaults, see configs/default.toml)")
     p.add_argument("--host", default="", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default 8000)")
     p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="", help="override lm.mode")
+    p.add_argument("--sip-port", type=int, default=0,
+                   help="also answer SIP calls on this UDP port (sip.port; default off, see docs/TELEPHONY.md)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="stream WAV files to a running service in real time and time each turn",
@@ -50,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-mode", choices=["diffusion", "ar"], default=None, help="ask the session for this LM mode")
     p.add_argument("--repeat", type=int, default=1, help="play the folder this many times")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("mic", help="talk to a running service from this machine's microphone (use headphones)",
+                       description="Full duplex: stream the microphone to the service, play its replies, show a "
+                                   "live status line and each turn's latency. Ctrl-C quits.")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    p.add_argument("--input", default=None, help="input device: index or part of its name (default: the system's)")
+    p.add_argument("--output", default=None, help="output device: index or part of its name (default: the system's)")
+    p.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
+    p.set_defaults(func=cmd_mic)
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

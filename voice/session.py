@@ -108,6 +108,7 @@ class Session:
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
         self.pre_roll: deque[np.ndarray] = deque()
         self.partial_task: asyncio.Task | None = None
+        self.early_final: asyncio.Future | None = None  # speculative final during the VAD hangover
         self.final_task: asyncio.Task | None = None
         self.reply: _Reply | None = None
         self.closed = False
@@ -146,12 +147,22 @@ class Session:
                 self._speech_stopped(ev, now)
         if self.endpointer.in_speech:
             self.transcriber.insert_audio_chunk(audio)
-            if self.partial_task is None or self.partial_task.done():
-                self.partial_task = asyncio.create_task(self._partial(self.turn))
+            self._listen(self.endpointer.silence_ms)
         else:
             self.pre_roll.append(audio)
             while sum(len(a) for a in self.pre_roll) > PRE_ROLL_S * SAMPLE_RATE:
                 self.pre_roll.popleft()
+
+    def _listen(self, silence_ms: int) -> None:
+        """Partials while the user talks; a speculative final once they have been quiet a while."""
+        early_ms = self.config.asr.early_final_ms
+        if early_ms and silence_ms >= early_ms:
+            if self.early_final is None:
+                self.early_final = self.transcriber.snapshot()
+            return
+        self.early_final = None  # they spoke again: the speculation is stale
+        if silence_ms == 0 and (self.partial_task is None or self.partial_task.done()):
+            self.partial_task = asyncio.create_task(self._partial(self.turn))
 
     def _speech_started(self, now: float) -> None:
         self.barge_in(now)
@@ -168,7 +179,12 @@ class Session:
         self.emit(SpeechStopped(self.turn, now, speech_end))
         if self.partial_task is not None:
             self.partial_task.cancel()
-        self.final_task = asyncio.create_task(self._finalise(self.turn))
+        transcript, self.early_final = self.early_final, None
+        if transcript is None:
+            transcript = self.transcriber.finish()
+        else:
+            self.transcriber.reset()
+        self.final_task = asyncio.create_task(self._finalise(self.turn, transcript))
 
     def _arrival_of(self, audio_time: float) -> float:
         """When the sample at `audio_time` reached us (the client streams in real time)."""
@@ -185,9 +201,9 @@ class Session:
         if text and turn == self.turn and self.endpointer.in_speech:
             self.emit(Transcript(turn, time.monotonic(), text, False))
 
-    async def _finalise(self, turn: int) -> None:
+    async def _finalise(self, turn: int, transcript: asyncio.Future) -> None:
         try:
-            text = (await self.transcriber.finish()).strip()
+            text = (await transcript).strip()
         except Exception as err:  # the ASR failing must not take the session down
             log.exception("session=%s asr failed", self.id)
             self.error("asr_failed", f"speech recognition failed: {err}")

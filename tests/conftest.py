@@ -1,0 +1,81 @@
+"""Shared test helpers.
+
+`require_system`: tests that need a system tool (a browser, PulseAudio, PortAudio) skip when
+it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs everything.
+
+`live_voice_server`: the real voice service (all models) behind uvicorn on a free port, loaded
+once per test session and shared by the client tests (test_web.py, test_mic.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SPEECH_DIR = Path(__file__).resolve().parents[2] / "shared" / "speech"
+
+
+def _require_system(ok: object, reason: str) -> None:
+    """Skip (locally) or fail (VOICE_CI=1) when `ok` is falsy."""
+    if ok:
+        return
+    if os.environ.get("VOICE_CI") == "1":
+        pytest.fail(f"{reason} (required when VOICE_CI=1; .ci/run installs it)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def require_system():
+    """`require_system(condition, reason)`: skip locally / fail in CI when a system tool is missing."""
+    return _require_system
+
+
+def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
+    """Write `src` (16-bit mono WAV) with `lead_s` / `tail_s` seconds of silence around it."""
+    with wave.open(str(src), "rb") as w:
+        rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
+        assert (width, channels) == (2, 1), f"{src} must be 16-bit mono"
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    out = np.concatenate([np.zeros(int(lead_s * rate), "<i2"), pcm, np.zeros(int(tail_s * rate), "<i2")])
+    with wave.open(str(dst), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(out.tobytes())
+    return dst
+
+
+@pytest.fixture(scope="session")
+def live_voice_server():
+    """Base URL (http://127.0.0.1:PORT) of the real service with the default models, short replies."""
+    import uvicorn
+
+    from voice.config import Config
+    from voice.server import build_app
+    from voice.session import Stages
+
+    config = Config()
+    config.lm.max_new_tokens = 24
+    app = build_app(config, Stages(config))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, ws="websockets"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "voice server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()

@@ -1,0 +1,315 @@
+"""`voice mic`: talk to a running service from this machine's microphone, hear the replies.
+
+Full duplex over the native protocol: the input stream's callback hands 20 ms frames of
+16 kHz PCM16 to the websocket, and the output stream's callback plays reply audio from a
+queue that a `clear` (barge-in) empties at once. There is no echo cancellation, so use
+headphones; otherwise the assistant hears itself and interrupts its own replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import soxr
+import websockets
+
+from voice.transports.native import RATES
+
+RATE = 16000  # what we stream to the server
+FRAME_MS = 20
+FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
+EVENTS = {"ready", "speech_started", "speech_stopped", "transcript", "reply", "reply_done", "clear", "latency",
+          "error"}
+
+
+def _sounddevice():
+    try:
+        import sounddevice
+    except OSError as err:  # the Python package is there but the PortAudio library is not
+        raise SystemExit(f"voice mic needs the PortAudio library (e.g. apt-get install libportaudio2): {err}")
+    return sounddevice
+
+
+def parse_device(value: str | None) -> int | str | None:
+    """A device index, or a (part of a) device name as sounddevice matches it; None: the default."""
+    if value is None or value == "":
+        return None
+    return int(value) if value.isdigit() else value
+
+
+def list_devices() -> str:
+    return str(_sounddevice().query_devices())
+
+
+class Player:
+    """Reply audio waiting to be played; the output stream's callback drains it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = bytearray()
+        self.played = 0  # bytes handed to the output device
+        self.dropped = 0  # bytes dropped by `clear`
+
+    def push(self, pcm: bytes) -> None:
+        with self._lock:
+            self._buf += pcm
+
+    def clear(self) -> int:
+        with self._lock:
+            n = len(self._buf)
+            self._buf.clear()
+            self.dropped += n
+            return n
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+    def callback(self, outdata, frames, time_info, status) -> None:  # PortAudio thread
+        n = len(outdata)
+        with self._lock:
+            take = min(n, len(self._buf))
+            outdata[:take] = bytes(self._buf[:take])
+            del self._buf[:take]
+            self.played += take
+        if take < n:
+            outdata[take:] = b"\x00" * (n - take)
+
+
+class Framer:
+    """Microphone blocks at the device's rate -> 20 ms frames of 16 kHz PCM16 (resampled if needed)."""
+
+    def __init__(self, device_rate: int) -> None:
+        self.resampler = soxr.ResampleStream(device_rate, RATE, 1, dtype="int16") if device_rate != RATE else None
+        self.pending = bytearray()
+
+    def push(self, pcm: bytes) -> list[bytes]:
+        if self.resampler is not None:
+            pcm = self.resampler.resample_chunk(np.frombuffer(pcm, dtype="<i2")).astype("<i2").tobytes()
+        self.pending += pcm
+        frames = []
+        while len(self.pending) >= FRAME_BYTES:
+            frames.append(bytes(self.pending[:FRAME_BYTES]))
+            del self.pending[:FRAME_BYTES]
+        return frames
+
+
+class Console:
+    """Event lines, plus a live one-line status redrawn in place when stdout is a terminal."""
+
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.status = ""
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K")
+        self.stream.write(text + "\n")
+        if self.tty and self.status:
+            self.stream.write(self.status)
+        self.stream.flush()
+
+    def set_status(self, text: str) -> None:
+        if text == self.status:
+            return
+        self.status = text
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.status:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+
+
+class MicClient:
+    def __init__(self, url: str, input_device=None, output_device=None, console: Console | None = None):
+        self.url, self.input_device, self.output_device = url, input_device, output_device
+        self.console = console or Console()
+        self.player = Player()
+        self.state = "connecting"
+        self.partial = ""
+        self.last_v2v: float | None = None
+        self.reply_open = False  # a reply is being generated or sent
+        self.turn_played_from = 0  # player.played when the current reply started
+        self.turn_reported = True
+
+    # --- audio devices -----------------------------------------------------------------------
+
+    def _input_rate(self, sd) -> int:
+        try:
+            sd.check_input_settings(self.input_device, channels=1, dtype="int16", samplerate=RATE)
+            return RATE
+        except Exception:
+            return int(sd.query_devices(self.input_device, "input")["default_samplerate"])
+
+    def _output_rate(self, sd) -> int:
+        rate = int(sd.query_devices(self.output_device, "output")["default_samplerate"])
+        if rate not in RATES:
+            rate = RATE
+        sd.check_output_settings(self.output_device, channels=1, dtype="int16", samplerate=rate)
+        return rate
+
+    # --- main loop -----------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        sd = _sounddevice()
+        try:
+            in_rate, out_rate = self._input_rate(sd), self._output_rate(sd)
+        except (ValueError, sd.PortAudioError) as err:
+            self.console.line(f"error: audio device: {err} (see `voice mic --list-devices`)")
+            return 2
+        loop = asyncio.get_running_loop()
+        frames: asyncio.Queue[bytes] = asyncio.Queue(maxsize=200)
+        framer = Framer(in_rate)
+
+        def on_input(indata, n, time_info, status) -> None:  # PortAudio thread
+            loop.call_soon_threadsafe(_enqueue, bytes(indata))
+
+        def _enqueue(pcm: bytes) -> None:
+            for frame in framer.push(pcm):
+                if frames.full():
+                    frames.get_nowait()  # the socket is stuck; keep the newest audio
+                frames.put_nowait(frame)
+
+        try:
+            ws = await websockets.connect(self.url, max_size=None, open_timeout=10)
+        except (OSError, asyncio.TimeoutError, websockets.InvalidURI, websockets.InvalidHandshake) as err:
+            self.console.line(f"error: cannot reach the voice server at {self.url}: {err}")
+            return 1
+        try:
+            await ws.send(json.dumps({"type": "start", "version": 1, "sample_rate": RATE,
+                                      "output_sample_rate": out_rate, "encoding": "pcm_s16le"}))
+            with sd.RawInputStream(samplerate=in_rate, blocksize=in_rate * FRAME_MS // 1000, channels=1,
+                                   dtype="int16", device=self.input_device, callback=on_input, latency="high"), \
+                 sd.RawOutputStream(samplerate=out_rate, blocksize=out_rate * FRAME_MS // 1000, channels=1,
+                                    dtype="int16", device=self.output_device, callback=self.player.callback,
+                                    latency="high"):
+                self.console.line(f"connected to {self.url}; talk (Ctrl-C to quit). "
+                                  f"mic {in_rate} Hz -> {RATE} Hz, speaker {out_rate} Hz")
+                tasks = [asyncio.create_task(self._send(ws, frames)), asyncio.create_task(self._status())]
+                try:
+                    return await self._receive(ws)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+        except sd.PortAudioError as err:
+            self.console.line(f"error: audio device: {err} (see `voice mic --list-devices`)")
+            return 2
+        finally:
+            await ws.close()
+            self.console.close()
+
+    async def _send(self, ws, frames: asyncio.Queue) -> None:
+        try:
+            while True:
+                await ws.send(await frames.get())
+        except websockets.ConnectionClosed:
+            return
+
+    async def _receive(self, ws) -> int:
+        try:
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    self._audio(msg)
+                else:
+                    self._event(msg)
+        except websockets.ConnectionClosed:
+            pass
+        code, reason = ws.close_code, ws.close_reason
+        self.console.line(f"the server closed the connection (code {code}{': ' + reason if reason else ''})")
+        return 1
+
+    def _audio(self, pcm: bytes) -> None:
+        if len(pcm) % 2:
+            self.console.line(f"error: dropped a reply audio frame of odd length ({len(pcm)} bytes)")
+            return
+        self.player.push(pcm)
+
+    def _event(self, text: str) -> None:
+        try:
+            ev = json.loads(text)
+        except json.JSONDecodeError:
+            self.console.line(f"error: the server sent malformed JSON (ignored): {text[:60]!r}")
+            return
+        kind = ev.get("type") if isinstance(ev, dict) else None
+        if kind not in EVENTS:
+            self.console.line(f"error: unknown event {kind!r} from the server (ignored)")
+            return
+        try:
+            self._handle(kind, ev)
+        except (KeyError, TypeError, ValueError) as err:
+            self.console.line(f"error: malformed {kind} event (ignored): {err!r}")
+
+    def _handle(self, kind: str, ev: dict) -> None:
+        if kind == "ready":
+            self.state = "listening"
+        elif kind == "speech_started":
+            self.state, self.partial = "hearing you", ""
+        elif kind == "speech_stopped":
+            self.state = "thinking"
+        elif kind == "transcript":
+            if not ev["final"]:
+                self.partial = ev["text"]
+                return
+            self.partial = ""
+            if ev["text"]:
+                self.console.line(f"you: {ev['text']}")
+                self.reply_open, self.turn_reported = True, False
+                self.turn_played_from = self.player.played + self.player.pending
+            else:
+                self.state = "listening"
+                self.console.line("(didn't catch that)")
+        elif kind == "reply":
+            pass  # the full text arrives with reply_done; the status line shows progress
+        elif kind == "reply_done":
+            self.reply_open = False
+            text = " ".join(ev["text"].split())  # one line, even when the LM wrote several
+            if ev["interrupted"]:
+                text += f"  [interrupted; heard: {' '.join(ev['heard'].split())!r}]"
+            self.console.line(f"bot: {text}")
+        elif kind == "clear":
+            dropped = self.player.clear()
+            self.console.line(f"(interrupted: dropped {dropped} bytes of queued reply audio)")
+        elif kind == "latency":
+            self.last_v2v = ev.get("voice_to_voice_ms")
+            stages = " ".join(f"{k}={v:.0f}" for k, v in ev["stages_ms"].items() if k != "voice_to_voice")
+            over = f"  over budget: {', '.join(ev['over_budget'])}" if ev["over_budget"] else ""
+            v2v = f"{self.last_v2v:.0f} ms" if self.last_v2v is not None else "-"
+            self.console.line(f"turn {ev['turn']}: voice-to-voice {v2v} ({stages} ms){over}")
+        elif kind == "error":
+            self.console.line(f"server error: {ev.get('code')}: {ev.get('message')}")
+
+    async def _status(self) -> None:
+        while True:
+            speaking = self.player.pending > 0
+            if speaking:
+                self.state = "speaking"
+            elif self.state == "speaking":
+                self.state = "thinking" if self.reply_open else "listening"
+            shown = f"{self.state}: {self.partial}" if self.state == "hearing you" and self.partial else self.state
+            v2v = f"{self.last_v2v:.0f} ms" if self.last_v2v is not None else "-"
+            self.console.set_status(f"[{shown}]  last voice-to-voice {v2v}")
+            if not speaking and not self.reply_open and not self.turn_reported:
+                self.turn_reported = True
+                played = self.player.played - self.turn_played_from
+                self.console.line(f"played {played} bytes of reply audio (total {self.player.played})")
+            await asyncio.sleep(0.1)
+
+
+def mic(url: str, input_device=None, output_device=None) -> int:
+    """Run until Ctrl-C (exit 0) or until the connection fails (exit 1) or a device fails (exit 2)."""
+    client = MicClient(url, parse_device(input_device), parse_device(output_device))
+    try:
+        return asyncio.run(client.run())
+    except KeyboardInterrupt:
+        client.console.close()
+        print(f"bye (played {client.player.played} bytes of reply audio)")
+        return 0

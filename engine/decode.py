@@ -15,13 +15,13 @@ next turn can extend; the last finished block simply rides in with the next turn
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from engine.model import KVCache, Transformer, visibility_mask
+from engine.model import KVCache, Segment, Transformer, visibility_mask
 
 
 @dataclass
@@ -140,34 +140,72 @@ COMMIT_RULES: dict[str, Callable[[DecodeConfig], CommitRule]] = {
 
 # --- the one forward -------------------------------------------------------------------------
 
+@dataclass
+class Forward:
+    """One sequence's forward: write `clean` into its cache after `state.ids`, and denoise
+    `draft` after it. Decoders yield these; a driver runs them alone or batched."""
+
+    state: CacheState
+    clean: list[int]
+    clean_is_block: bool = False
+    draft: list[int] = field(default_factory=list)
+    context: str = "causal"
+
+    def segment(self) -> Segment:
+        state, clean, draft = self.state, self.clean, self.draft
+        start = len(state.ids)
+        n_clean, n_draft = len(clean), len(draft)
+        end = start + n_clean + n_draft
+        if end > state.capacity:
+            raise ContextOverflow(f"conversation needs {end} tokens but the context holds {state.capacity}")
+        pos = torch.arange(start, end)
+        if self.context == "bidirectional":
+            visible = torch.full((n_clean + n_draft,), end)
+        elif self.context == "block_causal" and self.clean_is_block:
+            visible = torch.full((n_clean + n_draft,), end)
+            visible[:n_clean] = start + n_clean
+        else:
+            visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
+        rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
+        return Segment(torch.tensor(clean + draft, dtype=torch.long), pos, visibility_mask(visible, end),
+                       state.caches, rows)
+
+    def commit(self, logits: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
+        state, n_clean = self.state, len(self.clean)
+        if self.context == "block_causal" and self.clean_is_block and n_clean > 1:
+            state.blocks.append((len(state.ids), len(state.ids) + n_clean))
+        state.ids.extend(self.clean)
+        logits = logits.float()
+        return (logits[0] if n_clean else None), (logits[1 if n_clean else 0:] if self.draft else None)
+
+
 @torch.inference_mode()
+def run_many(model: Transformer, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Run several sequences' forwards as one batched pass (see `engine.model.forward_segments`)."""
+    logits = model(segments=[f.segment() for f in forwards])
+    return [f.commit(out) for f, out in zip(forwards, logits)]
+
+
 def run(model: Transformer, state: CacheState, clean: list[int], clean_is_block: bool,
         draft: list[int], context: str = "causal") -> tuple[Tensor | None, Tensor | None]:
-    """Write `clean` into the cache after `state.ids`, and denoise `draft` after it, in one forward.
+    """One sequence's forward; returns (logits of the last clean row or None, of the draft rows or None)."""
+    return run_many(model, [Forward(state, clean, clean_is_block, draft, context)])[0]
 
-    Returns (logits of the last clean row or None, logits of the draft rows or None).
-    """
-    start = len(state.ids)
-    n_clean, n_draft = len(clean), len(draft)
-    end = start + n_clean + n_draft
-    if end > state.capacity:
-        raise ContextOverflow(f"conversation needs {end} tokens but the context holds {state.capacity}")
-    pos = torch.arange(start, end)
-    if context == "bidirectional":
-        visible = torch.full((n_clean + n_draft,), end)
-    elif context == "block_causal" and clean_is_block:
-        visible = torch.full((n_clean + n_draft,), end)
-        visible[:n_clean] = start + n_clean
-        if n_clean > 1:
-            state.blocks.append((start, start + n_clean))
-    else:
-        visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
-    rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
-    model.use_caches(state.caches)
-    tokens = torch.tensor([clean + draft], dtype=torch.long)
-    logits = model(tokens, pos, visibility_mask(visible, end), rows)[0].float()
-    state.ids.extend(clean)
-    return (logits[0] if n_clean else None), (logits[1 if n_clean else 0:] if n_draft else None)
+
+def drive(model: Transformer, steps: Generator) -> Iterator[Block]:
+    """Run a decoder's forwards one at a time and pass its blocks on."""
+    result = None
+    while True:
+        try:
+            item = steps.send(result)
+        except StopIteration:
+            return
+        if isinstance(item, Forward):
+            result = run_many(model, [item])[0]
+        else:
+            result = None
+            yield item
 
 
 class ContextOverflow(ValueError):
@@ -187,13 +225,14 @@ def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) 
 
 # --- decoders --------------------------------------------------------------------------------
 
-def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                stop_ids: set[int]) -> Iterator[Block]:
-    """Greedy/sampled next-token decoding: the baseline on the same weights and cache code."""
+def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_ids: set[int]) -> Generator:
+    """Greedy/sampled next-token decoding: the baseline on the same weights and cache code.
+
+    Yields a `Forward` whenever it needs one (and is sent its logits) and a `Block` per token."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     pending = new_prompt
     for n in range(1, cfg.max_new_tokens + 1):
-        last, _ = run(model, state, pending, False, [])
+        last, _ = yield Forward(state, pending)
         token = int(pick(last[None], cfg.temperature, generator)[0])
         done = token in stop_ids or n == cfg.max_new_tokens
         yield Block([token], 1, n, done)
@@ -202,9 +241,11 @@ def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cf
         pending = [token]
 
 
-def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                       spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
-    """Block diffusion: each block starts as masks and is committed by `cfg.rule` over a few steps."""
+def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
+                    stop_ids: set[int]) -> Generator:
+    """Block diffusion: each block starts as masks and is committed by `cfg.rule` over a few steps.
+
+    Yields a `Forward` per denoising step (and is sent its logits) and a `Block` per release."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     rule = COMMIT_RULES[cfg.rule](cfg)
     block_size = cfg.block_size or spec.sub_block_size or spec.block_size
@@ -219,7 +260,7 @@ def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[i
         steps = released = 0
         stop_at = size  # index after the last token that belongs to the reply
         while masked[:stop_at].any():
-            clean_last, logits = run(model, state, pending, pending_is_block, draft, spec.context)
+            clean_last, logits = yield Forward(state, pending, pending_is_block, list(draft), spec.context)
             forwards += 1
             steps += 1
             if pending:
@@ -283,14 +324,29 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     return replies
 
 
-def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
-             spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
-    """Continue `state` with `prompt` (the whole conversation so far): only its uncached tail is prefilled."""
-    new = state.reuse_for(prompt)
+def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
+                stop_ids: set[int]) -> Iterator[Block]:
+    return drive(model, ar_steps(state, new_prompt, cfg, stop_ids))
+
+
+def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
+                       spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
+    return drive(model, diffusion_steps(state, new_prompt, cfg, spec, stop_ids))
+
+
+def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
+         stop_ids: set[int]) -> Generator:
+    """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
+    only the prompt's uncached tail is prefilled."""
     if len(prompt) + cfg.max_new_tokens > state.capacity:
         raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
                               f"the context of {state.capacity}")
+    new = state.reuse_for(prompt)
     if cfg.mode == "ar":
-        yield from generate_ar(model, state, new, cfg, stop_ids)
-    else:
-        yield from generate_diffusion(model, state, new, cfg, spec, stop_ids)
+        return ar_steps(state, new, cfg, stop_ids)
+    return diffusion_steps(state, new, cfg, spec, stop_ids)
+
+
+def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
+             spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
+    return drive(model, plan(state, prompt, cfg, spec, stop_ids))

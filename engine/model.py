@@ -100,19 +100,25 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        return self.o_proj(self.attend(x, self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, pos, mask,
+                                       self.cache))
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
+               mask: Tensor, cache: KVCache | None) -> Tensor:
+        """Attention of one sequence's projected rows against its own cache (before o_proj)."""
         a = self.args
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, a.n_heads, a.head_dim)
-        k = self.k_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(b, t, a.n_kv_heads, a.head_dim)
+        q = q.view(b, t, a.n_heads, a.head_dim)
+        k = k.view(b, t, a.n_kv_heads, a.head_dim)
+        v = v.view(b, t, a.n_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cache is not None:
-            k, v = self.cache.update(pos, k, v, mask.shape[-1])
+        if cache is not None:
+            k, v = cache.update(pos, k, v, mask.shape[-1])
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_heads != a.n_kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim))
+        return y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)
 
 
 class MLP(nn.Module):
@@ -168,20 +174,62 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.layers, caches):
             layer.self_attn.cache = cache
 
-    def forward(self, tokens: Tensor, pos: Tensor, mask: Tensor, logits_rows: Tensor | slice = slice(None)) -> Tensor:
+    def forward(self, tokens: Tensor | None = None, pos: Tensor | None = None, mask: Tensor | None = None,
+                logits_rows: Tensor | slice = slice(None), *, segments: list[Segment] | None = None):
         """tokens [B, T] at positions `pos` [T]; `mask` [T, S] (True = may attend) over cache slots 0..S-1.
+
+        With `segments`, several sequences run in one pass against their own caches instead
+        (see `forward_segments`); going through here keeps forward hooks seeing every pass.
 
         Without a cache the keys are the tokens themselves, so S == T (used by training, where
         a noisy copy of a block sits beside its clean copy at the same positions).
         `logits_rows` picks the rows whose logits are wanted: the LM head is the most
         expensive single matrix here, and prefill needs only the last row.
         """
+        if segments is not None:
+            return forward_segments(self, segments)
         cos = self.rope_cos[pos][None, None]
         sin = self.rope_sin[pos][None, None]
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, pos, mask)
         return self.lm_head(self.norm(x[:, logits_rows]))
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a batched forward: its tokens, positions, mask and cache."""
+
+    tokens: Tensor  # [T]
+    pos: Tensor  # [T]
+    mask: Tensor  # [T, S]
+    caches: list[KVCache]
+    logits_rows: Tensor  # rows of this segment whose logits are wanted
+
+
+def forward_segments(model: Transformer, segments: list[Segment]) -> list[Tensor]:
+    """Several sequences in one pass, each against its own cache: the projections and the MLP
+    (nearly all the arithmetic) run on every row at once, attention runs per sequence.
+    This is how requests from different conversations share a block-denoising step."""
+    sizes = [len(s.tokens) for s in segments]
+    x = model.embed_tokens(torch.cat([s.tokens for s in segments])[None])
+    ropes = [(model.rope_cos[s.pos][None, None], model.rope_sin[s.pos][None, None]) for s in segments]
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        outs, start = [], 0
+        for seg, n, (cos, sin) in zip(segments, sizes, ropes):
+            rows = slice(start, start + n)
+            outs.append(attn.attend(h[:, rows], q[:, rows], k[:, rows], v[:, rows], cos, sin, seg.pos, seg.mask,
+                                    seg.caches[i]))
+            start += n
+        x = x + attn.o_proj(torch.cat(outs, dim=1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    offsets = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    rows = torch.cat([s.logits_rows + o for s, o in zip(segments, offsets)])
+    logits = model.lm_head(model.norm(x[:, rows]))[0]
+    return list(logits.split([len(s.logits_rows) for s in segments]))
 
 
 def visibility_mask(visible: Tensor, kv_len: int) -> Tensor:

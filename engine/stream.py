@@ -1,21 +1,28 @@
 """The engine as the voice service sees it: an async stream of committed text per request.
 
-One worker thread owns the model, so forwards from different conversations never overlap
-and the event loop never blocks on a forward. Each conversation keeps its own KV cache, so
-a new turn only prefills what is new. Cancelling a stream (barge-in) stops it at the next
-block boundary; the cache invariant in `engine.decode` keeps the conversation consistent.
+One scheduler thread owns the model. Every round it advances each active request to its
+next forward (a denoising step, or an AR token) and runs up to `max_batch` of them as one
+batched pass, so concurrent conversations share block-denoising steps instead of queueing
+behind each other (continuous batching at block-step granularity). Each conversation keeps
+its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
+drops the request at the next round; the cache invariant in `engine.decode` keeps the
+conversation consistent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import logging
+import queue
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass, field, replace
 
-from engine.decode import CacheState, DecodeConfig, generate
+from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan, run_many
 from engine.loading import LoadedModel, load
+
+log = logging.getLogger("engine.stream")
 
 
 @dataclass
@@ -40,21 +47,69 @@ class Conversation:
     """A conversation's cache; reuse one across turns so earlier turns are not prefilled again."""
 
     state: CacheState | None = None
-    active: Iterator | None = None  # the reply being generated; a new turn closes it first
+    active: object | None = None  # the reply being generated; a new turn closes it first
+
+
+class _Reply:
+    """Turns a decoder's blocks into text pieces (incremental detokenisation, timings)."""
+
+    def __init__(self, engine: "Engine", prompt: list[int], state: CacheState, start: float):
+        self.engine, self.start = engine, start
+        self.prompt_tokens = len(prompt)
+        self.prefilled = len(prompt) - state.cached_prefix(prompt)
+        self.ids: list[int] = []
+        self.text = ""
+        self.first: float | None = None
+
+    def piece(self, block: Block) -> Piece:
+        tok = self.engine.tokenizer
+        self.ids += block.token_ids
+        full = tok.decode(self.ids)
+        if full.endswith("\ufffd") and not block.done:  # half a UTF-8 character: wait for the rest
+            delta = ""
+        else:
+            delta, self.text = full[len(self.text):], full
+        now = time.perf_counter()
+        self.first = self.first or now
+        reason = None
+        if block.done:
+            reason = "stop" if self.ids and self.ids[-1] in tok.eos_ids else "length"
+        return Piece(delta, block.token_ids, block.steps, block.forwards, len(self.ids),
+                     (self.first - self.start) * 1000, (now - self.start) * 1000, block.done, reason,
+                     self.prompt_tokens, self.prefilled)
+
+
+@dataclass
+class _Request:
+    """A streamed request inside the scheduler."""
+
+    messages: list[dict]
+    cfg: DecodeConfig
+    conversation: Conversation
+    deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
+    start: float = field(default_factory=time.perf_counter)
+    steps: Generator | None = None
+    reply: _Reply | None = None
+    result: object = None  # what to send into `steps` next
+    cancelled: bool = False
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None):
+    def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None,
+                 max_batch: int = 8):
         self.loaded = loaded
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
         self.defaults = defaults or DecodeConfig()
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.max_batch = max_batch
+        self._inbox: queue.Queue[_Request] = queue.Queue()
+        self._scheduler: threading.Thread | None = None
+        self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
-             defaults: DecodeConfig | None = None) -> "Engine":
-        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter), max_seq_len, defaults)
+             defaults: DecodeConfig | None = None, max_batch: int = 8) -> "Engine":
+        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter), max_seq_len, defaults, max_batch)
 
     @property
     def name(self) -> str:
@@ -63,52 +118,130 @@ class Engine:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
-    def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                      conversation: Conversation | None = None, **overrides) -> Iterator[Piece]:
-        """Pieces of the reply to `messages`, in the calling thread."""
-        cfg = replace(cfg or self.defaults, **overrides)
-        conversation = conversation or Conversation()
-        start = time.perf_counter()
+    def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation,
+               start: float) -> tuple[Generator, _Reply]:
+        """Plan a reply on `conversation` (closing one still running there)."""
         prompt = self.prompt_ids(messages)
         if conversation.active is not None:
-            conversation.active.close()  # an abandoned reply: its finished blocks are already cached
+            self._close(conversation.active)
         if conversation.state is None:
             conversation.state = CacheState.new(self.model, self.max_seq_len)
-        state = conversation.state
-        conversation.active = blocks = generate(self.model, state, prompt, cfg, self.spec, self.tokenizer.eos_ids)
-        prefilled = len(prompt) - state.cached_prefix(prompt)
-        ids: list[int] = []
-        text = ""
-        first: float | None = None
+        reply = _Reply(self, prompt, conversation.state, start)
+        steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids)
+        return steps, reply
+
+    @staticmethod
+    def _close(active) -> None:
+        if isinstance(active, _Request):
+            active.cancelled = True
+            if active.steps is not None:
+                active.steps.close()
+        else:
+            active.close()
+
+    # --- one request, in the calling thread (CLI, eval, benchmarks) ---------------------------
+
+    def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
+                      conversation: Conversation | None = None, **overrides) -> Iterator[Piece]:
+        """Pieces of the reply to `messages`, decoded in the calling thread."""
+        cfg = replace(cfg or self.defaults, **overrides)
+        conversation = conversation or Conversation()
+        steps, reply = self._begin(messages, cfg, conversation, time.perf_counter())
+        blocks = drive(self.model, steps)
+        conversation.active = blocks
         for block in blocks:
-            ids += block.token_ids
-            full = self.tokenizer.decode(ids)
-            if full.endswith("\ufffd") and not block.done:  # half a UTF-8 character: wait for the rest
-                delta = ""
-            else:
-                delta, text = full[len(text):], full
-            now = time.perf_counter()
-            first = first or now
-            reason = None
-            if block.done:
-                reason = "stop" if ids and ids[-1] in self.tokenizer.eos_ids else "length"
-            yield Piece(delta, block.token_ids, block.steps, block.forwards, len(ids),
-                        (first - start) * 1000, (now - start) * 1000, block.done, reason, len(prompt), prefilled)
+            yield reply.piece(block)
         conversation.active = None
+
+    # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, **overrides) -> AsyncIterator[Piece]:
-        """Pieces as they are committed; closing the iterator cancels at the next piece boundary."""
+        """Pieces as they are committed; closing the iterator cancels the request."""
         loop = asyncio.get_running_loop()
-        pieces = self.generate_sync(messages, cfg, conversation, **overrides)
-        done = object()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item) -> None:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone; nobody is listening
+                pass
+
+        request = _Request(messages, replace(cfg or self.defaults, **overrides), conversation or Conversation(),
+                           deliver)
+        self._ensure_scheduler()
+        self._inbox.put(request)
+        try:
+            while (item := await pieces.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            request.cancelled = True
+
+    def _ensure_scheduler(self) -> None:
+        if self._scheduler is None:
+            self._scheduler = threading.Thread(target=self._schedule, name="engine-scheduler", daemon=True)
+            self._scheduler.start()
+
+    def _schedule(self) -> None:
+        active: list[_Request] = []
+        while True:
+            try:
+                while True:
+                    self._admit(self._inbox.get(block=not active), active)
+            except queue.Empty:
+                pass
+            ready: list[tuple[_Request, Forward]] = []
+            for request in list(active):
+                forward = self._advance(request)
+                if forward is None:
+                    active.remove(request)
+                else:
+                    ready.append((request, forward))
+            for i in range(0, len(ready), self.max_batch):
+                batch = ready[i:i + self.max_batch]
+                self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
+                try:
+                    results = run_many(self.model, [f for _, f in batch])
+                except Exception as err:  # one bad batch fails its requests, not the scheduler
+                    log.exception("batched forward failed")
+                    for request, _ in batch:
+                        request.result = err
+                    continue
+                for (request, _), result in zip(batch, results):
+                    request.result = result
+
+    def _admit(self, request: _Request, active: list[_Request]) -> None:
+        conversation = request.conversation
+        if isinstance(conversation.active, _Request) and conversation.active in active:
+            active.remove(conversation.active)
+        try:
+            request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start)
+        except Exception as err:
+            request.deliver(err)
+            return
+        conversation.active = request
+        active.append(request)
+
+    def _advance(self, request: _Request) -> Forward | None:
+        """Run the request's decoder up to its next forward, handing out blocks on the way."""
+        if request.cancelled:
+            request.steps.close()
+            return None
         try:
             while True:
-                piece = await loop.run_in_executor(self._worker, next, pieces, done)
-                if piece is done:
-                    return
-                yield piece
-        finally:
-            # Close the generator on the worker thread (it may be mid-forward there); that
-            # releases the conversation lock. Nothing waits for it here.
-            self._worker.submit(pieces.close)
+                if isinstance(request.result, BaseException):
+                    raise request.result
+                item = request.steps.send(request.result)
+                request.result = None
+                if isinstance(item, Forward):
+                    return item
+                request.deliver(request.reply.piece(item))
+        except StopIteration:
+            request.deliver(None)
+        except Exception as err:
+            request.deliver(err)
+        if request.conversation.active is request:
+            request.conversation.active = None
+        return None

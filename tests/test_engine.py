@@ -464,3 +464,43 @@ def test_prompt_longer_than_context(tiny):
     with pytest.raises(ContextOverflow):
         list(generate(tiny.model, CacheState.new(tiny.model, 16), random_ids(10, 2),
                       DecodeConfig(max_new_tokens=8), tiny.spec, set()))
+
+
+# --- 8. batching across conversations ---------------------------------------------------------
+
+def test_batched_forwards_equal_one_at_a_time(tiny):
+    """Sequences of different lengths, caches and patterns in one pass give their own logits."""
+    from engine.decode import Forward, run_many
+    prompts = [random_ids(n, seed) for n, seed in ((7, 1), (13, 2), (4, 3))]
+    drafts = [[3] * 4, [], [3] * 2]
+    alone, batched = [], []
+    for out, together in ((alone, False), (batched, True)):
+        states = [CacheState.new(tiny.model, 64) for _ in prompts]
+        forwards = [Forward(s, p, False, d, "block_causal") for s, p, d in zip(states, prompts, drafts)]
+        results = run_many(tiny.model, forwards) if together else [run_many(tiny.model, [f])[0] for f in forwards]
+        # a second step on top of the cached prefixes, to check the caches were written right
+        seconds = [Forward(s, random_ids(4, 9), True, [3] * 4, "block_causal") for s in states]
+        results += run_many(tiny.model, seconds) if together else [run_many(tiny.model, [f])[0] for f in seconds]
+        out += results
+    for (a_last, a_draft), (b_last, b_draft) in zip(alone, batched):
+        for a, b in ((a_last, b_last), (a_draft, b_draft)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
+    engine = Engine(smol, max_seq_len=512, defaults=DecodeConfig(max_new_tokens=10), max_batch=4)
+    chats = [[{"role": "user", "content": q}] for q in ("Name a fruit.", "What is two plus two?",
+                                                         "Say hello to Sam.")]
+    expected = [reply_ids(engine.generate_sync(c)) for c in chats]
+
+    async def collect(chat):
+        return reply_ids([p async for p in engine.stream(chat)])
+
+    async def main():
+        return await asyncio.gather(*(collect(c) for c in chats))
+
+    got = asyncio.run(main())
+    assert got == expected
+    assert max(engine.batch_sizes) > 1  # the three requests really shared forwards

@@ -1,4 +1,7 @@
-"""One ASGI app: /ws (native protocol), /healthz, /metrics and the web page at /."""
+"""One ASGI app: /ws (native protocol), /twilio (Twilio Media Streams), /healthz, /metrics, the web page at /.
+
+With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from starlette.websockets import WebSocket
 
 from voice.config import Config
 from voice.session import Stages
-from voice.transports import native
+from voice.transports import native, twilio
 
 log = logging.getLogger("voice.server")
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -30,11 +33,24 @@ def build_app(config: Config, stages: Stages | None = None) -> Starlette:
     async def lifespan(app):
         if state["stages"] is None:
             state["stages"] = Stages(config)
+        sip = None
+        if config.sip.port:
+            from voice.transports.sip import SipEndpoint
+            sip = SipEndpoint(state["stages"], config.sip)
+            await sip.start()
+        app.state.sip = sip
         log.info("voice service ready on http://%s:%d", config.server.host, config.server.port)
-        yield
+        try:
+            yield
+        finally:
+            if sip is not None:
+                await sip.stop()
 
     async def ws_native(ws: WebSocket):
         await native.handle(ws, state["stages"])
+
+    async def ws_twilio(ws: WebSocket):
+        await twilio.handle(ws, state["stages"])
 
     async def healthz(request: Request):
         stages = state["stages"]
@@ -46,7 +62,8 @@ def build_app(config: Config, stages: Stages | None = None) -> Starlette:
         body = generate_latest(stages.metrics.registry) if stages else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    routes = [WebSocketRoute("/ws", ws_native), Route("/healthz", healthz), Route("/metrics", metrics)]
+    routes = [WebSocketRoute("/ws", ws_native), WebSocketRoute("/twilio", ws_twilio), Route("/healthz", healthz),
+              Route("/metrics", metrics)]
     web = Path(config.server.web_dir) if config.server.web_dir else WEB_DIR
     if web.is_dir():
         routes.append(Mount("/", StaticFiles(directory=web, html=True)))

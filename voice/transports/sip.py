@@ -1,0 +1,506 @@
+"""A small SIP user agent server over UDP: phones and PBXs call the assistant directly.
+
+RFC 3261 (UAS side, UDP), 3264 offer/answer with G.711 (PCMU/PCMA), 3550 RTP, 4733 DTMF;
+docs/TELEPHONY.md lists exactly what is and isn't implemented. Each call gets its own RTP
+port pair and its own `Session` (8 kHz in and out); `telephony.Outbound` plays the replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import logging
+import random
+import time
+
+import numpy as np
+
+from voice.config import SipConfig
+from voice.session import Session, Stages
+from voice.transports import rtp, sdp
+from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
+                                     response_destination, uri_hostport)
+from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, Outbound, calls, count_drop
+
+log = logging.getLogger("voice.sip")
+ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
+T1, T2 = 0.5, 4.0  # RFC 3261 timer values
+SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
+
+
+class _Udp(asyncio.DatagramProtocol):
+    def __init__(self, handler):
+        self.handler = handler
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def datagram_received(self, data, addr):
+        try:
+            self.handler(data, addr)
+        except Exception:  # one bad datagram must never take the endpoint down
+            log.exception("error handling a datagram from %s", addr)
+
+    def error_received(self, exc):
+        log.debug("udp error: %s", exc)
+
+
+class Call:
+    """One dialog: signalling state, the RTP port pair, the session and its player."""
+
+    def __init__(self, ep: "SipEndpoint", invite: SipMessage, source: tuple[str, int], answer: sdp.Answer):
+        self.ep, self.invite, self.source, self.answer = ep, invite, source, answer
+        self.id = invite.call_id
+        self.local_tag, self.remote_tag = new_tag(), invite.from_tag
+        self.state = "ringing"  # ringing -> answered (200 sent) -> confirmed (ACK) -> ended
+        self.record = calls.open(CallRecord(self.id, "sip", peer=f"{source[0]}:{source[1]}", codec=answer.codec))
+        self.record.meta.update({"from": invite.get("from"), "to": invite.get("to")})
+        contact = invite.get("contact")
+        self.remote_target = address_uri(contact) if contact else address_uri(invite.get("from") or "")
+        self.route_set = invite.all("record-route")
+        self.local_cseq = random.randint(1, 10000)
+        self.last_final: bytes | None = None  # for INVITE retransmissions
+        self.last_provisional: bytes | None = None
+        self.sdp_version = random.randint(1, 1 << 30)
+        self.sdp_id = self.sdp_version
+        self.rtp_port = 0
+        self.rtp_sock: asyncio.DatagramTransport | None = None
+        self.rtcp_sock: asyncio.DatagramTransport | None = None
+        self.session: Session | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.audio_in: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.jitter = rtp.JitterBuffer()
+        self.dtmf = rtp.DtmfReceiver()
+        self.sender = rtp.RtpSender(answer.payload_type)
+        self.remote_ssrc: int | None = None
+        self.last_rtp = time.monotonic()
+
+    # --- media ------------------------------------------------------------------------------
+
+    def rtp_in(self, data: bytes, addr: tuple[str, int]) -> None:
+        r = self.record
+        if self.state == "ended":
+            return
+        if addr[0] not in (self.answer.remote[0], self.source[0]):  # SDP c= address, or where the INVITE came from
+            count_drop(self.ep.registry, r, "sip", "rtp_unknown_source", f"{addr[0]}:{addr[1]}")
+            return
+        try:
+            pkt = rtp.RtpPacket.parse(data)
+        except rtp.RtpError as err:
+            count_drop(self.ep.registry, r, "sip", "rtp_malformed", str(err))
+            return
+        self.last_rtp = time.monotonic()
+        if pkt.payload_type == self.answer.dtmf_pt and self.answer.dtmf_pt is not None:
+            try:
+                digit = self.dtmf.push(pkt.timestamp, pkt.payload)
+            except rtp.RtpError as err:
+                count_drop(self.ep.registry, r, "sip", "rtp_malformed", str(err))
+                return
+            if digit is not None:
+                self._dtmf(digit, "rfc4733")
+            return
+        if pkt.payload_type != self.answer.payload_type:
+            count_drop(self.ep.registry, r, "sip", "rtp_payload_type", f"payload type {pkt.payload_type}")
+            return
+        if pkt.ssrc != self.remote_ssrc:
+            if self.remote_ssrc is not None:
+                log.info("sip call=%s new remote SSRC %08x", self.id, pkt.ssrc)
+            self.remote_ssrc = pkt.ssrc
+            self.jitter.reset()
+        r.counters["packets_in"] += 1
+        before = (self.jitter.late, self.jitter.duplicate, self.jitter.lost)
+        payloads = self.jitter.push(pkt.seq, pkt.payload)
+        late, dup, lost = (a - b for a, b in zip((self.jitter.late, self.jitter.duplicate, self.jitter.lost), before))
+        if late:
+            count_drop(self.ep.registry, r, "sip", "rtp_late", f"seq {pkt.seq}")
+        if dup:
+            count_drop(self.ep.registry, r, "sip", "rtp_duplicate", f"seq {pkt.seq}")
+        r.counters["packets_lost"] += lost
+        for payload in payloads:
+            pcm = SILENCE if payload is None else rtp.decode(self.answer.codec, payload)
+            self.audio_in.put_nowait(pcm.astype("<i2").tobytes())
+
+    def _dtmf(self, digit: str, how: str) -> None:
+        self.record.dtmf.append(digit)
+        self.record.counters["dtmf"] += 1
+        log.info("sip call=%s session=%s DTMF %r (%s)", self.id, self.session.id if self.session else "-", digit, how)
+
+    async def _feed(self) -> None:
+        while (pcm := await self.audio_in.get()) is not None:
+            await self.session.push_audio(pcm)
+
+    def _send_frame(self, pcm: np.ndarray, marker: bool) -> None:
+        if self.rtp_sock is None or self.answer.media.direction in ("sendonly", "inactive"):
+            return  # the caller doesn't want our audio (on hold)
+        pkt = self.sender.packet(rtp.encode(self.answer.codec, pcm), len(pcm), marker, time.monotonic())
+        self.rtp_sock.sendto(pkt, self.answer.remote)
+        self.record.counters["packets_out"] += 1
+
+    def _phrase_sent(self, turn: int, text: str) -> None:
+        self.record.heard.append(text)
+
+    def rtcp_in(self, data: bytes, addr) -> None:
+        self.record.counters["rtcp_in"] += 1  # receiver reports are not used
+
+    async def start_media(self) -> None:
+        """Bind the RTP/RTCP pair, open the session and start playing its replies."""
+        self.rtp_port, self.rtp_sock, self.rtcp_sock = await self.ep.bind_rtp(self)
+        self.session = Session(self.ep.stages, RATE, RATE, "sip")
+        self.record.session_id = self.session.id
+        out = Outbound(self.session, self.record, self._send_frame, phrase_end=self._phrase_sent)
+        self.tasks += [asyncio.create_task(out.run()), asyncio.create_task(self._feed()),
+                       asyncio.create_task(self._watch_media())]
+        self.last_rtp = time.monotonic()
+        log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
+                 self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
+                 *self.answer.remote)
+
+    async def _watch_media(self) -> None:
+        timeout = self.ep.config.media_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            if timeout and time.monotonic() - self.last_rtp > timeout and self.state in ("answered", "confirmed"):
+                log.warning("sip call=%s no RTP for %.0f s: hanging up", self.id, timeout)
+                self.ep.send_bye(self)
+                self.ep.spawn(self.end("media_timeout"))
+                return
+
+    async def end(self, reason: str) -> None:
+        if self.state == "ended":
+            return
+        self.state = "ended"
+        self.ep.calls.pop(self.id, None)
+        current = asyncio.current_task()
+        for task in self.tasks:
+            if task is not current:
+                task.cancel()
+        for sock in (self.rtp_sock, self.rtcp_sock):
+            if sock is not None:
+                sock.close()
+        self.ep.release_rtp(self.rtp_port)
+        if self.session is not None:
+            await self.session.close()
+        calls.close(self.record, reason)
+
+
+class SipEndpoint:
+    def __init__(self, stages: Stages, config: SipConfig, registry=None):
+        self.stages, self.config = stages, config
+        self.registry = registry if registry is not None else stages.metrics.registry
+        self.calls: dict[str, Call] = {}
+        self.completed: collections.OrderedDict[tuple[str, str], bytes] = collections.OrderedDict()  # non-2xx finals
+        self.transport: asyncio.DatagramTransport | None = None
+        self.port = config.port
+        self.rtp_used: set[int] = set()
+        self._next_rtp = config.rtp_port_min
+        self.tasks: set[asyncio.Task] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self.datagram),
+                                                                local_addr=(self.config.host, self.config.port))
+        self.port = self.transport.get_extra_info("sockname")[1]
+        log.info("SIP endpoint listening on udp %s:%d (codecs %s, RTP ports %d-%d)", self.config.host, self.port,
+                 ",".join(self.config.codecs), self.config.rtp_port_min, self.config.rtp_port_max)
+
+    async def stop(self) -> None:
+        for call in list(self.calls.values()):
+            if call.state in ("answered", "confirmed"):
+                self.send_bye(call)
+            await call.end("shutdown")
+        for task in list(self.tasks):
+            task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    # --- RTP ports ----------------------------------------------------------------------------
+
+    async def bind_rtp(self, call: Call):
+        loop = asyncio.get_running_loop()
+        lo, hi = self.config.rtp_port_min + self.config.rtp_port_min % 2, self.config.rtp_port_max
+        count = max((hi - lo) // 2, 1)
+        for _ in range(count):
+            port = self._next_rtp if lo <= self._next_rtp < hi else lo
+            self._next_rtp = port + 2  # rotate, so a port isn't reused at once (stale packets)
+            if port in self.rtp_used:
+                continue
+            try:
+                rtp_sock, _ = await loop.create_datagram_endpoint(lambda: _Udp(call.rtp_in),
+                                                                  local_addr=(self.config.host, port))
+            except OSError:
+                continue
+            try:
+                rtcp_sock, _ = await loop.create_datagram_endpoint(lambda: _Udp(call.rtcp_in),
+                                                                   local_addr=(self.config.host, port + 1))
+            except OSError:
+                rtp_sock.close()
+                continue
+            self.rtp_used.add(port)
+            return port, rtp_sock, rtcp_sock
+        raise OSError(f"no free RTP port pair in {lo}-{hi}")
+
+    def release_rtp(self, port: int) -> None:
+        self.rtp_used.discard(port)
+
+    # --- signalling ---------------------------------------------------------------------------
+
+    def advertise(self, req: SipMessage | None = None) -> str:
+        """The address put in Contact and SDP."""
+        if self.config.advertise:
+            return self.config.advertise
+        if self.config.host not in ("", "0.0.0.0", "::"):
+            return self.config.host
+        if req is not None:
+            try:
+                host = uri_hostport(req.uri or "")[0]
+                ipaddress.ip_address(host)
+                return host
+            except (SipError, ValueError):
+                pass
+        return "127.0.0.1"
+
+    def contact(self, req: SipMessage | None = None) -> str:
+        host = self.advertise(req)
+        host = f"[{host}]" if ":" in host else host
+        return f"<sip:bot@{host}:{self.port}>"
+
+    def send(self, data: bytes, dest: tuple[str, int]) -> None:
+        if self.transport is not None:
+            self.transport.sendto(data, dest)
+
+    def reply(self, req: SipMessage, source, status: int, to_tag: str = "", extra=None, body: bytes = b"",
+              content_type: str = "") -> bytes:
+        data = response(req, status, source, to_tag, extra, body, content_type).to_bytes()
+        self.send(data, response_destination(req, source))
+        return data
+
+    def datagram(self, data: bytes, source: tuple[str, int]) -> None:
+        if not data.strip():
+            return  # keep-alive (RFC 5626 CRLF)
+        try:
+            msg = SipMessage.parse(data)
+        except (SipError, ValueError) as err:
+            self._malformed(data, source, str(err))
+            return
+        if not msg.is_request:
+            return  # responses to our BYEs: nothing to do
+        handler = {"INVITE": self._invite, "ACK": self._ack, "BYE": self._bye, "CANCEL": self._cancel,
+                   "OPTIONS": self._options, "INFO": self._info}.get(msg.method)
+        if handler is None:
+            self.reply(msg, source, 405, new_tag(), [("allow", ALLOW)])
+            return
+        handler(msg, source)
+
+    def _malformed(self, data: bytes, source, why: str) -> None:
+        """400 if the request is readable enough to answer (it has a Via, Call-ID, CSeq...), else drop."""
+        count_drop(self.registry, None, "sip", "sip_malformed", f"from {source[0]}:{source[1]}: {why}")
+        text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+        lines = text.split("\n\n")[0].split("\n")
+        first = lines[0].split(" ")
+        if len(first) != 3 or first[2].strip() != "SIP/2.0" or first[0].upper() == "ACK":
+            return
+        req = SipMessage(method=first[0].upper(), uri=first[1])
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if colon:
+                name = name.strip().lower()
+                req.headers.append((COMPACT.get(name, name), value.strip()))
+        if not all(req.get(h) for h in ("via", "from", "to", "call-id", "cseq")):
+            return
+        resp = response(req, 400, source, new_tag(), [("warning", f'399 {AGENT} "{why[:100]}"')])
+        self.send(resp.to_bytes(), response_destination(req, source))
+
+    def _options(self, req: SipMessage, source) -> None:
+        self.reply(req, source, 200, new_tag(), [("allow", ALLOW), ("accept", "application/sdp"),
+                                                 ("contact", self.contact(req))])
+
+    def _info(self, req: SipMessage, source) -> None:
+        call = self._dialog(req)
+        if call is None:
+            self.reply(req, source, 481, new_tag())
+            return
+        self.reply(req, source, 200)
+        ctype = (req.get("content-type") or "").lower()
+        if ctype.startswith("application/dtmf-relay"):  # Signal=5\r\nDuration=160
+            for line in req.body.decode("utf-8", "replace").splitlines():
+                name, _, value = line.partition("=")
+                if name.strip().lower() == "signal" and value.strip():
+                    call._dtmf(value.strip()[:1].upper(), "sip-info")
+        elif ctype.startswith("application/dtmf") and req.body.strip():
+            call._dtmf(req.body.decode("utf-8", "replace").strip()[:1].upper(), "sip-info")
+
+    def _dialog(self, req: SipMessage) -> Call | None:
+        call = self.calls.get(req.call_id)
+        if call is None or req.to_tag != call.local_tag or req.from_tag != call.remote_tag:
+            return None
+        return call
+
+    def _invite(self, req: SipMessage, source) -> None:
+        if req.to_tag:  # in-dialog: a re-INVITE
+            self._reinvite(req, source)
+            return
+        key = (req.call_id, req.branch)
+        if key in self.completed:  # retransmission of an INVITE we rejected
+            self.send(self.completed[key], response_destination(req, source))
+            return
+        call = self.calls.get(req.call_id)
+        if call is not None:  # retransmission of an INVITE in progress
+            if call.invite.branch == req.branch:
+                again = call.last_final or call.last_provisional
+                if again:
+                    self.send(again, response_destination(req, source))
+            else:
+                self.reply(req, source, 482, new_tag())  # merged request (section 8.2.2.2)
+            return
+        status, extra, answer = self._check_offer(req)
+        if status:
+            self._reject(req, source, status, extra)
+            return
+        if len(self.calls) >= self.config.max_calls:
+            self._reject(req, source, 486, [])
+            return
+        call = Call(self, req, source, answer)
+        self.calls[call.id] = call
+        self.reply(req, source, 100)
+        call.last_provisional = self.reply(req, source, 180, call.local_tag, [("contact", self.contact(req))])
+        call.tasks.append(asyncio.create_task(self._answer(call, source)))
+
+    def _check_offer(self, req: SipMessage) -> tuple[int, list, sdp.Answer | None]:
+        if req.get("require"):
+            return 420, [("unsupported", req.get("require"))], None
+        ctype = (req.get("content-type") or "").split(";")[0].strip().lower()
+        if not req.body.strip():
+            # A delayed offer (offer in our 200, answer in the ACK) is not implemented.
+            return 488, [("warning", f'399 {AGENT} "an SDP offer is required in the INVITE"')], None
+        if ctype != "application/sdp":
+            return 415, [("accept", "application/sdp")], None
+        try:
+            offer = sdp.parse(req.body.decode("utf-8"))
+        except (sdp.SdpError, UnicodeDecodeError) as err:
+            return 400, [("warning", f'399 {AGENT} "bad SDP: {str(err)[:80]}"')], None
+        answer = sdp.negotiate(offer, self.config.codecs)
+        if answer is None:
+            return 488, [("warning", f'305 {AGENT} "Incompatible media format: we speak '
+                                     f'{"/".join(self.config.codecs)} over RTP/AVP"'),
+                         ("accept", "application/sdp")], None
+        return 0, [], answer
+
+    def _reject(self, req: SipMessage, source, status: int, extra: list) -> None:
+        log.info("sip call=%s from %s:%d rejected: %d", req.call_id, *source, status)
+        data = self.reply(req, source, status, new_tag(), extra)
+        self.completed[(req.call_id, req.branch)] = data
+        while len(self.completed) > 256:
+            self.completed.popitem(last=False)
+
+    async def _answer(self, call: Call, source) -> None:
+        try:
+            if self.config.ring_ms:
+                await asyncio.sleep(self.config.ring_ms / 1000)
+            if call.state != "ringing":
+                return
+            await call.start_media()
+        except OSError as err:
+            log.error("sip call=%s cannot answer: %s", call.id, err)
+            call.last_final = self.reply(call.invite, source, 500, call.local_tag)
+            await call.end("no_rtp_port")
+            return
+        call.state = "answered"
+        call.last_final = self._ok(call, call.invite, source)
+        await self._retransmit_ok(call, source)
+
+    def _ok(self, call: Call, req: SipMessage, source) -> bytes:
+        body = sdp.answer_sdp(call.answer, self.advertise(call.invite), call.rtp_port, call.sdp_id,
+                              call.sdp_version).encode()
+        return self.reply(req, source, 200, call.local_tag,
+                          [("contact", self.contact(call.invite)), ("allow", ALLOW)],
+                          body, "application/sdp")
+
+    async def _retransmit_ok(self, call: Call, source) -> None:
+        """Timer G/H for the 2xx (RFC 3261 section 13.3.1.4): resend until the ACK, give up after 64*T1."""
+        interval, waited = T1, 0.0
+        dest = response_destination(call.invite, source)
+        while waited < 64 * T1:
+            await asyncio.sleep(interval)
+            waited += interval
+            if call.state != "answered":
+                return
+            self.send(call.last_final, dest)
+            call.record.counters["ok_retransmits"] += 1
+            interval = min(interval * 2, T2)
+        log.warning("sip call=%s no ACK for the 200 OK: hanging up", call.id)
+        self.send_bye(call)
+        await call.end("no_ack")
+
+    def _reinvite(self, req: SipMessage, source) -> None:
+        call = self._dialog(req)
+        if call is None:
+            self.reply(req, source, 481, new_tag())
+            return
+        if req.body.strip():
+            status, extra, answer = self._check_offer(req)
+            if status:
+                self.reply(req, source, status, call.local_tag, extra)
+                return
+            if answer.codec != call.answer.codec or answer.payload_type != call.answer.payload_type:
+                call.sender.payload_type = answer.payload_type
+            call.answer = answer
+            call.record.codec = answer.codec
+        call.sdp_version += 1
+        call.last_final = self._ok(call, req, source)
+        call.record.counters["reinvites"] += 1
+
+    def _ack(self, req: SipMessage, source) -> None:
+        call = self._dialog(req)
+        if call is not None and call.state == "answered":
+            call.state = "confirmed"
+            log.info("sip call=%s confirmed (ACK)", call.id)
+        # ACKs for rejected INVITEs (or retransmitted ACKs) just end their transaction
+
+    def _bye(self, req: SipMessage, source) -> None:
+        call = self._dialog(req)
+        if call is None:
+            self.reply(req, source, 481, new_tag())
+            return
+        self.reply(req, source, 200)
+        self.spawn(call.end("bye"))
+
+    def _cancel(self, req: SipMessage, source) -> None:
+        call = self.calls.get(req.call_id)
+        if call is None or call.invite.branch != req.branch or call.invite.cseq[0] != req.cseq[0]:
+            self.reply(req, source, 481, new_tag())
+            return
+        self.reply(req, source, 200, call.local_tag)
+        if call.state == "ringing":  # not answered yet: the INVITE ends with 487
+            data = self.reply(call.invite, call.source, 487, call.local_tag)
+            self.completed[(call.id, call.invite.branch)] = data
+            self.spawn(call.end("cancel"))
+
+    def send_bye(self, call: Call) -> None:
+        """Hang up from our side (RFC 3261 section 15.1.1)."""
+        call.local_cseq += 1
+        host = self.advertise(call.invite)
+        host = f"[{host}]" if ":" in host else host
+        bye = SipMessage(method="BYE", uri=call.remote_target)
+        bye.headers += [("via", f"SIP/2.0/UDP {host}:{self.port};branch={new_branch()};rport"),
+                        ("max-forwards", "70")]
+        bye.headers += [("route", r) for r in call.route_set]
+        to = call.invite.get("to") or ""
+        bye.headers += [("from", f"{to};tag={call.local_tag}" if "tag=" not in to else to),
+                        ("to", call.invite.get("from") or ""), ("call-id", call.id),
+                        ("cseq", f"{call.local_cseq} BYE"), ("user-agent", AGENT)]
+        target = address_uri(call.route_set[0]) if call.route_set and ";lr" in call.route_set[0] else call.remote_target
+        try:
+            dest = uri_hostport(target)
+        except SipError:
+            dest = call.source
+        self.send(bye.to_bytes(), dest)

@@ -1,0 +1,210 @@
+"""What the telephone transports (Twilio Media Streams, SIP/RTP) share.
+
+* `CallRecord` / `calls`: one record per call (transcripts, replies, what was heard, latency
+  reports, DTMF, counters), kept while the call is up and for a while after. Operators read
+  it in the logs; tests read it directly.
+* `Outbound`: drains a session's outbox and plays reply audio as 20 ms frames of 8 kHz PCM,
+  paced in real time, dropping whatever is queued on barge-in. The transport only says how
+  one frame goes on the wire (a µ-law media message, an RTP packet).
+* `count_drop`: bad input is dropped, counted per call and in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter
+
+from voice.events import Clear, Error, LatencyReport, ReplyDone, Transcript, TtsAudio
+from voice.session import Session
+
+log = logging.getLogger("voice.telephony")
+RATE = 8000  # G.711 narrowband
+FRAME_MS = 20
+FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 160
+
+
+@dataclass
+class CallRecord:
+    id: str  # Twilio streamSid / SIP Call-ID
+    transport: str
+    session_id: str = ""
+    peer: str = ""
+    codec: str = "PCMU"
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    end_reason: str = ""
+    transcripts: list[str] = field(default_factory=list)  # final transcripts of the caller
+    replies: list[str] = field(default_factory=list)  # what the assistant said (ReplyDone.text)
+    heard: list[str] = field(default_factory=list)  # phrases confirmed played (Twilio marks) or sent (RTP)
+    latency: list[dict] = field(default_factory=list)  # LatencyReport.stages_ms per turn
+    dtmf: list[str] = field(default_factory=list)
+    counters: collections.Counter = field(default_factory=collections.Counter)
+    meta: dict = field(default_factory=dict)  # transport extras (Twilio callSid, customParameters...)
+
+
+class CallRegistry:
+    """Calls in progress and the last `keep` finished ones."""
+
+    def __init__(self, keep: int = 100):
+        self.active: dict[str, CallRecord] = {}
+        self.finished: collections.deque[CallRecord] = collections.deque(maxlen=keep)
+
+    def open(self, record: CallRecord) -> CallRecord:
+        self.active[record.id] = record
+        return record
+
+    def close(self, record: CallRecord, reason: str) -> None:
+        if self.active.pop(record.id, None) is None:
+            return
+        record.ended, record.end_reason = time.monotonic(), reason
+        self.finished.append(record)
+        log.info("%s call=%s session=%s ended (%s) after %.1f s: turns=%d counters=%s", record.transport,
+                 record.id, record.session_id, reason, record.ended - record.started, len(record.transcripts),
+                 dict(record.counters))
+
+    def find(self, transport: str | None = None) -> list[CallRecord]:
+        """Active and finished calls, oldest first."""
+        every = list(self.finished) + list(self.active.values())
+        return [r for r in every if transport is None or r.transport == transport]
+
+
+calls = CallRegistry()
+
+_unattached_drops: collections.Counter = collections.Counter()  # drops outside any call (log rate limit)
+_drop_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+
+
+def count_drop(registry: CollectorRegistry | None, record: CallRecord | None, transport: str, reason: str,
+               detail: str = "") -> None:
+    """Bad input that was dropped: counted per call, in /metrics, and logged (rate-limited per call)."""
+    if registry is not None:
+        counter = _drop_counters.get(registry)
+        if counter is None:
+            counter = _drop_counters[registry] = Counter(
+                "voice_telephony_dropped", "Telephony input dropped as malformed or unexpected",
+                ["transport", "reason"], registry=registry)
+        counter.labels(transport, reason).inc()
+    counters = record.counters if record is not None else _unattached_drops
+    counters[f"dropped_{reason}"] += 1
+    n = counters[f"dropped_{reason}"]
+    if n <= 3 or n % 100 == 0:
+        log.warning("%s call=%s dropped input (%s, #%d)%s", transport, record.id if record else "-", reason, n,
+                    f": {detail}" if detail else "")
+
+
+@dataclass
+class _Frame:
+    turn: int
+    text: str
+    pcm: np.ndarray  # FRAME_SAMPLES int16
+    seconds: float  # the phrase's length (for audio_sent)
+    first: bool
+    last: bool
+
+
+class Outbound:
+    """Play a session's reply audio in real time, 20 ms at a time.
+
+    `send(frame, talkspurt_start)` puts one frame (160 int16 samples) on the wire.
+    `phrase_end(turn, text)` runs after a phrase's last frame (Twilio sends a mark there).
+    `cleared()` runs on barge-in after the queue was dropped (Twilio sends `clear`).
+    `lead_s` lets the sender run that far ahead of real time (a peer that buffers, like
+    Twilio, then never underruns); RTP goes out exactly on time (lead 0).
+    """
+
+    def __init__(self, session: Session, record: CallRecord, send: Callable[[np.ndarray, bool], object],
+                 phrase_end: Callable[[int, str], object] | None = None,
+                 cleared: Callable[[], object] | None = None, lead_s: float = 0.0):
+        self.session, self.record, self.send = session, record, send
+        self.phrase_end, self.cleared, self.lead_s = phrase_end, cleared, lead_s
+        self.frames: collections.deque[_Frame] = collections.deque()
+        self.clock: float | None = None  # monotonic time of frame 0 of the current talkspurt
+        self.sent = 0  # frames sent in the current talkspurt
+        self.frame_s = FRAME_MS / 1000
+
+    async def run(self) -> None:
+        outbox = self.session.outbox
+        idle, marker = True, False  # idle: the queue ran dry since the last frame
+        while True:
+            if not self.frames:
+                idle = True
+                await self._handle(await outbox.get())
+                continue
+            while not outbox.empty():
+                await self._handle(outbox.get_nowait())
+            if not self.frames:
+                continue
+            now = time.monotonic()
+            if idle:
+                idle = False
+                if self.clock is None or now > self.clock + self.sent * self.frame_s:
+                    self.clock, self.sent, marker = now, 0, True  # a gap in the audio: a new talkspurt
+            elif now > self.clock + self.sent * self.frame_s + 0.1:
+                self.clock = now - self.sent * self.frame_s  # fell behind (busy CPU): resync, don't burst
+            due = self.clock + self.sent * self.frame_s - self.lead_s
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue  # look at the outbox again (a barge-in may have arrived) before sending
+            frame = self.frames.popleft()
+            if not self.session.is_current(frame.turn):
+                continue
+            await _maybe_await(self.send(frame.pcm, marker))
+            marker = False
+            self.sent += 1
+            self.record.counters["frames_out"] += 1
+            if float(np.sqrt(np.mean(np.square(frame.pcm, dtype=np.float64)))) > 32768 * 0.01:  # > -40 dBFS
+                self.record.counters["frames_out_voiced"] += 1
+            if frame.first:
+                self.session.audio_sent(frame.turn, frame.text, frame.seconds)
+            if frame.last and self.phrase_end is not None:
+                await _maybe_await(self.phrase_end(frame.turn, frame.text))
+
+    async def _handle(self, ev) -> None:
+        s, r = self.session, self.record
+        if isinstance(ev, TtsAudio):
+            if not s.is_current(ev.turn):
+                return
+            pcm = np.frombuffer(ev.pcm, dtype="<i2")
+            if ev.rate != RATE:  # sessions are opened at 8 kHz; this only guards against misuse
+                from voice.audio import float_to_int16, resample
+                pcm = float_to_int16(resample(pcm / 32768.0, ev.rate, RATE))
+            n = -(-len(pcm) // FRAME_SAMPLES)
+            padded = np.zeros(n * FRAME_SAMPLES, np.int16)
+            padded[:len(pcm)] = pcm
+            seconds = len(pcm) / RATE
+            for i in range(n):
+                self.frames.append(_Frame(ev.turn, ev.text, padded[i * FRAME_SAMPLES:(i + 1) * FRAME_SAMPLES],
+                                          seconds, i == 0, i == n - 1))
+            r.counters["phrases_out"] += 1
+        elif isinstance(ev, Clear):
+            dropped = len(self.frames)
+            self.frames.clear()
+            r.counters["clears"] += 1
+            log.info("%s call=%s session=%s barge-in: dropped %d queued frames", r.transport, r.id, s.id, dropped)
+            if self.cleared is not None:
+                await _maybe_await(self.cleared())
+        elif isinstance(ev, Transcript):
+            if ev.final:
+                r.transcripts.append(ev.text)
+                log.info("%s call=%s session=%s turn=%d caller said: %r", r.transport, r.id, s.id, ev.turn, ev.text)
+        elif isinstance(ev, ReplyDone):
+            r.replies.append(ev.text)
+            log.info("%s call=%s session=%s turn=%d reply%s: %r", r.transport, r.id, s.id, ev.turn,
+                     " (interrupted)" if ev.interrupted else "", ev.heard if ev.interrupted else ev.text)
+        elif isinstance(ev, LatencyReport):
+            r.latency.append(dict(ev.stages_ms))
+        elif isinstance(ev, Error):
+            r.counters[f"error_{ev.code}"] += 1
+
+
+async def _maybe_await(value) -> None:
+    if asyncio.iscoroutine(value):
+        await value

@@ -1,0 +1,215 @@
+"""Twilio Media Streams (bidirectional, `<Connect><Stream url="wss://host/twilio"/>`).
+
+Twilio sends JSON text frames: `connected`, `start`, `media` (base64 µ-law 8 kHz, 20 ms),
+`dtmf`, `mark` (our marks, echoed once the audio before them has played) and `stop`. We send
+`media` (20 ms of µ-law, paced in real time), a `mark` after each reply phrase, and `clear`
+on barge-in. Anything malformed or out of place is dropped, counted and logged; the call
+goes on. See docs/TELEPHONY.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voice.audio import ulaw_decode, ulaw_encode
+from voice.session import Session, Stages
+from voice.transports.telephony import RATE, CallRecord, Outbound, calls, count_drop
+
+log = logging.getLogger("voice.twilio")
+LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
+MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
+
+
+class TwilioCall:
+    def __init__(self, ws: WebSocket, stages: Stages):
+        self.ws, self.stages = ws, stages
+        self.registry = stages.metrics.registry
+        self.session: Session | None = None
+        self.record: CallRecord | None = None
+        self.stream_sid = ""
+        self.out: Outbound | None = None
+        self.sender: asyncio.Task | None = None
+        self.marks: dict[str, tuple[int, str]] = {}  # mark name -> (turn, phrase) not yet echoed
+        self.cleared_marks: set[str] = set()
+        self.mark_no = 0
+        self.send_lock = asyncio.Lock()
+
+    def drop(self, reason: str, detail: str = "") -> None:
+        count_drop(self.registry, self.record, "twilio", reason, detail)
+
+    async def run(self) -> None:
+        await self.ws.accept()
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    return
+                if msg.get("text") is None:
+                    self.drop("binary_frame", "Media Streams messages are JSON text frames")
+                    continue
+                if await self.handle(msg["text"]) == "stop":
+                    return
+        except WebSocketDisconnect:
+            return
+        finally:
+            await self.end("stop" if self.record and self.record.meta.get("stopped") else "disconnect")
+
+    async def handle(self, text: str) -> str | None:
+        try:
+            msg = json.loads(text)
+        except json.JSONDecodeError as err:
+            self.drop("bad_json", str(err))
+            return None
+        if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+            self.drop("bad_message", "not an object with an event")
+            return None
+        event = msg["event"]
+        if event == "connected":
+            log.info("twilio websocket connected: protocol=%s version=%s", msg.get("protocol"), msg.get("version"))
+        elif event == "start":
+            self.start(msg)
+        elif self.session is None:
+            self.drop("before_start", f"{event!r} before start")
+        elif event == "media":
+            await self.media(msg)
+        elif event == "mark":
+            self.mark(msg)
+        elif event == "dtmf":
+            self.dtmf(msg)
+        elif event == "stop":
+            self.record.meta["stopped"] = True
+            log.info("twilio call=%s stop", self.stream_sid)
+            return "stop"
+        else:
+            self.drop("unknown_event", repr(event)[:40])
+        return None
+
+    def start(self, msg: dict) -> None:
+        if self.session is not None:
+            self.drop("duplicate_start")
+            return
+        start = msg.get("start")
+        sid = msg.get("streamSid") or (start.get("streamSid") if isinstance(start, dict) else None)
+        if not isinstance(start, dict) or not isinstance(sid, str) or not sid:
+            self.drop("bad_start", "start without start{} or streamSid")
+            return
+        fmt = start.get("mediaFormat") or {}
+        if (fmt.get("encoding"), fmt.get("sampleRate"), fmt.get("channels", 1)) != ("audio/x-mulaw", RATE, 1):
+            self.drop("bad_start", f"unsupported mediaFormat {fmt!r}")
+            return
+        self.stream_sid = sid
+        self.session = Session(self.stages, RATE, RATE, "twilio")
+        self.record = calls.open(CallRecord(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
+        self.record.meta.update(callSid=start.get("callSid"), accountSid=start.get("accountSid"),
+                                tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
+        self.out = Outbound(self.session, self.record, self.send_media, phrase_end=self.send_mark,
+                            cleared=self.send_clear, lead_s=LEAD_S)
+        self.sender = asyncio.create_task(self._play())
+        log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
+                 start.get("callSid"), start.get("tracks"), start.get("customParameters"))
+
+    async def _play(self) -> None:
+        try:
+            await self.out.run()
+        except (WebSocketDisconnect, RuntimeError, OSError) as err:  # the socket went away mid-send
+            log.info("twilio call=%s sender stopped: %s", self.stream_sid, err)
+        except Exception:
+            log.exception("twilio call=%s sender failed", self.stream_sid)
+
+    async def media(self, msg: dict) -> None:
+        media = msg.get("media")
+        if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
+            self.drop("bad_media", "media without media.payload")
+            return
+        if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+            self.drop("wrong_track", f"track {media.get('track')!r}")
+            return
+        try:
+            ulaw = base64.b64decode(media["payload"], validate=True)
+        except (binascii.Error, ValueError) as err:
+            self.drop("bad_base64", str(err))
+            return
+        if not ulaw or len(ulaw) > MAX_PAYLOAD:
+            self.drop("bad_media", f"payload of {len(ulaw)} bytes")
+            return
+        self.record.counters["media_in"] += 1
+        chunk = media.get("chunk")
+        if isinstance(chunk, str) and chunk.isdigit():
+            last = self.record.meta.get("last_chunk")
+            if last is not None and int(chunk) != last + 1:
+                self.record.counters["chunk_gaps"] += 1
+            self.record.meta["last_chunk"] = int(chunk)
+        await self.session.push_audio(ulaw_decode(ulaw).astype("<i2").tobytes())
+
+    def mark(self, msg: dict) -> None:
+        name = (msg.get("mark") or {}).get("name") if isinstance(msg.get("mark"), dict) else None
+        if not isinstance(name, str):
+            self.drop("bad_mark", "mark without mark.name")
+            return
+        entry = self.marks.pop(name, None)
+        if entry is None:
+            self.drop("unknown_mark", name[:40])
+            return
+        if name in self.cleared_marks:  # Twilio returns the marks of audio that `clear` dropped
+            self.cleared_marks.discard(name)
+            self.record.counters["marks_cleared"] += 1
+            return
+        self.record.counters["marks_played"] += 1
+        self.record.heard.append(entry[1])
+
+    def dtmf(self, msg: dict) -> None:
+        dtmf = msg.get("dtmf")
+        digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
+        if not isinstance(digit, str) or not digit:
+            self.drop("bad_dtmf", "dtmf without dtmf.digit")
+            return
+        # The session has no DTMF input yet: record it and log it with the session id.
+        self.record.dtmf.append(digit)
+        self.record.counters["dtmf"] += 1
+        log.info("twilio call=%s session=%s DTMF %r (track %s)", self.stream_sid, self.session.id, digit,
+                 dtmf.get("track"))
+
+    # --- to Twilio -------------------------------------------------------------------------
+
+    async def _send(self, obj: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps(obj, separators=(",", ":")))
+
+    async def send_media(self, pcm: np.ndarray, talkspurt: bool) -> None:
+        payload = base64.b64encode(ulaw_encode(pcm)).decode("ascii")
+        await self._send({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}})
+
+    async def send_mark(self, turn: int, text: str) -> None:
+        self.mark_no += 1
+        name = f"{self.session.id}-t{turn}-p{self.mark_no}"
+        self.marks[name] = (turn, text)
+        self.record.counters["marks_sent"] += 1
+        await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
+
+    async def send_clear(self) -> None:
+        self.cleared_marks |= set(self.marks)
+        await self._send({"event": "clear", "streamSid": self.stream_sid})
+
+    async def end(self, reason: str) -> None:
+        if self.sender is not None:
+            self.sender.cancel()
+        if self.session is not None:
+            await self.session.close()
+        if self.record is not None:
+            calls.close(self.record, reason)
+        if reason == "stop":
+            try:
+                await self.ws.close()
+            except (RuntimeError, WebSocketDisconnect):
+                pass
+
+
+async def handle(ws: WebSocket, stages: Stages) -> None:
+    await TwilioCall(ws, stages).run()

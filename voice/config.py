@@ -37,6 +37,7 @@ class LmConfig:
     threshold: float = 0.9
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
+    max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):

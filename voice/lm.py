@@ -35,7 +35,8 @@ class LocalLM:
         self.decode = DecodeConfig(mode=config.mode, max_new_tokens=config.max_new_tokens,
                                    block_size=config.block_size, first_block_size=config.first_block_size,
                                    threshold=config.threshold)
-        self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode)
+        self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
+                                  max_batch=config.max_batch)
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)

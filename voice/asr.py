@@ -20,6 +20,7 @@ SAMPLE_RATE = 16000
 # Every decode of every session queues on one thread: sessions take turns fairly instead of
 # oversubscribing the CPU, and the shared model is never called concurrently.
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr")
+_busy = 0  # decodes running on _WORKER now; partials yield to everything else
 
 
 @dataclass
@@ -78,8 +79,8 @@ class StreamingTranscriber:
     async def process_iter(self) -> str | None:
         """Decode if enough new audio arrived; the longer partial transcript, or None."""
         interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000
-        if self._samples - self._decoded_samples < interval:
-            return None
+        if self._samples - self._decoded_samples < interval or _busy:
+            return None  # partials are best effort: never queue one behind another session's work
         self._decoded_samples = self._samples
         utterance = self._utterance
         committed = " ".join(self._committed)
@@ -114,14 +115,22 @@ class StreamingTranscriber:
             done = loop.create_future()
             done.set_result("")
             return done
-        return loop.run_in_executor(_WORKER, self._decode, audio, "")
+        return loop.run_in_executor(_WORKER, self._counted_decode, audio, "")
 
     def _audio(self) -> np.ndarray:
         return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
 
     async def _transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_WORKER, self._decode, audio, prefix)
+        return await loop.run_in_executor(_WORKER, self._counted_decode, audio, prefix)
+
+    def _counted_decode(self, audio: np.ndarray, prefix: str) -> str:
+        global _busy
+        _busy += 1
+        try:
+            return self._decode(audio, prefix)
+        finally:
+            _busy -= 1
 
     def _decode(self, audio: np.ndarray, prefix: str) -> str:
         """Transcript of `audio`, which starts with `prefix` when one is given."""

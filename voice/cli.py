@@ -27,7 +27,9 @@ def cmd_serve(a) -> int:
 
 def cmd_bench(a) -> int:
     from voice.clients.bench import bench
-    bench(a.url, Path(a.audio), Path(a.json) if a.json else None, a.rate, a.lm_mode, a.repeat)
+    sessions = [int(n) for n in a.sessions.split(",")] if a.sessions else None
+    bench(a.url, Path(a.audio), Path(a.json) if a.json else None, a.rate, a.lm_mode, a.repeat, sessions,
+          a.budget_ms)
     return 0
 
 
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=int, default=16000, help="sample rate to stream at")
     p.add_argument("--lm-mode", choices=["diffusion", "ar"], default=None, help="ask the session for this LM mode")
     p.add_argument("--repeat", type=int, default=1, help="play the folder this many times")
+    p.add_argument("--sessions", default="", help="comma-separated numbers of simultaneous sessions to sweep, "
+                                                  "e.g. 1,2,4 (default: one session)")
+    p.add_argument("--budget-ms", type=float, default=1500.0,
+                   help="voice-to-voice p95 budget for the --sessions sweep (the CPU profile's)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("mic", help="talk to a running service from this machine's microphone (use headphones)",

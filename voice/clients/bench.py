@@ -182,14 +182,45 @@ def print_table(summary: dict) -> None:
 
 
 def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, lm_mode: str | None = None,
-          repeat: int = 1) -> dict:
+          repeat: int = 1, sessions: list[int] | None = None, budget_ms: float = 1500.0) -> dict:
+    """One session by default; with `sessions`, a sweep of N simultaneous sessions per entry."""
     files = sorted(audio_dir.glob("*.wav")) * repeat
     if not files:
         raise SystemExit(f"no .wav files in {audio_dir}")
-    turns = asyncio.run(run_session(url, files, read_references(audio_dir), rate, lm_mode))
-    summary = summarise(turns)
-    print_table(summary)
+    refs = read_references(audio_dir)
+    if not sessions:
+        turns = asyncio.run(run_session(url, files, refs, rate, lm_mode))
+        summary = summarise(turns)
+        print_table(summary)
+        result = {"summary": summary, "per_turn": [t.__dict__ for t in turns]}
+    else:
+        sweep = []
+        for n in sessions:
+            turns = asyncio.run(run_concurrent(url, files, refs, rate, lm_mode, n))
+            summary = summarise(turns) | {"sessions": n}
+            summary["within_budget"] = summary["v2v_ms_p95"] is not None and summary["v2v_ms_p95"] <= budget_ms \
+                and summary["answered"] == summary["turns"]
+            sweep.append(summary)
+            print(f"sessions {n:3d}: v2v p50 {summary['v2v_ms_p50'] or float('nan'):7.0f} ms  "
+                  f"p95 {summary['v2v_ms_p95'] or float('nan'):7.0f} ms  turns over budget "
+                  f"{summary['budget_violations']}/{summary['turns']}  errors {summary['errors']}  "
+                  f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget")
+        held = [s["sessions"] for s in sweep if s["within_budget"]]
+        result = {"summary": {"sweep": sweep, "max_sessions_within_budget": max(held, default=0),
+                              "budget_ms": budget_ms}}
+        print(f"largest N with p95 within budget: {result['summary']['max_sessions_within_budget']}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"summary": summary, "per_turn": [t.__dict__ for t in turns]}, indent=1))
-    return summary
+        json_out.write_text(json.dumps(result, indent=1))
+    return result["summary"]
+
+
+async def run_concurrent(url: str, files: list[Path], refs: dict[str, str], rate: int, lm_mode: str | None,
+                         n: int) -> list[Turn]:
+    """N sessions at once, staggered like people who did not agree to speak in unison."""
+    async def one(i: int) -> list[Turn]:
+        await asyncio.sleep(i * 0.7)
+        order = files[i % len(files):] + files[:i % len(files)]
+        return await run_session(url, order, refs, rate, lm_mode, log=lambda *_: None)
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    return [t for turns in results for t in turns]

@@ -36,6 +36,7 @@ class AdaptConfig:
     warmup_steps: int = 20
     pack_tokens: int = 512  # tokens per packed training sequence (clean + noisy)
     min_mask_ratio: float = 0.1
+    noisy_weight: float = 1.0  # loss weight of masked-block rows relative to the clean next-token rows
     max_tokens: int = 0  # stop after this many trained tokens (0: no limit)
     max_minutes: float = 0.0  # stop after this long (0: no limit)
     save_every: int = 50  # steps
@@ -75,7 +76,8 @@ def noisy_example(ids: list[int], prompt_len: int, cfg: AdaptConfig, mask_id: in
         targets_clean = [ids[i + 1] if i + 1 >= prompt_len and i + 1 < n else -100 for i in range(n)]
     else:
         targets_clean = [-100] * n  # an unshifted model predicts in place: clean rows carry no loss
-    return tokens, positions, mask, targets_clean + targets_noisy
+    weights = [1.0] * n + [cfg.noisy_weight] * n_noisy
+    return tokens, positions, mask, targets_clean + targets_noisy, weights
 
 
 def pack(examples, cfg: AdaptConfig, mask_id: int, rng: random.Random):
@@ -93,14 +95,16 @@ def pack(examples, cfg: AdaptConfig, mask_id: int, rng: random.Random):
     positions = torch.tensor([q for p in parts for q in p[1]])
     mask = torch.block_diag(*[p[2] for p in parts])
     targets = torch.tensor([t for p in parts for t in p[3]])
-    return tokens, positions, mask, targets
+    weights = torch.tensor([w for p in parts for w in p[4]])
+    return tokens, positions, mask, targets, weights
 
 
 def loss_on(model: Transformer, batch) -> torch.Tensor:
-    tokens, positions, mask, targets = batch
+    tokens, positions, mask, targets, weights = batch
     rows = (targets != -100).nonzero().squeeze(-1)
     logits = model(tokens, positions, mask, rows)[0]
-    return F.cross_entropy(logits.float(), targets[rows])
+    losses = F.cross_entropy(logits.float(), targets[rows], reduction="none")
+    return (losses * weights[rows]).sum() / weights[rows].sum()
 
 
 def train(model: Transformer, examples, spec: DiffusionSpec, cfg: AdaptConfig, out: Path,

@@ -99,7 +99,7 @@ def cmd_adapt(a) -> int:
     spec.block_size, spec.shift, spec.trained = a.block_size, not a.no_shift, True
     cfg = adapt.AdaptConfig(block_size=a.block_size, shift=not a.no_shift, rank=a.rank, alpha=2.0 * a.rank, lr=a.lr,
                             max_tokens=a.max_tokens, max_minutes=a.max_minutes, save_every=a.save_every,
-                            seed=a.seed)
+                            noisy_weight=a.noisy_weight, seed=a.seed)
     result = adapt.train(teacher.model, train_set, spec, cfg, out, heldout)
     print(json.dumps(result))
     print(f"adapter: {out / 'adapter.safetensors'}")
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-shift", action="store_true", help="predict tokens in place instead of the next token")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--noisy-weight", type=float, default=1.0,
+                   help="loss weight of the masked-block rows relative to the clean next-token rows")
     p.add_argument("--max-tokens", type=int, default=0, help="stop after this many trained tokens")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")

@@ -56,7 +56,7 @@ def round_lora_to_fp16(model) -> None:
 
 def probe_batches(examples, cfg: AdaptConfig):
     """A packed noisy batch (mask tokens, block masks, packed positions) and a plain causal sequence."""
-    tokens, positions, mask, _ = pack(list(examples), cfg, MASK_ID, random.Random(7))
+    tokens, positions, mask, _, _ = pack(list(examples), cfg, MASK_ID, random.Random(7))
     plain = torch.tensor([examples[0][0] + [MASK_ID, MASK_ID]])
     t = plain.shape[1]
     return [(tokens, positions, mask), (plain, torch.arange(t), visibility_mask(torch.arange(t) + 1, t))]

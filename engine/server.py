@@ -9,17 +9,31 @@ Besides the standard fields, the body may carry (the `openai` client's `extra_bo
 `mode` ("diffusion" | "ar"), `block_size`, `first_block_size`, `threshold`, `rule`, `topk`,
 `max_steps`. Responses add a non-standard `x_engine` object with the decoder's statistics.
 Errors use OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Security and limits (docs/SECURITY.md): with API keys configured, every `/v1/*` request needs
+`Authorization: Bearer KEY` (`/healthz` stays open); `serve` reads the keys from
+`$ENGINE_API_KEYS` (comma-separated, each `key` or `name:key`) and/or the file named by
+`$ENGINE_API_KEYS_FILE`, and refuses to listen on a non-loopback host without any unless
+`ENGINE_ALLOW_UNAUTHENTICATED=1`. Request bodies are capped (`$ENGINE_MAX_BODY_BYTES`, 1 MiB:
+413) and so is the text of the messages (`$ENGINE_MAX_INPUT_CHARS`, 32768 characters: 400
+`string_above_max_length`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import math
+import os
+import re
 import time
 import uuid
+from pathlib import Path
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +51,8 @@ from engine.stream import Conversation, Engine, Piece
 log = logging.getLogger("engine.server")
 
 LOG_KEY = "engine.request_log"  # per-request details the handlers leave in the ASGI scope for RequestLog
+MAX_INPUT_CHARS = 32768  # characters over all messages of one request
+MAX_BODY_BYTES = 1 << 20
 
 
 class APIError(Exception):
@@ -234,7 +250,9 @@ def _sse(obj: Any) -> bytes:
 
 # --- app -------------------------------------------------------------------------------------
 
-def build_app(engine: Engine, defaults: DecodeConfig) -> Starlette:
+def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] | None = None,
+              max_input_chars: int = MAX_INPUT_CHARS, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them."""
     model_id = engine.name
     created = int(time.time())
     context = engine.max_seq_len
@@ -254,7 +272,7 @@ def build_app(engine: Engine, defaults: DecodeConfig) -> Starlette:
 
     async def chat_completions(request: Request) -> Response:
         info = request.scope.setdefault(LOG_KEY, {})
-        raw = await request.body()
+        raw = await _read_body(request, max_body_bytes)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
@@ -265,6 +283,10 @@ def build_app(engine: Engine, defaults: DecodeConfig) -> Starlette:
             raise APIError(404, f"The model `{body.get('model')}` does not exist; this server has "
                            f"`{model_id}`.", "model", "model_not_found")
         messages, cfg, opts = parse_request(body, defaults, context)
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > max_input_chars:
+            raise APIError(400, f"The messages hold {chars} characters; this server accepts at most "
+                           f"{max_input_chars}.", "messages", "string_above_max_length")
         info.update(mode=cfg.mode, stream=opts["stream"], max_tokens=cfg.max_new_tokens)
         try:
             prompt = await asyncio.to_thread(engine.prompt_ids, messages)
@@ -371,10 +393,93 @@ def build_app(engine: Engine, defaults: DecodeConfig) -> Starlette:
     app = Starlette(
         routes=[Route("/v1/models", models), Route("/v1/models/{name:path}", model_info),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/healthz", healthz)],
-        middleware=[Middleware(RequestLog)],
+        middleware=[Middleware(RequestLog), Middleware(BearerAuth, keys=api_keys or {})],
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.engine, app.state.defaults = engine, defaults
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"The request body is {length} bytes; this server accepts at most {limit}.", None,
+                       "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body is over {limit} bytes.", None, "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class BearerAuth:
+    """`Authorization: Bearer KEY` on /v1/* when keys are configured (constant-time comparison)."""
+
+    def __init__(self, app, keys: dict[str, str]):
+        self.app = app
+        self.digests = {name: hashlib.sha256(key.encode()).digest() for name, key in keys.items()}
+
+    def principal(self, scope) -> str | None:
+        headers = dict((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", []))
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        found = None
+        for name, d in self.digests.items():
+            if hmac.compare_digest(digest, d):
+                found = name
+        return found
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.digests or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        name = self.principal(scope)
+        if name is None:
+            has = any(k.lower() == b"authorization" for k, _ in scope.get("headers", []))
+            err = APIError(401, "Incorrect API key provided." if has else
+                           "You didn't provide an API key: send 'Authorization: Bearer <key>'.", None,
+                           "invalid_api_key", "invalid_request_error")
+            scope.setdefault(LOG_KEY, {})["error"] = "invalid_api_key"
+            response = err.response()
+            response.headers["www-authenticate"] = "Bearer"
+            return await response(scope, receive, send)
+        scope.setdefault(LOG_KEY, {})["key"] = name
+        return await self.app(scope, receive, send)
+
+
+def load_api_keys(env: dict | None = None) -> dict[str, str]:
+    """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE: `key` or `name:key` entries."""
+    env = os.environ if env is None else env
+    text = env.get("ENGINE_API_KEYS", "")
+    if env.get("ENGINE_API_KEYS_FILE"):
+        path = Path(env["ENGINE_API_KEYS_FILE"]).expanduser()
+        try:
+            text += "\n" + path.read_text()
+        except OSError as err:
+            raise SystemExit(f"engine serve: cannot read the API key file {path}: {err}") from err
+    keys: dict[str, str] = {}
+    for raw in re.split(r"[,\n]", text):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        name, sep, key = entry.partition(":")
+        if not sep:
+            name, key = "key-" + hashlib.sha256(entry.encode()).hexdigest()[:8], entry
+        if len(key.strip()) < 16:
+            raise SystemExit(f"engine serve: the API key named {name.strip()!r} is shorter than 16 characters")
+        keys[name.strip()] = key.strip()
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class RequestLog:
@@ -409,10 +514,23 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
     import uvicorn
 
     from engine.loading import ModelLoadError
+    keys = load_api_keys()
+    if not keys and not _is_loopback(host) and os.environ.get("ENGINE_ALLOW_UNAUTHENTICATED") != "1":
+        raise SystemExit(f"engine serve: refusing to listen on {host or 'all interfaces'} without API keys: set "
+                         "$ENGINE_API_KEYS (or $ENGINE_API_KEYS_FILE), listen on 127.0.0.1, or set "
+                         "ENGINE_ALLOW_UNAUTHENTICATED=1 if a proxy in front authenticates.")
+    limits = {}
+    for name, var in (("max_input_chars", "ENGINE_MAX_INPUT_CHARS"), ("max_body_bytes", "ENGINE_MAX_BODY_BYTES")):
+        value = os.environ.get(var, "")
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise SystemExit(f"engine serve: ${var} must be a positive integer")
+            limits[name] = int(value)
     try:
         engine = Engine.load(model, adapter=adapter, defaults=defaults)
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
-    log.info("serving %s on http://%s:%d/v1 (mode %s, max_tokens %d)", engine.name, host, port, defaults.mode,
-             defaults.max_new_tokens)
-    uvicorn.run(build_app(engine, defaults), host=host, port=port, access_log=False, log_level="info")
+    log.info("serving %s on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, host, port, defaults.mode,
+             defaults.max_new_tokens, f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
+    uvicorn.run(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
+                log_level="info")

@@ -28,10 +28,13 @@ def synthesizer(voice):
 def transcribe():
     model = load_whisper(AsrConfig())
 
-    def transcribe_16k(audio: np.ndarray) -> str:
+    async def final(audio: np.ndarray) -> str:
         transcriber = StreamingTranscriber(model, AsrConfig())
         transcriber.insert_audio_chunk(audio)
-        return asyncio.run(transcriber.finish()).lower()
+        return await transcriber.finish()
+
+    def transcribe_16k(audio: np.ndarray) -> str:
+        return asyncio.run(final(audio)).lower()
 
     return transcribe_16k
 

@@ -1,4 +1,4 @@
-"""`voice serve | bench | mic`."""
+"""`voice serve | bench | mic | records | soak`."""
 
 from __future__ import annotations
 
@@ -21,8 +21,43 @@ def cmd_serve(a) -> int:
         config.lm.mode = a.lm_mode
     if a.sip_port:
         config.sip.port = a.sip_port
-    serve(config)
+    if a.records is not None:
+        config.records.path = a.records
+    from voice.auth import ConfigError
+    try:
+        serve(config)
+    except ConfigError as err:
+        print(f"voice serve: {err}", file=sys.stderr)
+        return 2
     return 0
+
+
+def cmd_records(a) -> int:
+    import json
+
+    from voice import records
+    path = a.db or load_config(a.config).records.path
+    if not path:
+        print("voice records: call records are off (records.path is empty); pass --db", file=sys.stderr)
+        return 2
+    try:
+        sessions = records.read_sessions(path, a.session, a.limit)
+    except (FileNotFoundError, records.sqlite3.Error) as err:
+        print(f"voice records: {err}", file=sys.stderr)
+        return 1
+    if a.format == "csv":
+        sys.stdout.write(records.to_csv(sessions))
+    else:
+        json.dump(sessions, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_soak(a) -> int:
+    from voice.clients.soak import soak
+    report = soak(a.url, Path(a.audio), a.sessions, a.minutes, pid=a.pid, rate=a.rate, json_path=a.json or None,
+                  token=a.token, turn_timeout_s=a.turn_timeout)
+    return 0 if report["lost_turns"] == 0 and report["errors"] == 0 else 1
 
 
 def cmd_bench(a) -> int:
@@ -53,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="", help="override lm.mode")
     p.add_argument("--sip-port", type=int, default=0,
                    help="also answer SIP calls on this UDP port (sip.port; default off, see docs/TELEPHONY.md)")
+    p.add_argument("--records", default=None, metavar="PATH",
+                   help="call records database (records.path; \"\" = off; default runs/records.sqlite3)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="stream WAV files to a running service in real time and time each turn",
@@ -77,6 +114,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=None, help="output device: index or part of its name (default: the system's)")
     p.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
     p.set_defaults(func=cmd_mic)
+
+    p = sub.add_parser("records", help="list or export call records (transcripts, replies, latency, errors)",
+                       description="Sessions and their turns from the call records database, newest last.")
+    p.add_argument("--db", default="", help="database (default: records.path of --config, runs/records.sqlite3)")
+    p.add_argument("--config", default=None, help="TOML config whose records.path to read")
+    p.add_argument("--session", default="", help="only this session (its id, e.g. s7, or its uid)")
+    p.add_argument("--format", choices=["json", "csv"], default="json",
+                   help="json: sessions with nested turns and errors; csv: one row per turn")
+    p.add_argument("--limit", type=int, default=20, help="the N most recent sessions (default 20)")
+    p.set_defaults(func=cmd_records)
+
+    p = sub.add_parser("soak", help="hold N sessions replaying speech for M minutes; report leaks and latency",
+                       description="N concurrent sessions each replay the WAVs of --audio in real time, turn after "
+                                   "turn, for --minutes. Reports the server's RSS and open file descriptors over "
+                                   "time (same machine: --pid, or the pid /healthz gives loopback clients), "
+                                   "errors, lost turns and p95 voice-to-voice latency per interval.")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    p.add_argument("--audio", required=True, help="folder of 16-bit mono WAVs")
+    p.add_argument("--sessions", type=int, default=4, help="concurrent sessions (1-64)")
+    p.add_argument("--minutes", type=float, default=5.0, help="how long (at most 24 h)")
+    p.add_argument("--pid", type=int, default=0, help="server process to watch (default: from /healthz)")
+    p.add_argument("--rate", type=int, default=16000, help="sample rate to stream at")
+    p.add_argument("--token", default="", help="append ?token= (from POST /token) to the URL")
+    p.add_argument("--turn-timeout", type=float, default=120.0, help="a turn without reply_done after this "
+                                                                       "many seconds is lost")
+    p.add_argument("--json", default="", help="write the report here")
+    p.set_defaults(func=cmd_soak)
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +39,17 @@ class LmConfig:
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
+    retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
+    retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
+    probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "openai"):
             raise ValueError(f"lm.backend must be 'local' or 'openai', not {self.backend!r}")
         if self.mode not in ("diffusion", "ar"):
             raise ValueError(f"lm.mode must be 'diffusion' or 'ar', not {self.mode!r}")
+        if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:
+            raise ValueError("lm.retries, lm.retry_backoff_s and lm.probe_interval_s must not be negative")
 
 
 @dataclass
@@ -78,6 +84,8 @@ class SipConfig:
     ring_ms: int = 0  # 180 Ringing this long before answering
     media_timeout_s: float = 60.0  # no RTP from the caller for this long: hang up; 0 = never
     max_calls: int = 16  # more concurrent calls get 486 Busy Here
+    # source addresses (IP or CIDR) allowed to call; [] = any, which is only accepted on a loopback host
+    allow: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         bad = [c for c in self.codecs if c not in ("PCMU", "PCMA")]
@@ -85,6 +93,76 @@ class SipConfig:
             raise ValueError(f"sip.codecs must be a non-empty list of 'PCMU' and 'PCMA', not {self.codecs!r}")
         if not 0 < self.rtp_port_min < self.rtp_port_max <= 65535:
             raise ValueError("sip.rtp_port_min must be below sip.rtp_port_max (both 1-65535)")
+        for net in self.allow:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as err:
+                raise ValueError(f"sip.allow: {net!r} is not an IP address or network: {err}") from err
+
+
+@dataclass
+class RecordsConfig:
+    """Call records: every turn (transcript, reply, what was heard, latency, errors) in SQLite."""
+
+    path: str = "runs/records.sqlite3"  # "" = off; a relative path is relative to the working directory
+    queue: int = 1000  # writes waiting for the writer thread; a full queue makes turns wait for it
+    timeout_s: float = 5.0  # longest a turn's reply_done waits for its record to commit
+
+    def __post_init__(self) -> None:
+        if self.queue < 1 or self.timeout_s <= 0:
+            raise ValueError("records.queue must be at least 1 and records.timeout_s positive")
+
+
+@dataclass
+class AuthConfig:
+    """Who may connect (docs/SECURITY.md). Secrets come from the environment or files, never from here."""
+
+    api_keys_env: str = "VOICE_API_KEYS"  # env var: comma-separated keys, each `key` or `name:key`
+    api_keys_file: str = ""  # file: one `key` or `name:key` per line, # comments; "" = none
+    token_secret_env: str = "VOICE_TOKEN_SECRET"  # env var: HMAC secret for browser tokens; unset = random
+    token_ttl_s: float = 300.0  # lifetime of a token from POST /token
+    origins: list[str] = field(default_factory=list)  # browser Origins allowed on /ws; [] = any
+    twilio_auth_token_env: str = "TWILIO_AUTH_TOKEN"  # env var: set = /twilio requires X-Twilio-Signature
+    twilio_url: str = ""  # the wss:// URL Twilio connects to, for signatures; "" = rebuilt from the request
+    allow_unauthenticated: bool = False  # true: a non-loopback host may run without keys (auth done elsewhere)
+
+    def __post_init__(self) -> None:
+        if self.token_ttl_s <= 0:
+            raise ValueError("auth.token_ttl_s must be positive")
+
+
+@dataclass
+class LimitsConfig:
+    """Maxima with clear errors (PROTOCOL.md); 0 = no limit where it says so."""
+
+    max_sessions: int = 32  # concurrent sessions over all transports; more are refused (too_many_sessions)
+    max_sessions_per_key: int = 8  # concurrent sessions per API key (auth on only); 0 = no limit
+    max_session_s: float = 3600.0  # a session is closed after this long (session_too_long); 0 = never
+    idle_timeout_s: float = 60.0  # no audio at all for this long closes the session (idle_timeout); 0 = never
+    max_utterance_s: float = 30.0  # speech longer than this is cut: end of speech is forced (utterance_too_long)
+    max_reply_chars: int = 2000  # a reply is cut here even if the LM goes on (a remote LM ignoring max_tokens)
+    outbox_audio_s: float = 30.0  # reply audio queued for a client that reads too slowly; more is dropped
+    outbox_max_events: int = 2000  # queued messages for such a client; past this it is closed (slow_client)
+    shutdown_grace_s: float = 10.0  # on shutdown, turns in flight get this long to finish
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.outbox_max_events < 10:
+            raise ValueError("limits.max_sessions must be at least 1 and limits.outbox_max_events at least 10")
+
+
+@dataclass
+class FaultsConfig:
+    """A stage that fails or takes longer than its timeout ends the turn with a spoken apology."""
+
+    asr_timeout_s: float = 20.0  # end of speech -> final transcript
+    lm_first_block_timeout_s: float = 20.0  # final transcript -> first committed LM block
+    lm_block_timeout_s: float = 20.0  # between two LM blocks
+    tts_timeout_s: float = 20.0  # one phrase's synthesis
+    apology: str = "Sorry, something went wrong on my side. Could you say that again?"
+
+    def __post_init__(self) -> None:
+        if min(self.asr_timeout_s, self.lm_first_block_timeout_s, self.lm_block_timeout_s, self.tts_timeout_s) <= 0:
+            raise ValueError("faults timeouts must be positive")
 
 
 @dataclass
@@ -97,6 +175,10 @@ class Config:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     sip: SipConfig = field(default_factory=SipConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
 def _build(cls, values: dict, where: str):

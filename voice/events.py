@@ -62,6 +62,10 @@ class TtsAudio(Event):
     text: str = ""
     type = "tts_audio"
 
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / 2 / self.rate
+
     def to_wire(self) -> dict:
         return {"type": self.type, "turn": self.turn, "bytes": len(self.pcm), "text": self.text}
 
@@ -101,4 +105,14 @@ class LatencyReport(Event):
 class Error(Event):
     code: str = "error"
     message: str = ""
+    stage: str = ""  # asr | lm | tts for a stage failure or timeout
+    apology: bool = False  # the spoken apology follows (binary frames of this turn)
     type = "error"
+
+    def to_wire(self) -> dict:
+        body = {"type": self.type, "turn": self.turn, "code": self.code, "message": self.message}
+        if self.stage:
+            body["stage"] = self.stage
+        if self.apology:
+            body["apology"] = True
+        return body

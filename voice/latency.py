@@ -44,6 +44,16 @@ class Metrics:
         self.sessions = Gauge("voice_sessions_active", "Open sessions", ["transport"], registry=self.registry)
         self.errors = Counter("voice_errors", "Errors reported to clients", ["code"], registry=self.registry)
         self.barge_ins = Counter("voice_barge_ins", "Replies interrupted by the user", registry=self.registry)
+        self.refused = Counter("voice_sessions_refused", "Connections refused before a session opened",
+                               ["reason"], registry=self.registry)
+        self.ended = Counter("voice_sessions_terminated", "Sessions closed by the server (limits, shutdown)",
+                             ["reason"], registry=self.registry)
+        self.audio_dropped = Counter("voice_audio_dropped_seconds", "Reply audio dropped for clients that read "
+                                     "too slowly", ["transport"], registry=self.registry)
+        self.stage_faults = Counter("voice_stage_faults", "Stage failures and timeouts (each ends a turn with "
+                                    "an apology)", ["stage", "kind"], registry=self.registry)
+        self.records_failed = Counter("voice_records_failed", "Call record writes that failed or timed out",
+                                      registry=self.registry)
 
 
 @dataclass
@@ -58,6 +68,10 @@ class LatencyTracker:
         self.turns: dict[int, _Turn] = {}
 
     def observe(self, ev: Event) -> None:
+        if not isinstance(ev, (SpeechStopped, Transcript, ReplyText, TtsAudio, AudioSent, ReplyDone)):
+            return
+        if ev.turn not in self.turns and len(self.turns) >= 64:  # turns that never got a reply: forget the oldest
+            self.turns.pop(next(iter(self.turns)))
         turn = self.turns.setdefault(ev.turn, _Turn())
         first = turn.marks.setdefault
         if isinstance(ev, SpeechStopped):
@@ -75,6 +89,10 @@ class LatencyTracker:
         elif isinstance(ev, ReplyDone):
             first("reply_done", ev.t)
             self._report(ev.turn, ev.t)
+
+    def forget(self, turn_no: int) -> None:
+        """A turn that ended without a reply (nothing was recognised)."""
+        self.turns.pop(turn_no, None)
 
     def _report(self, turn_no: int, now: float) -> None:
         turn = self.turns.pop(turn_no)

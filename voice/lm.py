@@ -3,15 +3,24 @@
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
 (barge-in) cancels generation. Each session gets its own `Chat` so a local engine keeps the
 conversation's prefix cached between turns.
+
+A remote endpoint that can't be reached is retried with backoff before the first block
+(`lm.retries`, `lm.retry_backoff_s`); its health (last success or failure, and a periodic
+probe of `/models`) is what /healthz reports.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from voice.config import LmConfig
+
+log = logging.getLogger("voice.lm")
 
 
 @dataclass
@@ -61,10 +70,48 @@ class RemoteLM:
         import openai
         self.config = config
         self.client = openai.AsyncOpenAI(base_url=config.url, api_key=os.environ.get(config.api_key_env, "none"),
-                                         max_retries=2)
+                                         max_retries=0, timeout=30.0)  # we retry ourselves, and say so in /healthz
+        self.ok = True
+        self.failures = 0  # consecutive
+        self.last_error = ""
+        self.since = time.time()  # of the current state
 
     def chat(self) -> "RemoteChat":
         return RemoteChat(self)
+
+    def health(self) -> dict:
+        return {"ok": self.ok, "url": self.config.url, "consecutive_failures": self.failures,
+                "last_error": self.last_error, "since": round(self.since, 3)}
+
+    def succeeded(self) -> None:
+        if not self.ok:
+            log.info("LM endpoint %s is reachable again", self.config.url)
+            self.since = time.time()
+        self.ok, self.failures = True, 0
+
+    def failed(self, err: BaseException) -> None:
+        if self.ok:
+            self.since = time.time()
+        self.ok = False
+        self.failures += 1
+        self.last_error = f"{type(err).__name__}: {err}"[:300]
+        if self.failures <= 3 or self.failures % 30 == 0:
+            log.warning("LM endpoint %s failed (%d in a row): %s", self.config.url, self.failures, self.last_error)
+
+    async def probe(self) -> None:
+        """GET /models: is the endpoint up (for /healthz, between real calls)?"""
+        try:
+            await asyncio.wait_for(self.client.models.list(), 5.0)
+        except Exception as err:  # noqa: BLE001 - any failure means "down"
+            self.failed(err)
+        else:
+            self.succeeded()
+
+    @staticmethod
+    def retryable(err: BaseException) -> bool:
+        import openai
+        return isinstance(err, (openai.APIConnectionError, openai.APITimeoutError, openai.RateLimitError,
+                                openai.InternalServerError))
 
 
 class RemoteChat:
@@ -72,14 +119,26 @@ class RemoteChat:
         self.lm = lm
 
     async def reply(self, messages: list[dict], mode: str | None = None) -> AsyncIterator[Block]:
-        cfg = self.lm.config
-        stream = await self.lm.client.chat.completions.create(
-            model=cfg.model, messages=messages, stream=True, max_tokens=cfg.max_new_tokens, temperature=0,
-            extra_body={"mode": mode or cfg.mode})
+        cfg, lm = self.lm.config, self.lm
+        for attempt in range(cfg.retries + 1):
+            try:
+                stream = await lm.client.chat.completions.create(
+                    model=cfg.model, messages=messages, stream=True, max_tokens=cfg.max_new_tokens, temperature=0,
+                    extra_body={"mode": mode or cfg.mode})
+                break
+            except Exception as err:
+                lm.failed(err)
+                if attempt == cfg.retries or not lm.retryable(err):
+                    raise
+                await asyncio.sleep(cfg.retry_backoff_s * 2 ** attempt)
+        lm.succeeded()
         try:
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     yield Block(chunk.choices[0].delta.content)
+        except Exception as err:  # the endpoint went away mid-reply
+            lm.failed(err)
+            raise
         finally:
             await stream.close()
 

@@ -1,14 +1,23 @@
-"""One ASGI app: /ws (native protocol), /twilio (Twilio Media Streams), /healthz, /metrics, the web page at /.
+"""One ASGI app: /ws (native protocol), /twilio (Twilio Media Streams), /token, /healthz, /metrics, the web page at /.
 
 With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app.
+The app also owns the call records (`voice.records`), authentication (`voice.auth`) and the
+graceful shutdown: `VoiceServer` (what `voice serve` runs) stops accepting connections, lets
+turns in flight finish for up to `limits.shutdown_grace_s`, then ends every session with
+`shutting_down` (websocket close 1001, SIP BYE) before uvicorn closes the sockets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
+import sqlite3
+import time
 from pathlib import Path
 
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,7 +26,9 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
 from voice.config import Config
+from voice.records import Records
 from voice.session import Stages
 from voice.transports import native, twilio
 
@@ -25,52 +36,187 @@ log = logging.getLogger("voice.server")
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 
-def build_app(config: Config, stages: Stages | None = None) -> Starlette:
-    """`stages` may be given (tests share loaded models); otherwise they load at startup."""
-    state = {"stages": stages}
+def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = None) -> Starlette:
+    """`stages` may be given (tests share loaded models); otherwise they load at startup.
+    `auth` defaults to `[auth]` with its secrets read from the environment now."""
+    auth = auth if auth is not None else Auth.from_config(config.auth)
+    state = {"stages": stages, "draining": False, "drained": False, "probe": None}
+
+    async def drain(grace_s: float | None = None) -> None:
+        """Stop admitting sessions, let turns in flight finish, then end every session."""
+        stages = state["stages"]
+        state["draining"] = True
+        if stages is None or state["drained"]:
+            return
+        state["drained"] = True
+        stages.admission.draining = True
+        grace = config.limits.shutdown_grace_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace
+        busy = [s for s in stages.live if s.busy]
+        log.info("shutting down: %d sessions open, %d with a turn in flight (waiting up to %.0f s)",
+                 len(stages.live), len(busy), grace)
+        while any(s.busy for s in stages.live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for session in list(stages.live):
+            session.terminate("shutting_down", "the server is shutting down", 1001)
+        until = time.monotonic() + 5.0  # the transports send the error and close
+        while stages.live and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        if stages.live:
+            log.warning("shutting down with %d sessions still open", len(stages.live))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if state["stages"] is None:
             state["stages"] = Stages(config)
+        stages = state["stages"]
+        if config.records.path and stages.records is None:
+            try:
+                stages.records = Records(config.records.path, config.records.queue, config.records.timeout_s,
+                                         stages.metrics)
+            except (OSError, sqlite3.Error) as err:
+                log.error("cannot open the call records database %s: %s (set records.path, or \"\" for no "
+                          "records)", config.records.path, err)
+                raise
+            app.state.records_owned = True
+        if config.lm.backend == "openai" and config.lm.probe_interval_s:
+            state["probe"] = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
         sip = None
         if config.sip.port:
             from voice.transports.sip import SipEndpoint
-            sip = SipEndpoint(state["stages"], config.sip)
+            sip = SipEndpoint(stages, config.sip)
             await sip.start()
         app.state.sip = sip
-        log.info("voice service ready on http://%s:%d", config.server.host, config.server.port)
+        log.info("voice service ready on http://%s:%d (%s)", config.server.host, config.server.port,
+                 auth.describe())
         try:
             yield
         finally:
+            await drain(0.0)  # if VoiceServer didn't already (then this does nothing)
+            if state["probe"] is not None:
+                state["probe"].cancel()
             if sip is not None:
                 await sip.stop()
+            if getattr(app.state, "records_owned", False):
+                await asyncio.to_thread(stages.records.close)
+                stages.records = None
 
     async def ws_native(ws: WebSocket):
-        await native.handle(ws, state["stages"])
+        await native.handle(ws, state["stages"], auth)
 
     async def ws_twilio(ws: WebSocket):
-        await twilio.handle(ws, state["stages"])
+        await twilio.handle(ws, state["stages"], auth)
 
     async def healthz(request: Request):
         stages = state["stages"]
-        return JSONResponse({"status": "ok" if stages else "loading", "lm": config.lm.backend,
-                             "model": config.lm.model, "mode": config.lm.mode})
+        body = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model, "mode": config.lm.mode,
+                "auth": auth.enabled}
+        if request.client is not None and is_loopback(request.client.host) and \
+                "x-forwarded-for" not in request.headers:  # not through a proxy on this machine
+            body["pid"] = os.getpid()  # for `voice soak` on the same machine
+        if stages is None:
+            body["status"] = "loading"
+            return JSONResponse(body)
+        body["sessions"] = len(stages.live)
+        lm_health = getattr(stages.lm, "health", None)
+        if lm_health is not None:
+            body["lm_health"] = lm_health()
+            if not body["lm_health"]["ok"]:
+                body["status"] = "degraded"
+        faults = stages.recent_faults()
+        if faults:
+            body["faults"] = faults  # stage -> "error" | "timeout" within the last minute
+            body["status"] = "degraded"
+        if stages.records is not None:
+            body["records"] = {"written": stages.records.written, "failed": stages.records.failed}
+            if stages.records.failed:
+                body["status"] = "degraded"
+        if state["draining"]:
+            body["status"] = "shutting_down"
+            return JSONResponse(body, status_code=503)
+        return JSONResponse(body)
+
+    def bearer(request: Request) -> str:
+        if not auth.enabled:
+            return "anonymous"
+        principal = auth.principal(request.headers, {})  # keys only: no tokens in URLs here
+        return principal
 
     async def metrics(request: Request):
+        try:
+            bearer(request)
+        except AuthError as err:
+            return _auth_error(err)
         stages = state["stages"]
         body = generate_latest(stages.metrics.registry) if stages else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    async def token(request: Request):
+        """POST with `Authorization: Bearer KEY` -> a short-lived token for `/ws?token=...` (browsers)."""
+        if not auth.enabled:
+            return JSONResponse({"error": {"code": "auth_off", "message": "authentication is not enabled on "
+                                           "this server: connect without a token"}}, status_code=404)
+        if "authorization" not in request.headers:
+            return _auth_error(AuthError("unauthorized", "send 'Authorization: Bearer <API key>'"))
+        try:
+            principal = bearer(request)
+        except AuthError as err:
+            return _auth_error(err)
+        value, expiry = auth.issue_token(principal)
+        return JSONResponse({"token": value, "expires_at": expiry, "expires_in": int(auth.token_ttl_s)},
+                            headers={"cache-control": "no-store"})
+
     routes = [WebSocketRoute("/ws", ws_native), WebSocketRoute("/twilio", ws_twilio), Route("/healthz", healthz),
-              Route("/metrics", metrics)]
+              Route("/metrics", metrics), Route("/token", token, methods=["POST"])]
     web = Path(config.server.web_dir) if config.server.web_dir else WEB_DIR
     if web.is_dir():
         routes.append(Mount("/", StaticFiles(directory=web, html=True)))
-    return Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.drain = drain
+    app.state.auth = auth
+    app.state.voice = state
+    return app
+
+
+def _auth_error(err: AuthError) -> JSONResponse:
+    return JSONResponse({"error": {"code": err.code, "message": err.message}}, status_code=err.status,
+                        headers={"www-authenticate": "Bearer"} if err.status == 401 else None)
+
+
+async def _probe(lm, interval: float) -> None:
+    while True:
+        await lm.probe()
+        await asyncio.sleep(interval)
+
+
+class VoiceServer(uvicorn.Server):
+    """uvicorn, but on shutdown the app drains first (turns finish, sessions get a goodbye)."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette):
+        super().__init__(config)
+        self.voice_app = app
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:  # stop accepting new connections
+            server.close()
+        try:
+            await self.voice_app.state.drain()
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            log.exception("draining failed")
+        await super().shutdown(sockets)
 
 
 def serve(config: Config) -> None:
-    import uvicorn
-    uvicorn.run(build_app(config), host=config.server.host, port=config.server.port, log_level="info",
-                ws="websockets", ws_max_size=max(config.session.max_frame_bytes * 2, 1 << 20))
+    auth = Auth.from_config(config.auth)
+    check_exposure(config, auth)
+    install_redaction()
+    if not auth.enabled:
+        log.warning("authentication is off (no API keys): only clients on this machine can connect")
+    elif auth.secret_is_random:
+        log.info("browser tokens are signed with a random per-process secret (set $%s to share one)",
+                 config.auth.token_secret_env)
+    app = build_app(config, auth=auth)
+    uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", ws="websockets",
+                        ws_max_size=max(config.session.max_frame_bytes * 2, 1 << 20),
+                        timeout_graceful_shutdown=5)
+    VoiceServer(uv, app).run()

@@ -3,6 +3,13 @@
 Transports feed `push_audio` and drain `outbox`; they report what reached the wire with
 `audio_sent`, which is how the session knows what the user actually heard. The session
 knows nothing about wire formats, and the latency tracker only watches its events.
+
+Reliability (docs/RELIABILITY.md): each stage runs under a timeout (`[faults]`); a stage that
+fails or overruns ends the turn with an `error` and a short spoken apology (synthesised once
+at start-up), and the session goes on. Every turn is written to the call records before its
+`reply_done` is sent. The outbox is bounded (`[limits]`): reply audio for a client that reads
+too slowly is dropped, and past a hard limit the session ends. `ending` is set when the
+session must end (a limit, shutdown); the transport then closes the connection.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,18 +25,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import soxr
 
+from voice import records as rec
 from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, load_whisper
-from voice.audio import float_to_pcm16, pcm16_to_float
+from voice.audio import float_to_int16, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
-from voice.events import (AudioSent, Clear, Error, Event, ReplyDone, ReplyText, SpeechStarted, SpeechStopped,
-                          Transcript, TtsAudio)
+from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, ReplyText, SpeechStarted,
+                          SpeechStopped, Transcript, TtsAudio)
 from voice.latency import LatencyTracker, Metrics
+from voice.limits import Admission
 from voice.lm import load_lm
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
+RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # audio rates a client may use
+FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
 _session_ids = itertools.count(1)
 
 
@@ -42,8 +54,54 @@ class Stages:
         self.synthesizer = Synthesizer(load_voice(config.tts), config.tts)
         self.lm = load_lm(config.lm)
         self.metrics = Metrics()
+        self.apology = apologies(self.synthesizer, config.faults.apology)
+        self.admission = Admission(config.limits, self.metrics)
+        self.records: rec.Records | None = None  # the app opens them (voice.server)
+        self.live: set[Session] = set()  # open sessions
+        self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
         log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, config.lm.mode)
+
+    def recent_faults(self, window_s: float = FAULT_WINDOW_S) -> dict[str, str]:
+        now = time.monotonic()
+        return {stage: what for stage, (t, what) in self.faults.items() if now - t < window_s}
+
+
+def apologies(synthesizer: Synthesizer, text: str) -> dict[int, bytes]:
+    """The apology as PCM16 at every rate a client may ask for: synthesised once, resampled per rate."""
+    if not text.strip():
+        return {}
+    pcm = synthesizer._render(text, synthesizer.voice_rate)
+    audio = pcm.astype("float32") / 32768.0
+    return {rate: float_to_int16(resample(audio, synthesizer.voice_rate, rate)).astype("<i2").tobytes()
+            for rate in RATES}
+
+
+class StageFailure(Exception):
+    """A stage failed or overran its timeout: the turn ends with `code` and an apology."""
+
+    def __init__(self, code: str, message: str, stage: str, kind: str):
+        super().__init__(message)
+        self.code, self.message, self.stage, self.kind = code, message, stage, kind
+
+
+class Outbox(asyncio.Queue):
+    """The session's outgoing events; keeps a tally of the reply audio it holds."""
+
+    def _init(self, maxsize):
+        super()._init(maxsize)
+        self.audio_s = 0.0
+
+    def _put(self, item):
+        super()._put(item)
+        if isinstance(item, TtsAudio):
+            self.audio_s += item.seconds
+
+    def _get(self):
+        item = super()._get()
+        if isinstance(item, TtsAudio):
+            self.audio_s = max(self.audio_s - item.seconds, 0.0)
+        return item
 
 
 @dataclass
@@ -59,6 +117,9 @@ class _Reply:
     pending: int = 0  # phrases handed to the transport but not on the wire yet
     playback_start: float | None = None
     finished: bool = False
+    emitted: int = 0  # phrases handed to the transport
+    apology_at: int | None = None  # phrases from this index on are the apology, not the reply
+    failure: StageFailure | None = None
 
     def playback_end(self) -> float | None:
         if not self.phrases:
@@ -77,7 +138,7 @@ class _Reply:
     def heard(self, now: float) -> str:
         """Text the user heard by `now`, assuming each phrase plays in real time."""
         words: list[str] = []
-        for text, start, seconds in self.phrases:
+        for text, start, seconds in self.phrases[:self.apology_at]:
             parts = text.split()
             if now >= start + seconds:
                 words += parts
@@ -89,14 +150,16 @@ class _Reply:
 
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
-                 system_prompt: str | None = None, lm_mode: str | None = None):
+                 system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
+                 peer: str = "", meta: dict | None = None):
         cfg = stages.config
         self.id = f"s{next(_session_ids)}"
+        self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
         self.stages, self.config, self.in_rate, self.out_rate = stages, cfg, in_rate, out_rate
-        self.transport = transport
+        self.transport, self.principal, self.peer = transport, principal, peer
         self.system_prompt = system_prompt if system_prompt is not None else cfg.lm.system_prompt
         self.lm_mode = lm_mode
-        self.outbox: asyncio.Queue[Event] = asyncio.Queue()
+        self.outbox: Outbox = Outbox()
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.endpointer = vad.Endpointer(cfg.vad, SAMPLE_RATE)
         self.transcriber = StreamingTranscriber(stages.whisper, cfg.asr)
@@ -112,27 +175,115 @@ class Session:
         self.final_task: asyncio.Task | None = None
         self.reply: _Reply | None = None
         self.closed = False
+        self.opened = self.last_audio = time.monotonic()
+        self.utterance_start_s = 0.0  # audio time the current utterance started
+        self.turn_meta: dict[int, dict] = {}  # turn -> started (unix time), transcript, errors: for the records
+        self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
+        self.end_reason = ""  # the error code that ended it
+        self.close_code = 1000
+        self._held: list[Event] | None = None  # events held back until a turn's record is committed
+        self.error_counts: dict[str, int] = {}
+        self.records = getattr(stages, "records", None)
         stages.metrics.sessions.labels(transport).inc()
-        log.info("session=%s open transport=%s in_rate=%d out_rate=%d", self.id, transport, in_rate, out_rate)
+        live = getattr(stages, "live", None)
+        if live is not None:
+            live.add(self)
+        self._record(rec.session_opened(self.uid, self.id, transport, principal, peer, time.time(),
+                                        {"in_rate": in_rate, "out_rate": out_rate, "lm_mode": lm_mode,
+                                         "custom_system_prompt": system_prompt is not None, **(meta or {})}))
+        try:
+            self.watchdog: asyncio.Task | None = asyncio.get_running_loop().create_task(self._watch())
+        except RuntimeError:  # no event loop (a unit test building a bare session)
+            self.watchdog = None
+        log.info("session=%s open transport=%s in_rate=%d out_rate=%d principal=%s uid=%s", self.id, transport,
+                 in_rate, out_rate, principal, self.uid)
 
     # --- events ------------------------------------------------------------------------------
 
-    def emit(self, ev: Event, wire: bool = True) -> None:
+    def emit(self, ev: Event, wire: bool = True, track: bool = True) -> bool:
+        """Send `ev` to the client (if `wire`) and show it to the latency tracker (if `track`).
+        False if it was not queued: the session is closed, or reply audio over the outbox limit."""
+        queued = False
+        limits = self.config.limits
         if wire and not self.closed:
-            self.outbox.put_nowait(ev)  # before the tracker sees it: a turn's latency report follows its reply_done
-        self.tracker.observe(ev)
+            if self._held is not None:
+                self._held.append(ev)
+                queued = True
+            elif self.outbox.qsize() >= limits.outbox_max_events:  # the client stopped reading long ago
+                if isinstance(ev, TtsAudio):
+                    self._drop_audio(ev)
+                self.terminate("slow_client", f"the client is not reading: {self.outbox.qsize()} messages are "
+                                              "waiting to be sent")
+            elif isinstance(ev, TtsAudio) and self.outbox.audio_s > 0 and \
+                    self.outbox.audio_s + ev.seconds > limits.outbox_audio_s:
+                self._drop_audio(ev)
+            else:
+                self.outbox.put_nowait(ev)  # before the tracker sees it: a turn's latency report follows its reply_done
+                queued = True
+        if track:
+            self.tracker.observe(ev)
         if isinstance(ev, Error):
-            self.stages.metrics.errors.labels(ev.code).inc()
-            log.warning("session=%s error %s: %s", self.id, ev.code, ev.message)
+            self._error_seen(ev)
+        return queued
+
+    def _error_seen(self, ev: Error) -> None:
+        """Count, log and record an error (a client repeating a mistake is logged and recorded sparingly)."""
+        self.stages.metrics.errors.labels(ev.code).inc()
+        n = self.error_counts[ev.code] = self.error_counts.get(ev.code, 0) + 1
+        if n > 10 and n % 100:
+            return
+        log.warning("session=%s turn=%d error %s (#%d): %s", self.id, ev.turn, ev.code, n, ev.message)
+        meta = self.turn_meta.get(ev.turn)
+        if meta is not None and len(meta.setdefault("errors", [])) < 20:
+            meta["errors"].append({"code": ev.code, "message": ev.message})
+        self._record(rec.error(self.uid, ev.turn, time.time(), ev.code, ev.message))
 
     def error(self, code: str, message: str) -> None:
         self.emit(Error(self.turn, time.monotonic(), code, message))
+
+    def _drop_audio(self, ev: TtsAudio) -> None:
+        self.stages.metrics.audio_dropped.labels(self.transport).inc(ev.seconds)
+        log.warning("session=%s turn=%d client reads too slowly: %.1f s of reply audio queued, %.1f s dropped",
+                    self.id, ev.turn, self.outbox.audio_s, ev.seconds)
+
+    def _record(self, ops) -> None:
+        if self.records is not None:
+            self.records.write_nowait(ops)
+
+    def terminate(self, code: str, message: str, close_code: int = 1008) -> None:
+        """End the session from our side: an `error` with `code`, then the transport closes the
+        connection (websocket close `close_code`, reason `code`; SIP BYE)."""
+        if self.ending.is_set() or self.closed:
+            return
+        self.end_reason, self.close_code = code, close_code
+        self.ending.set()
+        self.stages.metrics.ended.labels(code).inc()
+        self.emit(Error(self.turn, time.monotonic(), code, message))
+
+    @property
+    def busy(self) -> bool:
+        """A turn is in flight: the user is speaking, or their turn is not done yet."""
+        tasks = (self.final_task, self.reply.task if self.reply else None)
+        return self.endpointer.in_speech or any(t is not None and not t.done() for t in tasks)
+
+    async def _watch(self) -> None:
+        """Session-wide limits: total duration and audio idleness."""
+        lim = self.config.limits
+        period = min([1.0] + [x / 4 for x in (lim.max_session_s, lim.idle_timeout_s) if x])
+        while not self.closed and not self.ending.is_set():
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            if lim.max_session_s and now - self.opened > lim.max_session_s:
+                self.terminate("session_too_long", f"sessions are limited to {lim.max_session_s:g} s")
+            elif lim.idle_timeout_s and now - self.last_audio > lim.idle_timeout_s:
+                self.terminate("idle_timeout", f"no audio for {lim.idle_timeout_s:g} s")
 
     # --- audio in ------------------------------------------------------------------------------
 
     async def push_audio(self, pcm16: bytes) -> None:
         """PCM16LE mono at the session's input rate, any length."""
         now = time.monotonic()
+        self.last_audio = now
         audio = pcm16_to_float(pcm16)
         if self.resampler is not None:
             audio = self.resampler.resample_chunk(audio)
@@ -147,7 +298,13 @@ class Session:
                 self._speech_stopped(ev, now)
         if self.endpointer.in_speech:
             self.transcriber.insert_audio_chunk(audio)
-            self._listen(self.endpointer.silence_ms)
+            limit = self.config.limits.max_utterance_s
+            if limit and self.audio_s - self.utterance_start_s > limit:
+                self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
+                                                 "it is ignored until you pause")
+                self._speech_stopped(self.endpointer.force_stop(), now)
+            else:
+                self._listen(self.endpointer.silence_ms)
         else:
             self.pre_roll.append(audio)
             while sum(len(a) for a in self.pre_roll) > PRE_ROLL_S * SAMPLE_RATE:
@@ -167,6 +324,8 @@ class Session:
     def _speech_started(self, now: float) -> None:
         self.barge_in(now)
         self.turn += 1
+        self.utterance_start_s = self.audio_s
+        self.turn_meta[self.turn] = {"started": time.time()}
         self.transcriber.reset()
         for chunk in self.pre_roll:
             self.transcriber.insert_audio_chunk(chunk)
@@ -198,22 +357,53 @@ class Session:
             text = await self.transcriber.process_iter()
         except asyncio.CancelledError:
             return
+        except Exception as err:  # partials are optional: the final transcript will tell
+            log.warning("session=%s turn=%d partial transcript failed: %s", self.id, turn, err)
+            return
         if text and turn == self.turn and self.endpointer.in_speech:
             self.emit(Transcript(turn, time.monotonic(), text, False))
 
     async def _finalise(self, turn: int, transcript: asyncio.Future) -> None:
+        timeout = self.config.faults.asr_timeout_s
         try:
-            text = (await transcript).strip()
+            text = (await asyncio.wait_for(transcript, timeout)).strip()
+        except asyncio.TimeoutError:
+            failure = StageFailure("asr_timeout", f"speech recognition took longer than {timeout:g} s", "asr",
+                                   "timeout")
         except Exception as err:  # the ASR failing must not take the session down
             log.exception("session=%s asr failed", self.id)
-            self.error("asr_failed", f"speech recognition failed: {err}")
+            failure = StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error")
+        else:
+            failure = None
+        if failure is not None:
+            if turn != self.turn:  # the user spoke again meanwhile: just note it
+                self._fault(failure)
+                self._record_unreplied(turn, "", "asr_failed")
+                return
+            reply = self.reply = _Reply(turn, task=asyncio.current_task())
+            self._fail(reply, failure)
+            try:
+                await self._played(reply)
+            finally:
+                await self._reply_done(reply, "", "asr_failed")
             return
         if turn != self.turn:
+            self._record_unreplied(turn, text, "superseded")
             return
         self.emit(Transcript(turn, time.monotonic(), text, True))
+        self.turn_meta.setdefault(turn, {})["transcript"] = text
         if text:
             self.reply = _Reply(turn)
             self.reply.task = asyncio.create_task(self._respond(self.reply, text))
+        else:
+            self._record_unreplied(turn, "", "no_speech")
+
+    def _record_unreplied(self, turn: int, transcript: str, status: str) -> None:
+        """A turn that ends without a reply_done: recorded without waiting."""
+        self.tracker.forget(turn)
+        meta = self.turn_meta.pop(turn, {})
+        self._record(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), status, transcript, "", "",
+                                   False, False, None, meta.get("errors", [])))
 
     # --- reply -----------------------------------------------------------------------------
 
@@ -226,42 +416,135 @@ class Session:
         messages = self._messages(user_text)
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(reply, phrases))
-        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
         try:
-            block_no = 0
-            async for block in self.chat.reply(messages, self.lm_mode):
+            try:
+                await self._generate(reply, messages, phrases, speaker)
+                phrases.put_nowait(None)
+                await speaker
+            except StageFailure as failure:
+                speaker.cancel()
+                self._fail(reply, failure)
+            except Exception as err:  # a bug of ours: the same treatment as a failing stage
+                speaker.cancel()
+                log.exception("session=%s turn=%d reply failed", self.id, reply.turn)
+                self._fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
+            await self._played(reply)  # until then a barge-in still interrupts it
+            reply.finished = reply.failure is None
+        except asyncio.CancelledError:
+            speaker.cancel()
+            raise
+        finally:
+            await self._reply_done(reply, user_text, "ok" if reply.finished else
+                                   "failed" if reply.failure else "interrupted")
+
+    async def _generate(self, reply: _Reply, messages: list[dict], phrases: asyncio.Queue,
+                        speaker: asyncio.Task) -> None:
+        """LM blocks -> reply events and phrases for the speaker, each block under its timeout."""
+        faults, limit = self.config.faults, self.config.limits.max_reply_chars
+        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
+        blocks = self.chat.reply(messages, self.lm_mode)
+        block_no = 0
+        try:
+            while True:
+                timeout = faults.lm_first_block_timeout_s if block_no == 0 else faults.lm_block_timeout_s
+                try:
+                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    which = "first block" if block_no == 0 else f"block {block_no + 1}"
+                    raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s "
+                                                        f"for its {which}", "lm", "timeout") from None
+                except (StageFailure, asyncio.CancelledError):
+                    raise
+                except Exception as err:
+                    log.warning("session=%s turn=%d LM failed: %r", self.id, reply.turn, err)
+                    raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
+                if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
+                    raise speaker.exception()  # TTS failed: no point in generating more
                 block_no += 1
                 reply.text += block.text
                 self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
                 for phrase in splitter.push(block.text):
                     phrases.put_nowait(phrase)
-            rest = splitter.flush()
-            if rest:
-                phrases.put_nowait(rest)
-            phrases.put_nowait(None)
-            await speaker
-            await self._played(reply)  # until then a barge-in still interrupts it
-            reply.finished = True
-        except asyncio.CancelledError:
-            speaker.cancel()
-            raise
-        except Exception as err:
-            speaker.cancel()
-            log.exception("session=%s turn=%d reply failed", self.id, reply.turn)
-            self.error("reply_failed", f"the reply failed: {err}")
+                if len(reply.text) >= limit:
+                    log.warning("session=%s turn=%d reply cut at %d characters", self.id, reply.turn, limit)
+                    break
         finally:
-            heard = reply.text.strip() if reply.finished else reply.heard(time.monotonic())
+            try:
+                await asyncio.wait_for(blocks.aclose(), 5.0)
+            except (Exception, asyncio.TimeoutError) as err:
+                log.warning("session=%s turn=%d closing the LM stream failed: %r", self.id, reply.turn, err)
+        rest = splitter.flush()
+        if rest:
+            phrases.put_nowait(rest)
+
+    async def _speak(self, reply: _Reply, phrases: asyncio.Queue) -> None:
+        timeout = self.config.faults.tts_timeout_s
+        while (phrase := await phrases.get()) is not None:
+            try:
+                pcm = await asyncio.wait_for(self.stages.synthesizer.synthesize(phrase, self.out_rate), timeout)
+            except asyncio.TimeoutError:
+                raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
+                                   "timeout") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("session=%s turn=%d TTS failed: %r", self.id, reply.turn, err)
+                raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
+            if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
+                reply.pending += 1
+                reply.emitted += 1
+
+    def _fault(self, failure: StageFailure) -> None:
+        self.stages.metrics.stage_faults.labels(failure.stage, failure.kind).inc()
+        faults = getattr(self.stages, "faults", None)
+        if faults is not None:
+            faults[failure.stage] = (time.monotonic(), failure.kind)
+
+    def _fail(self, reply: _Reply, failure: StageFailure) -> None:
+        """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
+        self._fault(failure)
+        reply.failure = failure
+        reply.apology_at = reply.emitted
+        pcm = getattr(self.stages, "apology", {}).get(self.out_rate)
+        apology = bool(pcm) and self.is_current(reply.turn)
+        self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
+        if apology and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm, self.out_rate,
+                                          self.config.faults.apology), track=False):
+            reply.pending += 1
+            reply.emitted += 1
+
+    async def _reply_done(self, reply: _Reply, user_text: str, status: str) -> None:
+        """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
+        now = time.monotonic()
+        heard = reply.text.strip() if reply.finished else reply.heard(now)
+        if user_text:
             self.history += [{"role": "user", "content": user_text}]
             if heard:
                 self.history.append({"role": "assistant", "content": heard})
-            self.emit(ReplyDone(reply.turn, time.monotonic(), reply.text.strip(), heard, not reply.finished))
-
-    async def _speak(self, reply: _Reply, phrases: asyncio.Queue) -> None:
-        while (phrase := await phrases.get()) is not None:
-            pcm = await self.stages.synthesizer.synthesize(phrase, self.out_rate)
-            if len(pcm):
-                reply.pending += 1
-                self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase))
+            del self.history[:-2 * max(self.config.lm.history_turns, 1)]  # only these reach the LM
+        held: list[Event] = []
+        self._held = held
+        try:
+            self.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
+        finally:
+            self._held = None
+        meta = self.turn_meta.pop(reply.turn, {})
+        if self.records is not None:
+            latency = next((e.to_wire() for e in held if isinstance(e, LatencyReport)), None)
+            if latency is not None:
+                latency.pop("type", None)
+                latency.pop("turn", None)
+            ok = await self.records.write(rec.turn_done(
+                self.uid, reply.turn, meta.get("started"), time.time(), status, user_text, reply.text.strip(),
+                heard, not reply.finished, reply.apology_at is not None and reply.emitted > reply.apology_at,
+                latency, meta.get("errors", [])))
+            if not ok:
+                self.error("record_failed", "this turn could not be written to the call records")
+        for ev in held:
+            if not self.closed:
+                self.outbox.put_nowait(ev)
 
     async def _played(self, reply: _Reply) -> None:
         """Wait until the transport has sent every phrase and the client has played them."""
@@ -294,7 +577,8 @@ class Session:
         if reply is None or reply.turn != turn:
             return
         now = time.monotonic()
-        if reply.playback_start is None:
+        apology = reply.apology_at is not None and len(reply.phrases) >= reply.apology_at
+        if reply.playback_start is None and not apology:
             reply.playback_start = now
             self.emit(AudioSent(turn, now), wire=False)
         reply.pending -= 1
@@ -304,12 +588,17 @@ class Session:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
         return self.reply is not None and self.reply.turn == turn
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "closed") -> None:
         if self.closed:
             return
         self.closed = True
-        for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None):
-            if task is not None and not task.done():
+        for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog):
+            if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
         self.stages.metrics.sessions.labels(self.transport).dec()
-        log.info("session=%s closed after %d turns", self.id, self.turn)
+        live = getattr(self.stages, "live", None)
+        if live is not None:
+            live.discard(self)
+        reason = self.end_reason or reason
+        self._record(rec.session_closed(self.uid, time.time(), reason, self.turn))
+        log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)

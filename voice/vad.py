@@ -76,6 +76,7 @@ class Endpointer:
         self._frames_seen = 0
         self._run = 0  # consecutive frames that disagree with the current state
         self._in_speech = False
+        self._suppressed = False  # after force_stop: no new speech until a hangover of silence
 
     def push(self, pcm16: bytes) -> list[SpeechStarted | SpeechStopped]:
         """Feed audio; return the events it completed, in order."""
@@ -89,10 +90,25 @@ class Endpointer:
         self._pending = self._pending[whole:]
         return events
 
+    def force_stop(self) -> SpeechStopped | None:
+        """End the current speech now (an utterance over the length limit). Speech can only start
+        again after the user pauses for a hangover, so a monologue or steady noise is not
+        chopped into back-to-back turns."""
+        if not self._in_speech:
+            return None
+        self._in_speech, self._run, self._suppressed = False, 0, True
+        now = self._seconds(self._frames_seen)
+        return SpeechStopped(t_audio_s=now, speech_end_s=now)
+
     def _step(self, frame: bytes) -> SpeechStarted | SpeechStopped | None:
         self._frames_seen += 1
         warming_up = self._frames_seen <= self._warmup_frames
         voiced = self._vad.is_speech(frame, self.sample_rate) and not warming_up
+        if self._suppressed:
+            self._run = 0 if voiced else self._run + 1
+            if self._run >= self._stop_frames:
+                self._suppressed, self._run = False, 0
+            return None
         self._run = self._run + 1 if voiced != self._in_speech else 0
         if not self._in_speech and self._run >= self._start_frames:
             self._in_speech, self._run = True, 0

@@ -1,7 +1,10 @@
 """The native websocket protocol (PROTOCOL.md): JSON control + PCM16LE binary frames.
 
 Bad input is answered with an `error` event and dropped; only a missing or invalid `start`
-closes the socket, because without it nothing else can be understood.
+closes the socket, because without it nothing else can be understood. Before that, the
+connection is authenticated and admitted (`voice.auth`, `voice.limits`); a refusal is an
+`error` and a close too. A session the server ends (a limit, shutdown) gets its `error`,
+then a close with the error code as reason.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from voice.auth import Auth, AuthError
 from voice.events import PROTOCOL_VERSION, TtsAudio
-from voice.session import Session, Stages
+from voice.limits import LimitError
+from voice.session import RATES, Session, Stages
 
 log = logging.getLogger("voice.native")
-RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 ENCODINGS = ("pcm_s16le",)
+FLUSH_S = 2.0  # when the server ends a session: time to send what is queued (the final error) before closing
 
 
 class ProtocolError(ValueError):
@@ -30,19 +35,19 @@ def parse_start(text: str) -> dict:
     """Validate a `start` message; returns {in_rate, out_rate, system_prompt, lm_mode}."""
     try:
         msg = json.loads(text)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:
         raise ProtocolError("bad_json", f"expected a JSON start message: {err}") from err
     if not isinstance(msg, dict) or msg.get("type") != "start":
         raise ProtocolError("expected_start", "the first message must be {\"type\": \"start\", ...}")
     version = msg.get("version", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("unsupported_version", f"protocol version {version!r} is not supported "
+    if not _is_int(version) or version != PROTOCOL_VERSION:
+        raise ProtocolError("unsupported_version", f"protocol version {str(version)[:40]!r} is not supported "
                                                    f"(this server speaks {PROTOCOL_VERSION})")
     rate = msg.get("sample_rate")
     out_rate = msg.get("output_sample_rate", rate)
     for name, value in (("sample_rate", rate), ("output_sample_rate", out_rate)):
-        if value not in RATES:
-            raise ProtocolError("bad_sample_rate", f"{name} must be one of {RATES}, not {value!r}")
+        if not _is_int(value) or value not in RATES:
+            raise ProtocolError("bad_sample_rate", f"{name} must be one of {RATES}, not {value!r}"[:200])
     if msg.get("encoding", "pcm_s16le") not in ENCODINGS:
         raise ProtocolError("bad_encoding", f"encoding must be one of {ENCODINGS}")
     session = msg.get("session") or {}
@@ -57,8 +62,53 @@ def parse_start(text: str) -> dict:
     return {"in_rate": rate, "out_rate": out_rate, "system_prompt": system, "lm_mode": mode}
 
 
-async def handle(ws: WebSocket, stages: Stages) -> None:
-    await ws.accept()
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+async def admit(ws: WebSocket, stages: Stages, auth: Auth | None, twilio: bool = False):
+    """Authenticate and admit a websocket before accepting it: (principal, ticket), or
+    accept, send the error, close and return None."""
+    try:
+        principal = "anonymous"
+        if auth is not None:
+            auth.check_origin(ws.headers)
+            if twilio and auth.twilio_token:
+                from voice.auth import request_url
+                auth.check_twilio(ws.headers, request_url(ws.scope, ws.headers))
+                principal = "twilio"
+            else:
+                principal = auth.principal(ws.headers, ws.query_params)
+        admission = getattr(stages, "admission", None)
+        per_key = auth is not None and auth.enabled and principal != "twilio"
+        ticket = admission.acquire(principal, per_key) if admission is not None else None
+        return principal, ticket
+    except (AuthError, LimitError) as err:
+        client = ws.client.host if ws.client else "-"
+        log.warning("refused %s from %s: %s: %s", ws.url.path, client, err.code, err.message)
+        await ws.accept()
+        close_code = err.close_code if isinstance(err, LimitError) else 1008
+        if twilio:  # Twilio's side has no error message: only the close reason
+            await _close(ws, close_code, err.code)
+        else:
+            await _fail(ws, err.code, err.message, close_code)
+        return None
+
+
+async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
+    admitted = await admit(ws, stages, auth)
+    if admitted is None:
+        return
+    principal, ticket = admitted
+    try:
+        await ws.accept()
+        await _session(ws, stages, principal)
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
     cfg = stages.config.session
     try:
         start = await asyncio.wait_for(_read_start(ws), cfg.start_timeout_s)
@@ -70,19 +120,36 @@ async def handle(ws: WebSocket, stages: Stages) -> None:
         return
     except WebSocketDisconnect:
         return
-    session = Session(stages, start["in_rate"], start["out_rate"], "native", start["system_prompt"], start["lm_mode"])
-    sender = None
+    peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
+    session = Session(stages, start["in_rate"], start["out_rate"], "native", start["system_prompt"],
+                      start["lm_mode"], principal=principal, peer=peer)
+    tasks: list[asyncio.Task] = []
+    reason = "disconnect"
     try:  # the session is counted as open from here: close it whatever happens
         await ws.send_json({"type": "ready", "version": PROTOCOL_VERSION, "session_id": session.id,
                             "sample_rate": start["out_rate"], "encoding": "pcm_s16le"})
         sender = asyncio.create_task(_send_events(ws, session))
-        await _receive(ws, session)
+        receiver = asyncio.create_task(_receive(ws, session))
+        ending = asyncio.create_task(session.ending.wait())
+        tasks = [sender, receiver, ending]
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if ending in done:  # the server ends it: the final error goes out, then the close
+            receiver.cancel()
+            reason = session.end_reason
+            session.outbox.put_nowait(None)
+            await asyncio.wait({sender}, timeout=FLUSH_S)
+            sender.cancel()
+            await _close(ws, session.close_code, session.end_reason)
+        elif receiver in done and receiver.exception() is not None and \
+                not isinstance(receiver.exception(), WebSocketDisconnect):
+            log.error("session=%s receive failed: %r", session.id, receiver.exception())
+            reason = "error"
     except WebSocketDisconnect:
         pass
     finally:
-        if sender is not None:
-            sender.cancel()
-        await session.close()
+        for task in tasks:
+            task.cancel()
+        await session.close(reason)
 
 
 async def _read_start(ws: WebSocket) -> dict:
@@ -98,12 +165,19 @@ async def _read_start(ws: WebSocket) -> dict:
         return parse_start(msg.get("text") or "")
 
 
-async def _fail(ws: WebSocket, code: str, message: str) -> None:
+async def _fail(ws: WebSocket, code: str, message: str, close_code: int | None = None) -> None:
     log.warning("closing websocket: %s: %s", code, message)
     try:
         await ws.send_json({"type": "error", "code": code, "message": message})
-        await ws.close(code=1008 if code != "start_timeout" else 1001, reason=code)
-    except (WebSocketDisconnect, RuntimeError):
+    except (WebSocketDisconnect, RuntimeError, OSError):
+        return
+    await _close(ws, close_code or (1008 if code != "start_timeout" else 1001), code)
+
+
+async def _close(ws: WebSocket, code: int, reason: str) -> None:
+    try:
+        await asyncio.wait_for(ws.close(code=code, reason=reason), FLUSH_S)
+    except (WebSocketDisconnect, RuntimeError, OSError, asyncio.TimeoutError):
         pass
 
 
@@ -128,14 +202,14 @@ async def _receive(ws: WebSocket, session: Session) -> None:
 def _control(session: Session, text: str) -> None:
     try:
         msg = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         session.error("bad_json", "text frames must be JSON control messages; audio goes in binary frames")
         return
     kind = msg.get("type") if isinstance(msg, dict) else None
     if kind == "start":
         session.error("already_started", "the session has already started")
     else:
-        session.error("unknown_message", f"unknown control message type {kind!r}")
+        session.error("unknown_message", f"unknown control message type {str(kind)[:40]!r}")
 
 
 async def _send_events(ws: WebSocket, session: Session) -> None:
@@ -143,6 +217,8 @@ async def _send_events(ws: WebSocket, session: Session) -> None:
     try:
         while True:
             ev = await session.outbox.get()
+            if ev is None:  # the session is ending: all that was queued before has been sent
+                return
             if isinstance(ev, TtsAudio):
                 if not session.is_current(ev.turn):
                     continue  # cleared by a barge-in

@@ -30,7 +30,7 @@ class Offer:
     media: list[MediaOffer]  # every m= line, in order (the answer has one line per offered line)
 
     def encoding(self, media: MediaOffer, fmt: str) -> tuple[str, int] | None:
-        if not fmt.isdigit():
+        if not (fmt.isascii() and fmt.isdigit()) or int(fmt) > 127:  # RTP payload types are 7 bits
             return None
         pt = int(fmt)
         if pt in media.rtpmap:
@@ -71,6 +71,10 @@ def parse(text: str) -> Offer:
             if len(parts) != 3 or parts[0] != "IN" or parts[1] not in ("IP4", "IP6"):
                 raise SdpError(f"bad c= line {value!r}")
             addr = parts[2].split("/")[0]
+            try:  # only literal addresses: a host name would mean DNS lookups, and RTP sent who knows where
+                ipaddress.ip_address(addr)
+            except ValueError as err:
+                raise SdpError(f"c= must hold an IP address, not {addr[:60]!r}") from err
             if current is None:
                 session_addr = addr
             else:
@@ -79,10 +83,10 @@ def parse(text: str) -> Offer:
             parts = value.split()
             if len(parts) < 4:
                 raise SdpError(f"bad m= line {value!r}")
-            try:
-                port = int(parts[1].split("/")[0])
-            except ValueError as err:
-                raise SdpError(f"bad m= port {parts[1]!r}") from err
+            port_text = parts[1].split("/")[0]
+            if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
+                raise SdpError(f"bad m= port {parts[1][:20]!r}")
+            port = int(port_text)
             current = MediaOffer(parts[0], port, parts[2], parts[3:])
             media.append(current)
         elif kind == "a" and current is not None:
@@ -90,6 +94,8 @@ def parse(text: str) -> Offer:
             if name == "rtpmap":
                 pt, _, enc = arg.partition(" ")
                 bits = enc.split("/")
+                if not (pt.isascii() and pt.isdigit() and int(pt) < 128):
+                    continue
                 try:
                     current.rtpmap[int(pt)] = (bits[0].upper(), int(bits[1]) if len(bits) > 1 else 8000)
                 except ValueError:
@@ -99,7 +105,7 @@ def parse(text: str) -> Offer:
             elif name == "ptime":
                 try:
                     current.ptime = int(float(arg))
-                except ValueError:
+                except (ValueError, OverflowError):  # "nan", "inf"
                     pass
     if not seen_v:
         raise SdpError("no v= line")

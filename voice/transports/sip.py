@@ -17,16 +17,18 @@ import time
 import numpy as np
 
 from voice.config import SipConfig
+from voice.limits import LimitError, Ticket
 from voice.session import Session, Stages
 from voice.transports import rtp, sdp
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
-                                     response_destination, uri_hostport)
+                                     response_destination, uri_hostport, valid_via)
 from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, Outbound, calls, count_drop
 
 log = logging.getLogger("voice.sip")
 ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
 T1, T2 = 0.5, 4.0  # RFC 3261 timer values
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
+AUDIO_QUEUE = 500  # decoded RTP packets (10 s) waiting for the session; more are dropped
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -70,12 +72,13 @@ class Call:
         self.rtcp_sock: asyncio.DatagramTransport | None = None
         self.session: Session | None = None
         self.tasks: list[asyncio.Task] = []
-        self.audio_in: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.audio_in: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=AUDIO_QUEUE)
         self.jitter = rtp.JitterBuffer()
         self.dtmf = rtp.DtmfReceiver()
         self.sender = rtp.RtpSender(answer.payload_type)
         self.remote_ssrc: int | None = None
         self.last_rtp = time.monotonic()
+        self.ticket: Ticket | None = None  # admission (voice.limits), released when the call ends
 
     # --- media ------------------------------------------------------------------------------
 
@@ -120,7 +123,10 @@ class Call:
         r.counters["packets_lost"] += lost
         for payload in payloads:
             pcm = SILENCE if payload is None else rtp.decode(self.answer.codec, payload)
-            self.audio_in.put_nowait(pcm.astype("<i2").tobytes())
+            try:
+                self.audio_in.put_nowait(pcm.astype("<i2").tobytes())
+            except asyncio.QueueFull:  # far faster than real time: a flood, not a phone
+                count_drop(self.ep.registry, r, "sip", "rtp_overflow", f"seq {pkt.seq}")
 
     def _dtmf(self, digit: str, how: str) -> None:
         self.record.dtmf.append(digit)
@@ -135,7 +141,11 @@ class Call:
         if self.rtp_sock is None or self.answer.media.direction in ("sendonly", "inactive"):
             return  # the caller doesn't want our audio (on hold)
         pkt = self.sender.packet(rtp.encode(self.answer.codec, pcm), len(pcm), marker, time.monotonic())
-        self.rtp_sock.sendto(pkt, self.answer.remote)
+        try:
+            self.rtp_sock.sendto(pkt, self.answer.remote)
+        except (OSError, OverflowError, ValueError, TypeError) as err:
+            count_drop(self.ep.registry, self.record, "sip", "rtp_unsendable", str(err))
+            return
         self.record.counters["packets_out"] += 1
 
     def _phrase_sent(self, turn: int, text: str) -> None:
@@ -147,11 +157,13 @@ class Call:
     async def start_media(self) -> None:
         """Bind the RTP/RTCP pair, open the session and start playing its replies."""
         self.rtp_port, self.rtp_sock, self.rtcp_sock = await self.ep.bind_rtp(self)
-        self.session = Session(self.ep.stages, RATE, RATE, "sip")
+        self.session = Session(self.ep.stages, RATE, RATE, "sip", principal=f"sip:{self.source[0]}",
+                               peer=f"{self.source[0]}:{self.source[1]}",
+                               meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec})
         self.record.session_id = self.session.id
         out = Outbound(self.session, self.record, self._send_frame, phrase_end=self._phrase_sent)
         self.tasks += [asyncio.create_task(out.run()), asyncio.create_task(self._feed()),
-                       asyncio.create_task(self._watch_media())]
+                       asyncio.create_task(self._watch_media()), asyncio.create_task(self._watch_session())]
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -167,10 +179,21 @@ class Call:
                 self.ep.spawn(self.end("media_timeout"))
                 return
 
+    async def _watch_session(self) -> None:
+        """The server ends the session (a limit, shutdown): hang up."""
+        await self.session.ending.wait()
+        log.info("sip call=%s session=%s ended by the server (%s): hanging up", self.id, self.session.id,
+                 self.session.end_reason)
+        if self.state in ("answered", "confirmed"):
+            self.ep.send_bye(self)
+        self.ep.spawn(self.end(self.session.end_reason))
+
     async def end(self, reason: str) -> None:
         if self.state == "ended":
             return
         self.state = "ended"
+        if self.ticket is not None:
+            self.ticket.release()
         self.ep.calls.pop(self.id, None)
         current = asyncio.current_task()
         for task in self.tasks:
@@ -181,7 +204,7 @@ class Call:
                 sock.close()
         self.ep.release_rtp(self.rtp_port)
         if self.session is not None:
-            await self.session.close()
+            await self.session.close(reason)
         calls.close(self.record, reason)
 
 
@@ -196,6 +219,7 @@ class SipEndpoint:
         self.rtp_used: set[int] = set()
         self._next_rtp = config.rtp_port_min
         self.tasks: set[asyncio.Task] = set()
+        self.allow = [ipaddress.ip_network(net, strict=False) for net in config.allow]
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -276,7 +300,10 @@ class SipEndpoint:
 
     def send(self, data: bytes, dest: tuple[str, int]) -> None:
         if self.transport is not None:
-            self.transport.sendto(data, dest)
+            try:
+                self.transport.sendto(data, dest)
+            except (OSError, OverflowError, ValueError, TypeError) as err:  # an address a peer made up
+                count_drop(self.registry, None, "sip", "unsendable", f"to {dest!r}: {err}")
 
     def reply(self, req: SipMessage, source, status: int, to_tag: str = "", extra=None, body: bytes = b"",
               content_type: str = "") -> bytes:
@@ -284,7 +311,22 @@ class SipEndpoint:
         self.send(data, response_destination(req, source))
         return data
 
+    def allowed(self, host: str) -> bool:
+        """sip.allow: only these source addresses may talk to us ([] = anyone)."""
+        if not self.allow:
+            return True
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        if addr.version == 6 and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr.version == net.version and addr in net for net in self.allow)
+
     def datagram(self, data: bytes, source: tuple[str, int]) -> None:
+        if not self.allowed(source[0]):  # silently: scanners learn nothing
+            count_drop(self.registry, None, "sip", "forbidden_source", f"from {source[0]}:{source[1]}")
+            return
         if not data.strip():
             return  # keep-alive (RFC 5626 CRLF)
         try:
@@ -315,8 +357,8 @@ class SipEndpoint:
             if colon:
                 name = name.strip().lower()
                 req.headers.append((COMPACT.get(name, name), value.strip()))
-        if not all(req.get(h) for h in ("via", "from", "to", "call-id", "cseq")):
-            return
+        if not all(req.get(h) for h in ("via", "from", "to", "call-id", "cseq")) or not valid_via(req.get("via")):
+            return  # no usable Via: we could not even tell where to send the answer
         resp = response(req, 400, source, new_tag(), [("warning", f'399 {AGENT} "{why[:100]}"')])
         self.send(resp.to_bytes(), response_destination(req, source))
 
@@ -369,7 +411,18 @@ class SipEndpoint:
         if len(self.calls) >= self.config.max_calls:
             self._reject(req, source, 486, [])
             return
+        ticket = None
+        admission = getattr(self.stages, "admission", None)
+        if admission is not None:
+            try:
+                ticket = admission.acquire(f"sip:{source[0]}", per_key=False)
+            except LimitError as err:
+                status = 503 if err.code == "shutting_down" else 486
+                self._reject(req, source, status, [("warning", f'399 {AGENT} "{err.message[:80]}"')] +
+                             ([("retry-after", "30")] if status == 503 else []))
+                return
         call = Call(self, req, source, answer)
+        call.ticket = ticket
         self.calls[call.id] = call
         self.reply(req, source, 100)
         call.last_provisional = self.reply(req, source, 180, call.local_tag, [("contact", self.contact(req))])

@@ -14,9 +14,10 @@ COMPACT = {"v": "via", "f": "from", "t": "to", "i": "call-id", "m": "contact", "
            "u": "allow-events", "r": "refer-to", "x": "session-expires"}
 # headers whose comma-separated values are separate entries (RFC 3261 section 7.3.1)
 MULTI = {"via", "route", "record-route", "contact"}
-REASONS = {100: "Trying", 180: "Ringing", 200: "OK", 400: "Bad Request", 405: "Method Not Allowed",
+REASONS = {100: "Trying", 180: "Ringing", 200: "OK", 400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed",
            415: "Unsupported Media Type", 420: "Bad Extension", 481: "Call/Transaction Does Not Exist",
-           482: "Loop Detected", 486: "Busy Here", 487: "Request Terminated", 488: "Not Acceptable Here", 500: "Server Internal Error"}
+           482: "Loop Detected", 486: "Busy Here", 487: "Request Terminated", 488: "Not Acceptable Here", 500: "Server Internal Error",
+           503: "Service Unavailable"}
 _TOKEN = re.compile(r"^[A-Za-z0-9.!%*_+`'~-]+$")
 _CANONICAL = {"call-id": "Call-ID", "cseq": "CSeq", "www-authenticate": "WWW-Authenticate"}
 
@@ -76,7 +77,8 @@ def uri_hostport(uri: str) -> tuple[str, int]:
 
 def sent_by(via: str) -> tuple[str, int | None]:
     """Host and port of a Via value's sent-by ("SIP/2.0/UDP host:port;branch=...")."""
-    value = via.split(";")[0].strip().split()[-1] if via.strip() else ""
+    words = via.split(";")[0].split()
+    value = words[-1] if words else ""
     if value.startswith("["):
         host, _, rest = value[1:].partition("]")
         port = rest[1:]
@@ -85,6 +87,12 @@ def sent_by(via: str) -> tuple[str, int | None]:
     else:
         host, port = value, ""
     return host, int(port) if port.isdigit() else None
+
+
+def valid_via(via: str) -> bool:
+    """A Via we can answer: "SIP/2.0/UDP host[:port]" (then parameters)."""
+    words = via.split(";")[0].split()
+    return len(words) == 2 and words[0].upper().startswith("SIP/2.0/") and bool(sent_by(via)[0])
 
 
 def new_tag() -> str:
@@ -180,6 +188,8 @@ class SipMessage:
         for required in ("via", "from", "to", "call-id", "cseq"):
             if msg.get(required) is None:
                 raise SipError(f"missing {canonical(required)} header")
+        if not valid_via(msg.get("via") or ""):
+            raise SipError(f"bad Via {(msg.get('via') or '')[:60]!r}")
         num, _, method = (msg.get("cseq") or "").partition(" ")
         if not num.strip().isdigit() or not method.strip():
             raise SipError(f"bad CSeq {msg.get('cseq')!r}")

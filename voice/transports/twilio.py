@@ -5,6 +5,9 @@ Twilio sends JSON text frames: `connected`, `start`, `media` (base64 µ-law 8 kH
 `media` (20 ms of µ-law, paced in real time), a `mark` after each reply phrase, and `clear`
 on barge-in. Anything malformed or out of place is dropped, counted and logged; the call
 goes on. See docs/TELEPHONY.md.
+
+With a Twilio auth token configured, the upgrade must carry a valid `X-Twilio-Signature`
+(docs/SECURITY.md); otherwise `/twilio` takes the same API keys as `/ws`.
 """
 
 from __future__ import annotations
@@ -19,17 +22,20 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice.audio import ulaw_decode, ulaw_encode
+from voice.auth import Auth
 from voice.session import Session, Stages
 from voice.transports.telephony import RATE, CallRecord, Outbound, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
 MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
+MAX_MARKS = 1000  # marks sent and not yet echoed that we remember
 
 
 class TwilioCall:
-    def __init__(self, ws: WebSocket, stages: Stages):
-        self.ws, self.stages = ws, stages
+    def __init__(self, ws: WebSocket, stages: Stages, principal: str = "twilio"):
+        self.ws, self.stages, self.principal = ws, stages, principal
+        self.closer: asyncio.Task | None = None
         self.registry = stages.metrics.registry
         self.session: Session | None = None
         self.record: CallRecord | None = None
@@ -59,13 +65,14 @@ class TwilioCall:
         except WebSocketDisconnect:
             return
         finally:
-            await self.end("stop" if self.record and self.record.meta.get("stopped") else "disconnect")
+            reason = "stop" if self.record and self.record.meta.get("stopped") else "disconnect"
+            await self.end(self.session.end_reason or reason if self.session else reason)
 
     async def handle(self, text: str) -> str | None:
         try:
             msg = json.loads(text)
-        except json.JSONDecodeError as err:
-            self.drop("bad_json", str(err))
+        except (json.JSONDecodeError, RecursionError) as err:
+            self.drop("bad_json", str(err)[:100])
             return None
         if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
             self.drop("bad_message", "not an object with an event")
@@ -101,17 +108,22 @@ class TwilioCall:
             self.drop("bad_start", "start without start{} or streamSid")
             return
         fmt = start.get("mediaFormat") or {}
-        if (fmt.get("encoding"), fmt.get("sampleRate"), fmt.get("channels", 1)) != ("audio/x-mulaw", RATE, 1):
-            self.drop("bad_start", f"unsupported mediaFormat {fmt!r}")
+        if not isinstance(fmt, dict) or \
+                (fmt.get("encoding"), fmt.get("sampleRate"), fmt.get("channels", 1)) != ("audio/x-mulaw", RATE, 1):
+            self.drop("bad_start", f"unsupported mediaFormat {fmt!r}"[:120])
             return
         self.stream_sid = sid
-        self.session = Session(self.stages, RATE, RATE, "twilio")
+        peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
+        self.session = Session(self.stages, RATE, RATE, "twilio", principal=self.principal, peer=peer,
+                               meta={"streamSid": sid, "callSid": start.get("callSid"),
+                                     "customParameters": start.get("customParameters") or {}})
         self.record = calls.open(CallRecord(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
         self.record.meta.update(callSid=start.get("callSid"), accountSid=start.get("accountSid"),
                                 tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
         self.out = Outbound(self.session, self.record, self.send_media, phrase_end=self.send_mark,
                             cleared=self.send_clear, lead_s=LEAD_S)
         self.sender = asyncio.create_task(self._play())
+        self.closer = asyncio.create_task(self._close_when_ending())
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
@@ -122,6 +134,17 @@ class TwilioCall:
             log.info("twilio call=%s sender stopped: %s", self.stream_sid, err)
         except Exception:
             log.exception("twilio call=%s sender failed", self.stream_sid)
+
+    async def _close_when_ending(self) -> None:
+        """The server ends the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
+        await self.session.ending.wait()
+        log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id,
+                 self.session.end_reason)
+        await asyncio.sleep(0.2)  # let the sender finish the frame it is on
+        try:
+            await asyncio.wait_for(self.ws.close(code=self.session.close_code, reason=self.session.end_reason), 2.0)
+        except (RuntimeError, WebSocketDisconnect, OSError, asyncio.TimeoutError):
+            pass
 
     async def media(self, msg: dict) -> None:
         media = msg.get("media")
@@ -190,6 +213,10 @@ class TwilioCall:
         self.mark_no += 1
         name = f"{self.session.id}-t{turn}-p{self.mark_no}"
         self.marks[name] = (turn, text)
+        while len(self.marks) > MAX_MARKS:  # a peer that never echoes marks must not make us hoard them
+            oldest = next(iter(self.marks))
+            del self.marks[oldest]
+            self.cleared_marks.discard(oldest)
         self.record.counters["marks_sent"] += 1
         await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": name}})
 
@@ -198,10 +225,11 @@ class TwilioCall:
         await self._send({"event": "clear", "streamSid": self.stream_sid})
 
     async def end(self, reason: str) -> None:
-        if self.sender is not None:
-            self.sender.cancel()
+        for task in (self.sender, self.closer):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         if self.session is not None:
-            await self.session.close()
+            await self.session.close(reason)
         if self.record is not None:
             calls.close(self.record, reason)
         if reason == "stop":
@@ -211,5 +239,14 @@ class TwilioCall:
                 pass
 
 
-async def handle(ws: WebSocket, stages: Stages) -> None:
-    await TwilioCall(ws, stages).run()
+async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
+    from voice.transports.native import admit
+    admitted = await admit(ws, stages, auth, twilio=True)
+    if admitted is None:
+        return
+    principal, ticket = admitted
+    try:
+        await TwilioCall(ws, stages, principal if principal != "anonymous" else "twilio").run()
+    finally:
+        if ticket is not None:
+            ticket.release()

@@ -1,0 +1,317 @@
+"""Stand-ins for the models, and a live server around them, for tests that are about the service's
+plumbing (auth, limits, records, shutdown, fuzzing) rather than about speech.
+
+`fake_stages(config)` is a real `voice.session.Stages` (metrics, admission, records, apology
+cache) whose models are replaced: webrtcvad still runs on the audio (so real speech clips make
+real turns), the "ASR" returns a fixed transcript, the "LM" a scripted reply, and the "TTS" a
+tone 60 ms per character. `LiveServer` runs `build_app` under uvicorn in a thread on a free
+loopback port, optionally as `VoiceServer` (graceful shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import wave
+from pathlib import Path
+
+import numpy as np
+import websockets
+
+from voice.audio import float_to_int16, read_wav, resample
+from voice.config import Config
+from voice.latency import Metrics
+from voice.limits import Admission
+from voice.lm import Block
+from voice.session import Stages, apologies
+
+SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
+FRAME = 640  # 20 ms of 16 kHz PCM16
+
+
+class _Segment:
+    def __init__(self, text: str):
+        self.text = text
+
+
+class FakeWhisper:
+    """faster-whisper's `transcribe` shape; `fail` / `delay_s` simulate a broken or slow ASR."""
+
+    def __init__(self, text: str = "eight of spades"):
+        self.text, self.fail, self.delay_s = text, None, 0.0
+
+    def transcribe(self, audio, **kwargs):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        return [_Segment(self.text)], None
+
+
+class FakeChat:
+    def __init__(self, lm: "FakeLM"):
+        self.lm = lm
+
+    async def reply(self, messages, mode=None):
+        self.lm.calls += 1
+        for i, text in enumerate(self.lm.blocks):
+            if self.lm.delay_s:
+                await asyncio.sleep(self.lm.delay_s)
+            if self.lm.fail_at is not None and i == self.lm.fail_at:
+                raise RuntimeError("injected LM failure")
+            if self.lm.hang_at is not None and i == self.lm.hang_at:
+                await asyncio.sleep(3600)
+            yield Block(text, i + 1, 1)
+
+
+class FakeLM:
+    def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")):
+        self.blocks = list(blocks)
+        self.delay_s = 0.0
+        self.fail_at: int | None = None
+        self.hang_at: int | None = None
+        self.calls = 0
+
+    def chat(self) -> FakeChat:
+        return FakeChat(self)
+
+
+class FakeSynth:
+    """A 300 Hz tone, 60 ms per character, at the rate asked for."""
+
+    voice_rate = 22050
+
+    def __init__(self):
+        self.fail: Exception | None = None
+        self.delay_s = 0.0
+
+    def _render(self, text: str, out_rate: int) -> np.ndarray:
+        n = int(out_rate * 0.06 * max(len(text), 1))
+        return (np.sin(np.arange(n) * 2 * np.pi * 300 / out_rate) * 8000).astype(np.int16)
+
+    async def synthesize(self, text: str, out_rate: int) -> np.ndarray:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        return self._render(text, out_rate)
+
+
+def fake_stages(config: Config | None = None) -> Stages:
+    config = config or Config()
+    stages = Stages.__new__(Stages)
+    stages.config = config
+    stages.whisper = FakeWhisper()
+    stages.synthesizer = FakeSynth()
+    stages.lm = FakeLM()
+    stages.metrics = Metrics()
+    stages.apology = apologies(stages.synthesizer, config.faults.apology)
+    stages.admission = Admission(config.limits, stages.metrics)
+    stages.records = None
+    stages.live = set()
+    stages.faults = {}
+    return stages
+
+
+def make_config(**sections) -> Config:
+    """A Config with short replies and records off, plus overrides: make_config(limits={"max_sessions": 2})."""
+    config = Config()
+    config.lm.max_new_tokens = 16
+    config.records.path = ""
+    for name, values in sections.items():
+        section = getattr(config, name)
+        for key, value in values.items():
+            assert hasattr(section, key), f"{name}.{key}"
+            setattr(section, key, value)
+    return config
+
+
+class LiveServer:
+    """`build_app(config, stages, auth)` under uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, config: Config, stages, auth=None, graceful: bool = False):
+        import uvicorn
+
+        from voice.server import VoiceServer, build_app
+        self.config, self.stages = config, stages
+        self.app = build_app(config, stages, auth)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        uv = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws="websockets", log_level="warning",
+                            timeout_graceful_shutdown=5)
+        self.server = VoiceServer(uv, self.app) if graceful else uvicorn.Server(uv)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)
+        self.sock.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def speech(name: str = "005.wav", rate: int = 16000) -> bytes:
+    audio, r = read_wav(SPEECH / name)
+    return float_to_int16(resample(audio, r, rate)).astype("<i2").tobytes()
+
+
+def write_wav(path: Path, pcm: bytes, rate: int = 16000) -> Path:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm)
+    return path
+
+
+class RawWebSocket:
+    """A minimal blocking websocket client over a plain socket, for a peer that never reads:
+    after the handshake it only sends (masked frames), so the server's writes pile up."""
+
+    def __init__(self, host: str, port: int, path: str, rcvbuf: int = 4096):
+        import base64
+        import os
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(10)
+        self.sock.connect((host, port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+                           ).encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(1)
+            if not chunk:
+                raise ConnectionError("closed during the handshake")
+            head += chunk
+        if b" 101 " not in head.split(b"\r\n")[0]:
+            raise ConnectionError(head.decode(errors="replace"))
+
+    def send(self, data: bytes | str) -> None:
+        import os
+        import struct
+        opcode = 0x1 if isinstance(data, str) else 0x2
+        payload = data.encode() if isinstance(data, str) else data
+        n = len(payload)
+        header = bytes([0x80 | opcode]) + (bytes([0x80 | n]) if n < 126 else
+                                             bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536 else
+                                             bytes([0x80 | 127]) + struct.pack("!Q", n))
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(header + mask + masked)
+
+    def abort(self) -> None:
+        self.sock.close()
+
+
+class Client:
+    """A /ws session (16 kHz): streams audio (a clip, then silence) and records what comes back, until closed."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.log: list = []
+        self.frames: list[bytes] = []
+        self.close: tuple | None = None
+        self.reader = asyncio.create_task(self._read())
+        self.mic: asyncio.Task | None = None
+
+    @classmethod
+    async def open(cls, url: str, start: bool = True, **connect) -> "Client":
+        c = cls(await websockets.connect(url, max_size=None, open_timeout=10, **connect))
+        if start:
+            await c.ws.send(json.dumps({"type": "start", "sample_rate": 16000}))
+            await c.wait(lambda m: m.get("type") == "ready", 10)
+        return c
+
+    async def _read(self):
+        try:
+            async for msg in self.ws:
+                self.log.append(msg if isinstance(msg, bytes) else json.loads(msg))
+        except websockets.ConnectionClosed:
+            pass
+        self.close = (self.ws.close_code, self.ws.close_reason)
+
+    def listen(self, speed: float = 2.0, silence: bool = True):
+        async def run():
+            t0, n = time.monotonic(), 0
+            try:
+                while True:
+                    if self.frames:
+                        await self.ws.send(self.frames.pop(0))
+                    elif silence:
+                        await self.ws.send(bytes(FRAME))
+                    n += 1
+                    await asyncio.sleep(max(0.0, t0 + n * 0.02 / speed - time.monotonic()))
+            except websockets.ConnectionClosed:
+                pass
+        self.mic = asyncio.create_task(run())
+
+    def say(self, pcm: bytes):
+        self.frames += [pcm[i:i + FRAME] for i in range(0, len(pcm), FRAME)]
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [m for m in self.log if isinstance(m, dict) and (kind is None or m["type"] == kind)]
+
+    async def wait(self, pred, timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for m in self.log[seen:]:
+                if isinstance(m, dict) and pred(m):
+                    return m
+            seen = len(self.log)
+            if self.reader.done():
+                break
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not seen; got {[m if isinstance(m, dict) else len(m) for m in self.log]} "
+                             f"close={self.close}")
+
+    async def closed(self, timeout: float = 20) -> tuple:
+        await asyncio.wait_for(asyncio.shield(self.reader), timeout)
+        if self.mic:
+            self.mic.cancel()
+        return self.close
+
+    async def shut(self):
+        if self.mic:
+            self.mic.cancel()
+        await self.ws.close()
+        await self.reader
+
+
+class StandInEngine:
+    """engine.stream.Engine's shape for engine/server.py: always replies "Hello there."."""
+
+    name = "stand-in"
+    max_seq_len = 2048
+
+    def prompt_ids(self, messages):
+        return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))
+
+    async def stream(self, messages, cfg, conversation):
+        from engine.stream import Piece
+        for i, word in enumerate(["Hello", " there."]):
+            yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)

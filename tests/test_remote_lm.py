@@ -1,0 +1,98 @@
+"""A remote LM endpoint (`[lm] backend = "openai"`) that is down, then comes up.
+
+The voice app (stand-in ASR/TTS from tests/fakes.py, the real `RemoteLM`) points at a
+loopback port where nothing listens yet: /healthz says "degraded" (the periodic probe), a
+turn is retried with backoff and then ends with the spoken apology, and the session goes on.
+Then `engine serve`'s app (around a stand-in engine) starts on that port: the probe sees it,
+/healthz is "ok" again, and the next turn gets its reply from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+import uvicorn
+
+from fakes import SPEECH, Client, LiveServer, StandInEngine, fake_stages, make_config, speech
+from voice.lm import RemoteLM
+
+pytestmark = [pytest.mark.skipif(not SPEECH.is_dir(), reason=f"no speech clips at {SPEECH}"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+def health(srv) -> dict:
+    with urllib.request.urlopen(srv.http + "/healthz", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value
+
+
+def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
+    from engine.decode import DecodeConfig
+    from engine.server import build_app as engine_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        lm_port = s.getsockname()[1]  # nothing listens here for now
+    config = make_config(lm={"backend": "openai", "url": f"http://127.0.0.1:{lm_port}/v1", "model": "stand-in",
+                             "retries": 2, "retry_backoff_s": 0.05, "probe_interval_s": 0.3})
+    monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    stages = fake_stages(config)
+    stages.lm = RemoteLM(config.lm)
+    lm_server = None
+    with LiveServer(config, stages) as srv:
+        down = wait_for(lambda: (h := health(srv))["status"] == "degraded" and h, 10, "healthz never degraded")
+        assert down["lm_health"]["ok"] is False and "Connect" in down["lm_health"]["last_error"], down
+
+        async def turn(c: Client, n: int) -> list[dict]:
+            c.say(speech("001.wav"))
+            await c.wait(lambda m: m["type"] == "latency" and m["turn"] == n, 30)
+            return [e for e in c.events() if e.get("turn") == n]
+
+        async def first():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=3.0)
+            failures_before = stages.lm.failures
+            events = await turn(c, 1)
+            return c, events, stages.lm.failures - failures_before
+
+        loop = asyncio.new_event_loop()
+        try:
+            c, events, failures = loop.run_until_complete(first())
+            err = next(e for e in events if e["type"] == "error")
+            assert (err["code"], err["stage"], err["apology"]) == ("reply_failed", "lm", True), err
+            assert failures >= 3  # the first try and two retries
+            assert next(e for e in events if e["type"] == "reply_done")["interrupted"] is True
+
+            # the endpoint comes up
+            app = engine_app(StandInEngine(), DecodeConfig(max_new_tokens=8))
+            lm_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=lm_port, log_level="warning"))
+            threading.Thread(target=lm_server.run, daemon=True).start()
+            up = wait_for(lambda: (h := health(srv))["lm_health"]["ok"] and h, 20, "the probe never saw it up")
+            assert up["lm_health"]["consecutive_failures"] == 0
+            # still "degraded" for a minute because a turn failed, and only for that reason
+            assert up["status"] == "degraded" and up["faults"] == {"lm": "error"}, up
+            stages.faults.clear()
+            assert health(srv)["status"] == "ok"
+
+            events = loop.run_until_complete(turn(c, 2))  # same session
+            done = next(e for e in events if e["type"] == "reply_done")
+            assert done["text"] == "Hello there." and done["interrupted"] is False
+            assert not [e for e in events if e["type"] == "error"]
+            loop.run_until_complete(c.shut())
+        finally:
+            loop.close()
+            if lm_server is not None:
+                lm_server.should_exit = True

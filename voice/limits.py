@@ -1,0 +1,72 @@
+"""Admission control: how many sessions may run, in all and per API key, and whether we are draining.
+
+Every transport asks for a `Ticket` before it opens a session (a websocket right after it is
+authenticated, a SIP call at its INVITE) and releases it when the connection ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from voice.config import LimitsConfig
+
+log = logging.getLogger("voice.limits")
+
+
+class LimitError(Exception):
+    """Refused: `code` is the error code for the client, `close_code` the websocket close code."""
+
+    def __init__(self, code: str, message: str, close_code: int = 1008):
+        super().__init__(message)
+        self.code, self.message, self.close_code = code, message, close_code
+
+
+class Ticket:
+    def __init__(self, admission: "Admission", principal: str):
+        self.admission, self.principal = admission, principal
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission._release(self.principal)
+
+
+class Admission:
+    def __init__(self, limits: LimitsConfig, metrics=None):
+        self.limits, self.metrics = limits, metrics
+        self.active: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.draining = False
+
+    def acquire(self, principal: str, per_key: bool = True) -> Ticket:
+        """A ticket for one more session of `principal`; LimitError when there is no room.
+
+        `per_key`: whether `max_sessions_per_key` applies (only to authenticated principals)."""
+        lim = self.limits
+        if self.draining:
+            self._refuse("shutting_down")
+            raise LimitError("shutting_down", "the server is shutting down; try again in a moment", 1001)
+        if self.total >= lim.max_sessions:
+            self._refuse("max_sessions")
+            raise LimitError("too_many_sessions", f"the server is at its limit of {lim.max_sessions} concurrent "
+                                                  "sessions; try again later", 1013)
+        if per_key and lim.max_sessions_per_key and self.active[principal] >= lim.max_sessions_per_key:
+            self._refuse("max_sessions_per_key")
+            raise LimitError("too_many_sessions", f"this API key already has {self.active[principal]} sessions "
+                                                  f"open (the limit is {lim.max_sessions_per_key})", 1013)
+        self.total += 1
+        self.active[principal] += 1
+        return Ticket(self, principal)
+
+    def _release(self, principal: str) -> None:
+        self.total -= 1
+        self.active[principal] -= 1
+        if self.active[principal] <= 0:
+            del self.active[principal]
+
+    def _refuse(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.refused.labels(reason).inc()
+        log.warning("session refused: %s (%d open)", reason, self.total)

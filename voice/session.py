@@ -408,7 +408,7 @@ class Session:
     # --- reply -----------------------------------------------------------------------------
 
     def _messages(self, user_text: str) -> list[dict]:
-        keep = self.history[-2 * self.config.lm.history_turns:] if self.config.lm.history_turns else []
+        keep = self.history if self.config.lm.history_turns else []
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + keep + [{"role": "user", "content": user_text}]
 
@@ -523,7 +523,11 @@ class Session:
             self.history += [{"role": "user", "content": user_text}]
             if heard:
                 self.history.append({"role": "assistant", "content": heard})
-            del self.history[:-2 * max(self.config.lm.history_turns, 1)]  # only these reach the LM
+            # Forget old turns half a window at a time, not one per turn: a window that slides every
+            # turn changes the prompt's start, and the LM would prefill the whole conversation again.
+            window = 2 * max(self.config.lm.history_turns, 1)
+            if len(self.history) > window:
+                del self.history[:len(self.history) - window // 2]
         held: list[Event] = []
         self._held = held
         try:

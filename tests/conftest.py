@@ -10,9 +10,6 @@ once per test session and shared by the client tests (test_web.py, test_mic.py).
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 import wave
 from pathlib import Path
 
@@ -55,27 +52,13 @@ def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
 @pytest.fixture(scope="session")
 def live_voice_server():
     """Base URL (http://127.0.0.1:PORT) of the real service with the default models, short replies."""
-    import uvicorn
 
     from voice.config import Config
     from voice.server import build_app
     from voice.session import Stages
+    from liveserver import serving
 
     config = Config()
     config.lm.max_new_tokens = 24
-    app = build_app(config, Stages(config))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, ws="websockets"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "voice server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serving(build_app(config, Stages(config))) as port:
+        yield f"http://127.0.0.1:{port}"

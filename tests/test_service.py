@@ -13,13 +13,12 @@ import asyncio
 import collections
 import functools
 import json
-import socket
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from liveserver import serving
 import uvicorn
 import websockets
 
@@ -68,21 +67,8 @@ class Service:
 def service():
     config = Config()
     config.lm.max_new_tokens = 24  # short replies keep the suite quick on a small CPU
-    app = build_app(config, Stages(config))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # handed to uvicorn still bound: no race for the port
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield Service(config, port)
-    server.should_exit = True
-    thread.join(timeout=15)
-    sock.close()
+    with serving(build_app(config, Stages(config))) as port:
+        yield Service(config, port)
 
 
 # --- the client ---------------------------------------------------------------------------------

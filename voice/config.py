@@ -39,6 +39,7 @@ class LmConfig:
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
+    quantize: str = "int8"  # local: int8 linear layers (~3x faster forwards on CPU; fp32 where unsupported) | none
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
     retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
     probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)
@@ -48,6 +49,8 @@ class LmConfig:
             raise ValueError(f"lm.backend must be 'local' or 'openai', not {self.backend!r}")
         if self.mode not in ("diffusion", "ar"):
             raise ValueError(f"lm.mode must be 'diffusion' or 'ar', not {self.mode!r}")
+        if self.quantize not in ("none", "int8"):
+            raise ValueError(f"lm.quantize must be 'none' or 'int8', not {self.quantize!r}")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:
             raise ValueError("lm.retries, lm.retry_backoff_s and lm.probe_interval_s must not be negative")
 
@@ -69,6 +72,9 @@ class SessionConfig:
     max_frame_bytes: int = 64000  # one binary frame (1 s of 32 kHz PCM16); larger frames are rejected
     start_timeout_s: float = 10.0  # time a client has to send `start`
     audio_frame_ms: int = 100  # reply audio is sent in frames of this length
+    # From asr.early_final_ms of silence on, prepare the reply (LM + TTS) on the speculative
+    # transcript; it is sent once the hangover confirms the turn ended, dropped if the user goes on.
+    speculative_reply: bool = True
 
 
 @dataclass

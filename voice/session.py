@@ -59,8 +59,9 @@ class Stages:
         self.records: rec.Records | None = None  # the app opens them (voice.server)
         self.live: set[Session] = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
-        log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s)", time.perf_counter() - t,
-                 config.lm.backend, config.lm.model, config.lm.mode)
+        weights = self.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
+        log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
+                 config.lm.backend, config.lm.model, weights, config.lm.mode)
 
     def recent_faults(self, window_s: float = FAULT_WINDOW_S) -> dict[str, str]:
         now = time.monotonic()
@@ -120,6 +121,10 @@ class _Reply:
     emitted: int = 0  # phrases handed to the transport
     apology_at: int | None = None  # phrases from this index on are the apology, not the reply
     failure: StageFailure | None = None
+    # Set once the user's turn is over and the final transcript is out. A speculative reply
+    # (started during the VAD hangover) is generated and synthesised before that, but nothing
+    # of it reaches the client, the history or the records until then.
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def playback_end(self) -> float | None:
         if not self.phrases:
@@ -171,7 +176,7 @@ class Session:
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
         self.pre_roll: deque[np.ndarray] = deque()
         self.partial_task: asyncio.Task | None = None
-        self.early_final: asyncio.Future | None = None  # speculative final during the VAD hangover
+        self.turn_ended: asyncio.Event | None = None  # of a final decoded speculatively during the hangover
         self.final_task: asyncio.Task | None = None
         self.reply: _Reply | None = None
         self.closed = False
@@ -314,12 +319,22 @@ class Session:
         """Partials while the user talks; a speculative final once they have been quiet a while."""
         early_ms = self.config.asr.early_final_ms
         if early_ms and silence_ms >= early_ms:
-            if self.early_final is None:
-                self.early_final = self.transcriber.snapshot()
+            if self.turn_ended is None:
+                self.turn_ended = asyncio.Event()
+                self.final_task = asyncio.create_task(
+                    self._finalise(self.turn, self.transcriber.snapshot(), self.turn_ended))
             return
-        self.early_final = None  # they spoke again: the speculation is stale
+        if self.turn_ended is not None:  # they spoke again: the speculation is stale
+            self._drop_speculation()
         if silence_ms == 0 and (self.partial_task is None or self.partial_task.done()):
             self.partial_task = asyncio.create_task(self._partial(self.turn))
+
+    def _drop_speculation(self) -> None:
+        self.turn_ended = None
+        self.final_task.cancel()
+        if self.reply is not None and not self.reply.released.is_set():
+            self.reply.task.cancel()
+            self.reply = None
 
     def _speech_started(self, now: float) -> None:
         self.barge_in(now)
@@ -338,12 +353,13 @@ class Session:
         self.emit(SpeechStopped(self.turn, now, speech_end))
         if self.partial_task is not None:
             self.partial_task.cancel()
-        transcript, self.early_final = self.early_final, None
-        if transcript is None:
-            transcript = self.transcriber.finish()
+        ended, self.turn_ended = self.turn_ended, None
+        if ended is None:
+            ended = asyncio.Event()
+            self.final_task = asyncio.create_task(self._finalise(self.turn, self.transcriber.finish(), ended))
         else:
             self.transcriber.reset()
-        self.final_task = asyncio.create_task(self._finalise(self.turn, transcript))
+        ended.set()
 
     def _arrival_of(self, audio_time: float) -> float:
         """When the sample at `audio_time` reached us (the client streams in real time)."""
@@ -363,7 +379,9 @@ class Session:
         if text and turn == self.turn and self.endpointer.in_speech:
             self.emit(Transcript(turn, time.monotonic(), text, False))
 
-    async def _finalise(self, turn: int, transcript: asyncio.Future) -> None:
+    async def _finalise(self, turn: int, transcript: asyncio.Future, ended: asyncio.Event) -> None:
+        """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
+        set yet) the reply starts as soon as the transcript is known, held back until `ended`."""
         timeout = self.config.faults.asr_timeout_s
         try:
             text = (await asyncio.wait_for(transcript, timeout)).strip()
@@ -376,11 +394,13 @@ class Session:
         else:
             failure = None
         if failure is not None:
+            await ended.wait()
             if turn != self.turn:  # the user spoke again meanwhile: just note it
                 self._fault(failure)
                 self._record_unreplied(turn, "", "asr_failed")
                 return
             reply = self.reply = _Reply(turn, task=asyncio.current_task())
+            reply.released.set()
             self._fail(reply, failure)
             try:
                 await self._played(reply)
@@ -390,11 +410,21 @@ class Session:
         if turn != self.turn:
             self._record_unreplied(turn, text, "superseded")
             return
+        reply = None
+        if text and (self.config.session.speculative_reply or ended.is_set()):
+            reply = self.reply = _Reply(turn)
+            reply.task = asyncio.create_task(self._respond(reply, text))
+        await ended.wait()
+        if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
+            self._record_unreplied(turn, text, "superseded")
+            return
         self.emit(Transcript(turn, time.monotonic(), text, True))
         self.turn_meta.setdefault(turn, {})["transcript"] = text
-        if text:
-            self.reply = _Reply(turn)
-            self.reply.task = asyncio.create_task(self._respond(self.reply, text))
+        if text and reply is None:
+            reply = self.reply = _Reply(turn)
+            reply.task = asyncio.create_task(self._respond(reply, text))
+        if reply is not None:
+            reply.released.set()
         else:
             self._record_unreplied(turn, "", "no_speech")
 
@@ -423,19 +453,23 @@ class Session:
                 await speaker
             except StageFailure as failure:
                 speaker.cancel()
+                await reply.released.wait()
                 self._fail(reply, failure)
             except Exception as err:  # a bug of ours: the same treatment as a failing stage
                 speaker.cancel()
                 log.exception("session=%s turn=%d reply failed", self.id, reply.turn)
+                await reply.released.wait()
                 self._fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
+            await reply.released.wait()
             await self._played(reply)  # until then a barge-in still interrupts it
             reply.finished = reply.failure is None
         except asyncio.CancelledError:
             speaker.cancel()
             raise
         finally:
-            await self._reply_done(reply, user_text, "ok" if reply.finished else
-                                   "failed" if reply.failure else "interrupted")
+            if reply.released.is_set():  # else a speculation that was dropped: it never happened
+                await self._reply_done(reply, user_text, "ok" if reply.finished else
+                                       "failed" if reply.failure else "interrupted")
 
     async def _generate(self, reply: _Reply, messages: list[dict], phrases: asyncio.Queue,
                         speaker: asyncio.Task) -> None:
@@ -464,9 +498,10 @@ class Session:
                     raise speaker.exception()  # TTS failed: no point in generating more
                 block_no += 1
                 reply.text += block.text
-                self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
                 for phrase in splitter.push(block.text):
                     phrases.put_nowait(phrase)
+                await reply.released.wait()
+                self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
                 if len(reply.text) >= limit:
                     log.warning("session=%s turn=%d reply cut at %d characters", self.id, reply.turn, limit)
                     break
@@ -492,6 +527,7 @@ class Session:
             except Exception as err:
                 log.warning("session=%s turn=%d TTS failed: %r", self.id, reply.turn, err)
                 raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
+            await reply.released.wait()
             if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
                 reply.pending += 1
                 reply.emitted += 1

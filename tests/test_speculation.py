@@ -1,0 +1,143 @@
+"""The reply is prepared during the VAD hangover on the speculative transcript, and sent only
+once the hangover confirms the turn ended; if the user goes on talking it is dropped unseen.
+
+Session level, with real webrtcvad on real speech and stand-in models (tests/fakes.py) that
+note when they are called.
+"""
+
+import asyncio
+import time
+
+import pytest
+
+from tests.fakes import FakeLM, FakeWhisper, fake_stages, make_config, speech
+from voice.events import ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
+from voice.session import Session
+
+FRAME = 640  # 20 ms of 16 kHz PCM16
+
+
+class LengthWhisper(FakeWhisper):
+    """Says how much audio it was given, so a transcript shows which audio it came from."""
+
+    def transcribe(self, audio, **kwargs):
+        self.text = f"{len(audio) / 16000:.1f} seconds"
+        return super().transcribe(audio, **kwargs)
+
+
+class TimedLM(FakeLM):
+    """Notes when each reply was asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[float] = []
+
+    def chat(self):
+        chat = super().chat()
+        inner = chat.reply
+
+        def reply(messages, mode=None):
+            self.asked.append(time.monotonic())
+            return inner(messages, mode)
+        chat.reply = reply
+        return chat
+
+
+def stages_for(speculative: bool):
+    stages = fake_stages(make_config(session={"speculative_reply": speculative}))
+    stages.whisper, stages.lm = LengthWhisper(), TimedLM()
+    return stages
+
+
+async def push(session: Session, pcm: bytes, realtime: bool = False) -> None:
+    for i in range(0, len(pcm), FRAME):
+        await session.push_audio(pcm[i:i + FRAME])
+        await asyncio.sleep(0.02 if realtime else 0)
+
+
+def drain(session: Session, seen: list) -> asyncio.Task:
+    """What a transport does: take the events, and say when reply audio went out."""
+    async def run():
+        while True:
+            seen.append(ev := await session.outbox.get())
+            if isinstance(ev, TtsAudio):
+                session.audio_sent(ev.turn, ev.text, ev.seconds)
+    return asyncio.create_task(run())
+
+
+async def until_reply_done(seen: list, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(isinstance(e, ReplyDone) for e in seen):
+        assert time.monotonic() < deadline, [type(e).__name__ for e in seen]
+        await asyncio.sleep(0.02)
+
+
+def silence(ms: int) -> bytes:
+    return bytes(32 * ms)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_the_reply_waits_for_the_end_of_the_turn(speculative):
+    """Speculative: the LM is asked during the hangover, before the VAD declares the end of
+    speech, yet nothing of the reply is sent before the final transcript. Without: it is asked
+    only after the end of speech."""
+    stages = stages_for(speculative)
+
+    async def scenario():
+        s = Session(stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        await push(s, speech("001.wav"))
+        await push(s, silence(1000), realtime=True)
+        await until_reply_done(seen)
+        reader.cancel()
+        await s.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    stopped = next(e for e in seen if isinstance(e, SpeechStopped))
+    assert len(stages.lm.asked) == 1
+    assert (stages.lm.asked[0] < stopped.t) == speculative
+    kinds = [type(e) for e in seen]
+    final = next(i for i, e in enumerate(seen) if isinstance(e, Transcript) and e.final)
+    assert kinds.index(SpeechStopped) < final < kinds.index(ReplyText) < kinds.index(TtsAudio)
+    assert not next(e for e in seen if isinstance(e, ReplyDone)).interrupted
+
+
+def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
+    """A pause longer than early_final_ms but shorter than the hangover starts a speculative
+    reply; speech after it drops that reply (never sent, not in the history) and the turn's one
+    reply answers the whole utterance."""
+    config_stages = stages_for(True)
+    cfg = config_stages.config
+    pause = (cfg.asr.early_final_ms + cfg.vad.hangover_ms) // 2
+
+    async def scenario():
+        s = Session(config_stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        await push(s, speech("001.wav"))
+        await push(s, silence(pause), realtime=True)
+        await asyncio.sleep(0.3)  # the speculative reply is generated and synthesised meanwhile
+        prepared = len(config_stages.lm.asked)
+        before = list(seen)
+        await push(s, speech("002.wav"))
+        await push(s, silence(1000), realtime=True)
+        await until_reply_done(seen)
+        reader.cancel()
+        history = list(s.history)
+        await s.close()
+        return prepared, before, seen, history
+
+    prepared, before, seen, history = asyncio.run(scenario())
+    assert prepared == 1, "no reply was prepared during the pause"
+    assert not [e for e in before if isinstance(e, (ReplyText, TtsAudio, ReplyDone)) or
+                isinstance(e, Transcript) and e.final]
+    assert len(config_stages.lm.asked) == 2
+    finals = [e for e in seen if isinstance(e, Transcript) and e.final]
+    dones = [e for e in seen if isinstance(e, ReplyDone)]
+    assert len(finals) == 1 and len(dones) == 1 and len([e for e in seen if isinstance(e, SpeechStopped)]) == 1
+    spoken = float(finals[0].text.split()[0])
+    both = (len(speech("001.wav")) + len(speech("002.wav"))) / 32000
+    assert spoken > both - 0.5, (finals[0].text, both)  # the transcript covers both stretches of speech
+    assert [m["role"] for m in history] == ["user", "assistant"] and history[0]["content"] == finals[0].text

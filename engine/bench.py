@@ -217,13 +217,13 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
-              limit: int = 0, log=print) -> dict:
+              limit: int = 0, log=print, quantize: str = "none") -> dict:
     """Benchmark AR vs diffusion decoding of `model`; print a table, write JSON if asked, return the result."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()
     t = time.perf_counter()
-    engine = Engine.load(model, adapter=adapter)
-    log(f"loaded {engine.name} (adapter: {effective_adapter(model, adapter) or 'none'}) in "
+    engine = Engine.load(model, adapter=adapter, quantize=quantize)
+    log(f"loaded {engine.name} ({engine.loaded.weights}, adapter: {effective_adapter(model, adapter) or 'none'}) in "
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, "
         f"max_new_tokens {cfg.max_new_tokens}, torch threads {torch.get_num_threads()}")
     configs = {mode: replace(cfg, mode=mode) for mode in MODES}
@@ -249,7 +249,7 @@ def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Pa
     summary["ratios"] = {k: ratio(summary["diffusion"][k], summary["ar"][k]) for k in RATIO_KEYS}
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result = {"model": engine.name, "adapter": effective_adapter(model, adapter),
+    result = {"model": engine.name, "adapter": effective_adapter(model, adapter), "weights": engine.loaded.weights,
               "prompts": str(prompts_path), "config": asdict(cfg), "machine": machine, "summary": summary}
     log("")
     log(format_table(summary))

@@ -46,11 +46,14 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA adapter from `engine adapt` to merge into --model")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="int8: dynamically quantised linear layers, ~3x faster forwards on CPU (needs AVX2; "
+                        "replies differ slightly from fp32); eval keeps its teacher fp32 (default: none)")
 
 
 def cmd_generate(a) -> int:
     from engine.stream import Engine
-    engine = Engine.load(a.model, adapter=a.adapter)
+    engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize)
     cfg = decode_config(a)
     messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
     start = time.perf_counter()
@@ -67,19 +70,21 @@ def cmd_generate(a) -> int:
 
 def cmd_serve(a) -> int:
     from engine.server import serve
-    serve(a.model, a.adapter, a.host, a.port, decode_config(a))
+    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize)
     return 0
 
 
 def cmd_bench(a) -> int:
     from engine.bench import run_bench
-    run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit)
+    run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
+              quantize=a.quantize)
     return 0
 
 
 def cmd_eval(a) -> int:
     from engine.eval import run_eval
-    run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit)
+    run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
+             quantize=a.quantize)
     return 0
 
 

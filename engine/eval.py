@@ -114,16 +114,17 @@ def format_table(rows: list[dict], summary: dict) -> str:
 
 
 def run_eval(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
-             limit: int = 0, log=print) -> dict:
+             limit: int = 0, log=print, quantize: str = "none") -> dict:
     """Evaluate `model`'s diffusion replies against its AR teacher; print, write JSON if asked, return."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()
     t = time.perf_counter()
     merged = effective_adapter(model, adapter)
-    student = Engine.load(model, adapter=adapter)
-    # The teacher is the checkpoint without adapter; with no adapter merged that is the student itself.
-    teacher = Engine.load(model, adapter="") if merged else student
-    log(f"loaded {student.name} (adapter: {merged or 'none'}) and its AR teacher in "
+    student = Engine.load(model, adapter=adapter, quantize=quantize)
+    # The teacher is the fp32 checkpoint without adapter; with no adapter merged and no quantisation,
+    # that is the student itself.
+    teacher = Engine.load(model, adapter="") if merged or student.loaded.weights != "fp32" else student
+    log(f"loaded {student.name} ({student.loaded.weights}, adapter: {merged or 'none'}) and its AR teacher in "
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, max_new_tokens {cfg.max_new_tokens}")
     dcfg = replace(cfg, mode="diffusion")
     stop_ids = teacher.tokenizer.eos_ids
@@ -160,7 +161,7 @@ def run_eval(model: str, adapter: str | None, prompts_path: Path, json_path: Pat
     summary = summarize(rows)
     if hasattr(os, "getloadavg"):
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    result = {"model": student.name, "adapter": merged,
+    result = {"model": student.name, "adapter": merged, "weights": student.loaded.weights,
               "teacher": {"model": teacher.name, "adapter": None, "mode": "ar", "temperature": TEACHER_TEMPERATURE,
                           "seed": f"{TEACHER_SEED} + prompt index"},
               "prompts": str(prompts_path), "config": asdict(dcfg), "machine": machine, "summary": summary,

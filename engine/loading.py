@@ -16,6 +16,7 @@ import torch
 
 from engine.decode import DiffusionSpec
 from engine.model import ModelArgs, Transformer, rope_tables
+from engine.quantize import quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 DEFAULT_ADAPTER = Path(__file__).parent / "weights" / "default-adapter.safetensors"
@@ -33,6 +34,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     spec: DiffusionSpec
     name: str
+    weights: str = "fp32"  # what the linear layers run in: fp32 | int8
 
 
 def packaged_smollm2_gguf() -> Path:
@@ -47,8 +49,9 @@ def packaged_smollm2_gguf() -> Path:
 
 
 def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
-         adapter: str | Path | None = None) -> LoadedModel:
-    """Load `name` (default | *.gguf | HF folder | hub id); `adapter` overrides the default's delta."""
+         adapter: str | Path | None = None, quantize: str = "none") -> LoadedModel:
+    """Load `name` (default | *.gguf | HF folder | hub id); `adapter` overrides the default's delta;
+    `quantize` (none | int8, see `engine.quantize`) applies after the adapter is merged."""
     if name == "default":
         loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
         adapter = adapter if adapter is not None else (DEFAULT_ADAPTER if DEFAULT_ADAPTER.exists() else None)
@@ -69,6 +72,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
         from engine.lora import load_adapter
         loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)
     loaded.model.eval()
+    loaded.weights = quantize_model(loaded.model, quantize)
     return loaded
 
 

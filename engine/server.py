@@ -509,7 +509,7 @@ class RequestLog:
                      (time.perf_counter() - start) * 1000, extra)
 
 
-def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig) -> None:
+def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig, quantize: str = "none") -> None:
     """Load `model` and serve it until interrupted."""
     import uvicorn
 
@@ -527,10 +527,10 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
                 raise SystemExit(f"engine serve: ${var} must be a positive integer")
             limits[name] = int(value)
     try:
-        engine = Engine.load(model, adapter=adapter, defaults=defaults)
+        engine = Engine.load(model, adapter=adapter, defaults=defaults, quantize=quantize)
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
-    log.info("serving %s on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, host, port, defaults.mode,
-             defaults.max_new_tokens, f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
+    log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,
+             host, port, defaults.mode, defaults.max_new_tokens, f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
     uvicorn.run(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
                 log_level="info")

@@ -108,8 +108,9 @@ class Engine:
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
-             defaults: DecodeConfig | None = None, max_batch: int = 8) -> "Engine":
-        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter), max_seq_len, defaults, max_batch)
+             defaults: DecodeConfig | None = None, max_batch: int = 8, quantize: str = "none") -> "Engine":
+        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter, quantize=quantize), max_seq_len, defaults,
+                   max_batch)
 
     @property
     def name(self) -> str:

@@ -45,7 +45,7 @@ class LocalLM:
                                    block_size=config.block_size, first_block_size=config.first_block_size,
                                    threshold=config.threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
-                                  max_batch=config.max_batch)
+                                  max_batch=config.max_batch, quantize=config.quantize)
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)

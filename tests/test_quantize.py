@@ -1,0 +1,93 @@
+"""int8 linear layers (engine/quantize.py): a faithful approximation of the fp32 model, usable
+by both decoders and by batched steps, and a clean fallback where the kernels cannot run."""
+
+import pytest
+import torch
+from torch import nn
+
+from engine import quantize as q
+from engine.decode import CacheState, DecodeConfig, Forward, run_many
+from engine.loading import load, packaged_smollm2_gguf
+from engine.stream import Engine
+
+CHATS = [
+    [{"role": "user", "content": "What's a good way to start my morning?"}],
+    [{"role": "system", "content": "You are a friendly voice assistant."},
+     {"role": "user", "content": "Tell me a fun fact about the ocean, please."},
+     {"role": "assistant", "content": "Octopuses have three hearts and blue blood."},
+     {"role": "user", "content": "Wow. And what do they eat?"}],
+]
+
+
+def needs_int8():
+    why_not = q.int8_supported()
+    if why_not:
+        pytest.skip(why_not)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    needs_int8()
+    path = str(packaged_smollm2_gguf())
+    return load(path, max_seq_len=512), load(path, max_seq_len=512, quantize="int8")
+
+
+REPLY = "Sure! Start with a glass of water, stretch for five minutes, then have a calm breakfast without your phone."
+
+
+def reply_logits(model, tokenizer, messages) -> torch.Tensor:
+    """Logits at each position of a fixed reply, decoded as in production: prefill the prompt,
+    then one token per forward through the cache."""
+    prompt = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    ids = tokenizer.encode_chat(messages + [{"role": "assistant", "content": REPLY}])
+    state = CacheState.new(model, 512)
+    with torch.no_grad():
+        outs = [run_many(model, [Forward(state, prompt)])[0][0]]
+        outs += [run_many(model, [Forward(state, [t])])[0][0] for t in ids[len(prompt):-1]]
+    return torch.stack(outs)
+
+
+def test_int8_tracks_fp32_on_the_real_model(pair):
+    """Not token for token (engine eval measures reply quality against the fp32 teacher), but
+    close: most next-token choices agree and the distributions stay near."""
+    fp32, int8 = pair
+    assert (fp32.weights, int8.weights) == ("fp32", "int8")
+    assert not any(type(m) is nn.Linear for m in int8.model.modules())
+    agree = total = 0
+    kls = []
+    for messages in CHATS:
+        a = reply_logits(fp32.model, fp32.tokenizer, messages)
+        b = reply_logits(int8.model, int8.tokenizer, messages)
+        agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        total += len(a)
+        kls.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
+                                              reduction="batchmean").item())
+    assert agree / total >= 0.65, agree / total  # measured 0.74 on this model
+    assert max(kls) < 1.0, kls  # nats per position, fp32 || int8; measured 0.41 and 0.63 (a broken model: several)
+
+
+def test_int8_model_decodes_in_both_modes_and_in_batches(pair):
+    _, int8 = pair
+    engine = Engine(int8, max_seq_len=512)
+    for mode in ("ar", "diffusion"):
+        pieces = list(engine.generate_sync(CHATS[0], DecodeConfig(mode=mode, max_new_tokens=16)))
+        text = "".join(p.text for p in pieces)
+        assert pieces[-1].done and len(text.split()) >= 2, (mode, text)
+    states = [CacheState.new(int8.model, 512) for _ in range(3)]
+    prompts = [int8.tokenizer.encode_chat(c, add_generation_prompt=True) for c in CHATS + CHATS[:1]]
+    outs = run_many(int8.model, [Forward(s, p) for s, p in zip(states, prompts)])
+    for (last, _), p in zip(outs, prompts):
+        assert last is not None and last.shape[-1] == int8.model.args.vocab_size and torch.isfinite(last).all()
+    assert outs[0][0].argmax() == outs[2][0].argmax()  # the same prompt twice in one batch: the same next token
+
+
+def test_without_int8_kernels_the_model_stays_fp32(monkeypatch):
+    monkeypatch.setattr(q, "int8_supported", lambda: "int8 kernels are unavailable on this CPU (test)")
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert q.quantize(model, "int8") == "fp32" and type(model[0]) is nn.Linear
+    assert q.quantize(model, "none") == "fp32"
+
+
+def test_unknown_quantisation_is_refused():
+    with pytest.raises(ValueError, match="int4"):
+        q.quantize(nn.Sequential(nn.Linear(4, 4)), "int4")

@@ -96,12 +96,12 @@ class FaultySynth:
         self.real = real
         self.voice_rate = real.voice_rate
 
-    async def synthesize(self, text, out_rate):
+    async def synthesize(self, text, out_rate, urgent=False):
         if Faults.mode == "tts_raise":
             raise RuntimeError("injected TTS failure")
         if Faults.mode == "tts_hang":
             await asyncio.sleep(3600)
-        return await self.real.synthesize(text, out_rate)
+        return await self.real.synthesize(text, out_rate, urgent)
 
 
 # --- the server --------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 import asyncio
 import random
+import threading
 
 import numpy as np
 import pytest
 
 from voice.asr import AsrConfig, StreamingTranscriber, load_whisper
 from voice.audio import resample, rms_dbfs
-from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, load_voice
+from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, UrgentFirst, load_voice
 
 REPLY = (
     "Sure! The oven should be at 180.5 degrees, e.g. fan assisted; wait ten minutes.\n"
@@ -139,3 +140,20 @@ def test_splitter_lets_the_first_phrase_end_after_a_few_words():
     assert splitter.push(" Paris and it is big") == []  # later phrases wait for punctuation
     assert splitter.push(". Yes.") == ["France is Paris and it is big."]
     assert splitter.flush() == "Yes."
+
+
+def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
+    """A reply's first phrase jumps the synthesis queue; a phrase dropped by barge-in is skipped."""
+    worker = UrgentFirst()
+    gate, order = threading.Event(), []
+    worker.submit(False, gate.wait)  # keeps the thread busy while the queue fills
+    later = [worker.submit(False, order.append, f"later{i}") for i in range(3)]
+    dropped = worker.submit(False, order.append, "dropped")
+    first = worker.submit(True, order.append, "first")
+    assert dropped.cancel()
+    failing = worker.submit(False, lambda: 1 / 0)
+    gate.set()
+    for job in later + [first]:
+        job.result(timeout=10)
+    assert isinstance(failing.exception(timeout=10), ZeroDivisionError)
+    assert order == ["first", "later0", "later1", "later2"]

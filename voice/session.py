@@ -518,7 +518,8 @@ class Session:
         timeout = self.config.faults.tts_timeout_s
         while (phrase := await phrases.get()) is not None:
             try:
-                pcm = await asyncio.wait_for(self.stages.synthesizer.synthesize(phrase, self.out_rate), timeout)
+                pcm = await asyncio.wait_for(self.stages.synthesizer.synthesize(phrase, self.out_rate,
+                                                                                 urgent=not reply.emitted), timeout)
             except asyncio.TimeoutError:
                 raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
                                    "timeout") from None

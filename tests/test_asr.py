@@ -99,6 +99,20 @@ def test_no_decode_before_partial_interval():
     assert model.calls == []
 
 
+def test_partials_slow_down_while_others_talk_at_the_same_time():
+    """With two utterances under way each transcriber needs twice the audio between partials,
+    so partial decodes do not multiply with the number of sessions."""
+    model = ScriptedModel("ten of clubs", "ten of clubs")
+    mine = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
+    other = StreamingTranscriber(ScriptedModel(), AsrConfig(partial_interval_ms=100))
+    other.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
+    mine.insert_audio_chunk(np.zeros(int(1.5 * 1600), dtype=np.float32))  # 150 ms: enough alone, not for two
+    assert asyncio.run(mine.process_iter()) is None and model.calls == []
+    other.reset()  # the other person's utterance ended
+    asyncio.run(mine.process_iter())
+    assert len(model.calls) == 1
+
+
 def test_reset_during_a_decode_keeps_it_out_of_the_next_utterance():
     model = ScriptedModel("ten of clubs", "ten of clubs")
     transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))

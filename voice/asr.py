@@ -8,6 +8,7 @@ prefix), so a later rewrite such as "Eight" -> "8" cannot stall the partial tran
 
 import asyncio
 import re
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ SAMPLE_RATE = 16000
 # oversubscribing the CPU, and the shared model is never called concurrently.
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr")
 _busy = 0  # decodes running on _WORKER now; partials yield to everything else
+# Transcribers with an utterance under way. With N people talking at once, each gets a partial
+# transcript every N x partial_interval_ms: partials then cost the ASR thread the same however
+# many sessions are open, and do not crowd out the finals that someone is waiting for.
+_speaking: "weakref.WeakSet[StreamingTranscriber]" = weakref.WeakSet()
 
 
 @dataclass
@@ -30,7 +35,7 @@ class AsrConfig:
     compute_type: str = "int8"
     beam_size: int = 1
     language: str = "en"  # "" = let Whisper detect it
-    partial_interval_ms: int = 500  # new audio needed before the next partial decode
+    partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
     cpu_threads: int = 0  # 0 = CTranslate2's default
     early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
 
@@ -71,14 +76,16 @@ class StreamingTranscriber:
         self._decoded_samples = 0
         self._last_hypothesis: list[str] = []
         self._committed: list[str] = []
+        _speaking.discard(self)
 
     def insert_audio_chunk(self, audio: np.ndarray) -> None:
         self._chunks.append(np.asarray(audio, dtype=np.float32))
         self._samples += len(audio)
+        _speaking.add(self)
 
     async def process_iter(self) -> str | None:
         """Decode if enough new audio arrived; the longer partial transcript, or None."""
-        interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000
+        interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(_speaking), 1)
         if self._samples - self._decoded_samples < interval or _busy:
             return None  # partials are best effort: never queue one behind another session's work
         self._decoded_samples = self._samples

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.fakes import FakeLM, FakeWhisper, fake_stages, make_config, speech
+from fakes import FakeLM, FakeWhisper, fake_stages, make_config, speech
 from voice.events import ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
 from voice.session import Session
 

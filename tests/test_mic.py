@@ -142,7 +142,12 @@ def test_conversation_over_pulseaudio(pulse, live_voice_server, tmp_path):
             heard = out.wait_for(r"^you: (.*)", timeout=120).group(1)
             played = int(out.wait_for(r"^played (\d+) bytes of reply audio", timeout=120).group(1))
             client.send_signal(signal.SIGINT)  # Ctrl-C
-            rc = client.wait(timeout=20)
+            try:
+                rc = client.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                client.kill()
+                pytest.fail("voice mic did not exit within 20 s of Ctrl-C; its output:\n" + out.text() + "\n" +
+                            err.text())
         finally:
             if client.poll() is None:
                 client.kill()

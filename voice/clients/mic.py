@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -307,6 +308,9 @@ class MicClient:
 def mic(url: str, input_device=None, output_device=None) -> int:
     """Run until Ctrl-C (exit 0) or until the connection fails (exit 1) or a device fails (exit 2)."""
     client = MicClient(url, parse_device(input_device), parse_device(output_device))
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored,
+    # and Python then never raises KeyboardInterrupt: make Ctrl-C / SIGINT quit in any case.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return asyncio.run(client.run())
     except KeyboardInterrupt:

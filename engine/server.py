@@ -30,10 +30,8 @@ import json
 import logging
 import math
 import os
-import re
 import time
 import uuid
-from pathlib import Path
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
+from engine.keys import ConfigError, load_keys
 from engine.stream import Conversation, Engine, Piece
 
 log = logging.getLogger("engine.server")
@@ -450,27 +449,12 @@ class BearerAuth:
 
 
 def load_api_keys(env: dict | None = None) -> dict[str, str]:
-    """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE: `key` or `name:key` entries."""
+    """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE (`engine.keys` format)."""
     env = os.environ if env is None else env
-    text = env.get("ENGINE_API_KEYS", "")
-    if env.get("ENGINE_API_KEYS_FILE"):
-        path = Path(env["ENGINE_API_KEYS_FILE"]).expanduser()
-        try:
-            text += "\n" + path.read_text()
-        except OSError as err:
-            raise SystemExit(f"engine serve: cannot read the API key file {path}: {err}") from err
-    keys: dict[str, str] = {}
-    for raw in re.split(r"[,\n]", text):
-        entry = raw.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        name, sep, key = entry.partition(":")
-        if not sep:
-            name, key = "key-" + hashlib.sha256(entry.encode()).hexdigest()[:8], entry
-        if len(key.strip()) < 16:
-            raise SystemExit(f"engine serve: the API key named {name.strip()!r} is shorter than 16 characters")
-        keys[name.strip()] = key.strip()
-    return keys
+    try:
+        return load_keys(env, "ENGINE_API_KEYS", env.get("ENGINE_API_KEYS_FILE", ""))
+    except ConfigError as err:
+        raise SystemExit(f"engine serve: {err}") from err
 
 
 def _is_loopback(host: str) -> bool:

@@ -24,14 +24,13 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from engine.keys import ConfigError, load_keys
 from voice.config import AuthConfig, Config
 
 log = logging.getLogger("voice.auth")
 TOKEN_VERSION = "v1"
-_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 
 
 class AuthError(Exception):
@@ -42,10 +41,6 @@ class AuthError(Exception):
         self.code, self.message, self.status = code, message, status
 
 
-class ConfigError(Exception):
-    """The configuration is unsafe or unusable; the server must not start."""
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -53,46 +48,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # "", "0.0.0.0" and hostnames: assume reachable from elsewhere
-
-
-def key_id(key: str) -> str:
-    """A name for an unnamed key that says nothing about it."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
-
-
-def parse_keys(text: str, where: str) -> dict[str, str]:
-    """`key` or `name:key` entries separated by commas or newlines (# starts a comment) -> {name: key}."""
-    keys: dict[str, str] = {}
-    for raw in re.split(r"[,\n]", text):
-        entry = raw.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        name, sep, key = entry.partition(":")
-        if not sep:
-            name, key = key_id(entry), entry
-        name, key = name.strip(), key.strip()
-        if not _NAME.match(name):
-            raise ConfigError(f"{where}: bad key name {name[:20]!r} (letters, digits, _ . @ - only)")
-        if len(key) < 16:
-            raise ConfigError(f"{where}: the key named {name!r} is shorter than 16 characters")
-        if name in keys and keys[name] != key:
-            raise ConfigError(f"{where}: two different keys are named {name!r}")
-        keys[name] = key
-    return keys
-
-
-def load_keys(env_var: str, file: str) -> dict[str, str]:
-    keys: dict[str, str] = {}
-    if env_var and os.environ.get(env_var, "").strip():
-        keys.update(parse_keys(os.environ[env_var], f"${env_var}"))
-    if file:
-        path = Path(file).expanduser()
-        try:
-            text = path.read_text()
-        except OSError as err:
-            raise ConfigError(f"cannot read the API key file {path}: {err}") from err
-        keys.update(parse_keys(text, str(path)))
-    return keys
 
 
 def _b64(data: bytes) -> str:
@@ -117,7 +72,7 @@ class Auth:
 
     @classmethod
     def from_config(cls, cfg: AuthConfig) -> "Auth":
-        keys = load_keys(cfg.api_keys_env, cfg.api_keys_file)
+        keys = load_keys(os.environ, cfg.api_keys_env, cfg.api_keys_file)
         secret = os.environ.get(cfg.token_secret_env, "") if cfg.token_secret_env else ""
         twilio = os.environ.get(cfg.twilio_auth_token_env, "") if cfg.twilio_auth_token_env else ""
         if secret and len(secret) < 16:

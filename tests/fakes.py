@@ -32,23 +32,18 @@ SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 FRAME = 640  # 20 ms of 16 kHz PCM16
 
 
-class _Segment:
-    def __init__(self, text: str):
-        self.text = text
-
-
 class FakeWhisper:
-    """faster-whisper's `transcribe` shape; `fail` / `delay_s` simulate a broken or slow ASR."""
+    """voice.asr.Whisper's shape; `fail` / `delay_s` simulate a broken or slow ASR."""
 
     def __init__(self, text: str = "eight of spades"):
         self.text, self.fail, self.delay_s = text, None, 0.0
 
-    def transcribe(self, audio, **kwargs):
+    def transcribe(self, audio, prefix=""):
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        return [_Segment(self.text)], None
+        return self.text
 
 
 class FakeChat:

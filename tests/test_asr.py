@@ -1,12 +1,13 @@
 import asyncio
 from pathlib import Path
-from types import SimpleNamespace
 
+import jiwer
 import numpy as np
 import pytest
 
-from voice.asr import AsrConfig, StreamingTranscriber, load_whisper
+from voice.asr import AsrConfig, StreamingTranscriber, Whisper
 from voice.audio import read_wav
+from voice.clients.bench import normalise
 
 SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 CHUNK = 1600  # 100 ms at 16 kHz
@@ -14,7 +15,7 @@ CHUNK = 1600  # 100 ms at 16 kHz
 
 @pytest.fixture(scope="module")
 def model():
-    return load_whisper(AsrConfig())
+    return Whisper(AsrConfig())
 
 
 def speech(name: str) -> np.ndarray:
@@ -64,15 +65,15 @@ def test_partials_grow_as_prefixes_per_utterance(model):
 
 
 class ScriptedModel:
-    """Stands in for WhisperModel: returns the given hypotheses in turn and records each call."""
+    """Stands in for Whisper: returns the given hypotheses in turn and records each call."""
 
     def __init__(self, *hypotheses: str) -> None:
         self._hypotheses = iter(hypotheses)
         self.calls: list[dict] = []
 
-    def transcribe(self, audio, **options):
-        self.calls.append({"samples": len(audio), **options})
-        return iter([SimpleNamespace(text=" " + next(self._hypotheses))]), None
+    def transcribe(self, audio, prefix=""):
+        self.calls.append({"samples": len(audio), "prefix": prefix})
+        return next(self._hypotheses)
 
 
 def test_local_agreement_commits_words_two_hypotheses_share():
@@ -87,7 +88,7 @@ def test_local_agreement_commits_words_two_hypotheses_share():
         return partials
 
     assert asyncio.run(three_decodes()) == [None, "Eight of", "Eight of spades, four"]
-    assert [call["prefix"] for call in model.calls] == [None, None, "Eight of"]
+    assert [call["prefix"] for call in model.calls] == ["", "", "Eight of"]
     assert [call["samples"] for call in model.calls] == [CHUNK, 2 * CHUNK, 3 * CHUNK]
 
 
@@ -145,7 +146,9 @@ def test_concurrent_sessions_share_the_model(model):
     assert "forward" in forward.lower()
 
 
-@pytest.mark.parametrize("fields", [{"beam_size": 0}, {"partial_interval_ms": 0}])
+@pytest.mark.parametrize(
+    "fields", [{"beam_size": 0}, {"partial_interval_ms": 0}, {"min_window_s": 0.5}, {"min_window_s": 31}]
+)
 def test_config_rejects_bad_values(fields):
     with pytest.raises(ValueError):
         AsrConfig(**fields)
@@ -163,3 +166,46 @@ def test_snapshot_leaves_the_utterance_open(model):
         return early, await transcriber.finish()
     early, final = asyncio.run(run())
     assert early.strip() and early == final
+
+
+class EncoderSpy:
+    """Wraps the CTranslate2 model to note how many feature frames each encode was given."""
+
+    def __init__(self, real):
+        self.real, self.frames = real, []
+
+    def encode(self, features, **options):
+        self.frames.append(features.shape[-1])
+        return self.real.encode(features, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+REFERENCES = dict(
+    line.split("\t") for line in (SPEECH / "transcripts.tsv").read_text().splitlines()[1:]
+)
+
+
+def word_error_rate(transcripts: list[str]) -> float:
+    return jiwer.wer(list(REFERENCES.values()), [normalise(text) for text in transcripts])
+
+
+def test_short_window_transcribes_real_speech_as_well_as_the_full_window(model):
+    """The window fits each clip (1-3 s of speech: 12 s windows, not 30) and the words are as
+    good: on these clips a window under ~10 s made tiny.en repeat them ("five five five...")."""
+    full = Whisper(AsrConfig(min_window_s=30))
+    spy = model.model.model = EncoderSpy(model.model.model)
+    try:
+        short = [model.transcribe(speech(name)) for name in REFERENCES]
+    finally:
+        model.model.model = spy.real
+    assert spy.frames == [1200] * len(REFERENCES)
+    assert word_error_rate(short) <= word_error_rate([full.transcribe(speech(n)) for n in REFERENCES])
+    assert word_error_rate(short) < 0.1
+
+
+def test_audio_longer_than_one_window_is_transcribed_whole(model):
+    long = np.concatenate([speech("goforward.wav")] * 14)  # ~31 s
+    assert len(long) > 30 * 16000
+    assert model.transcribe(long).lower().count("forward") >= 10

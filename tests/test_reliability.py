@@ -83,12 +83,12 @@ class FaultyWhisper:
     def __init__(self, real):
         self.real = real
 
-    def transcribe(self, audio, **kwargs):
+    def transcribe(self, audio, prefix=""):
         if Faults.mode == "asr_raise":
             raise RuntimeError("injected ASR failure")
-        if Faults.mode == "asr_hang" and not kwargs.get("prefix"):
+        if Faults.mode == "asr_hang" and not prefix:
             time.sleep(4.0)  # a stuck decode (it does end: the ASR worker is shared)
-        return self.real.transcribe(audio, **kwargs)
+        return self.real.transcribe(audio, prefix)
 
 
 class FaultySynth:

@@ -20,9 +20,9 @@ FRAME = 640  # 20 ms of 16 kHz PCM16
 class LengthWhisper(FakeWhisper):
     """Says how much audio it was given, so a transcript shows which audio it came from."""
 
-    def transcribe(self, audio, **kwargs):
+    def transcribe(self, audio, prefix=""):
         self.text = f"{len(audio) / 16000:.1f} seconds"
-        return super().transcribe(audio, **kwargs)
+        return super().transcribe(audio, prefix)
 
 
 class TimedLM(FakeLM):

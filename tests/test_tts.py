@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from voice.asr import AsrConfig, StreamingTranscriber, load_whisper
+from voice.asr import AsrConfig, StreamingTranscriber, Whisper
 from voice.audio import resample, rms_dbfs
 from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, UrgentFirst, load_voice
 
@@ -27,7 +27,7 @@ def synthesizer(voice):
 
 @pytest.fixture(scope="module")
 def transcribe():
-    model = load_whisper(AsrConfig())
+    model = Whisper(AsrConfig())
 
     async def final(audio: np.ndarray) -> str:
         transcriber = StreamingTranscriber(model, AsrConfig())

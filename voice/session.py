@@ -633,6 +633,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()

@@ -194,9 +194,10 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
         print_table(summary)
         result = {"summary": summary, "per_turn": [t.__dict__ for t in turns]}
     else:
-        sweep = []
+        sweep, per_turn = [], {}
         for n in sessions:
             turns = asyncio.run(run_concurrent(url, files, refs, rate, lm_mode, n))
+            per_turn[n] = [t.__dict__ for t in turns]
             summary = summarise(turns) | {"sessions": n}
             summary["within_budget"] = summary["v2v_ms_p95"] is not None and summary["v2v_ms_p95"] <= budget_ms \
                 and summary["answered"] == summary["turns"]
@@ -207,7 +208,7 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
                   f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget")
         held = [s["sessions"] for s in sweep if s["within_budget"]]
         result = {"summary": {"sweep": sweep, "max_sessions_within_budget": max(held, default=0),
-                              "budget_ms": budget_ms}}
+                              "budget_ms": budget_ms}, "per_turn": per_turn}
         print(f"largest N with p95 within budget: {result['summary']['max_sessions_within_budget']}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

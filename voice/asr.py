@@ -93,7 +93,7 @@ class Whisper:
         if seconds >= FULL_WINDOW_S or not self._tokenizer:
             return self._transcribe_long(audio, prefix)
         text = self._transcribe_window(audio, prefix, seconds)
-        return self._transcribe_long(audio, prefix) if _repeats_itself(text) else text
+        return self._transcribe_long(audio, prefix) if repeats_itself(text) else text
 
     def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float) -> str:
         window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
@@ -208,7 +208,7 @@ class StreamingTranscriber:
             _busy -= 1
 
 
-def _repeats_itself(text: str) -> bool:
+def repeats_itself(text: str) -> bool:
     """Whether some run of 2-4 words comes three times in a row: Whisper's loop, not speech."""
     words = [_normalise(word) for word in text.split()]
     for n in range(2, 5):

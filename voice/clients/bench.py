@@ -206,14 +206,24 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
                   f"p95 {summary['v2v_ms_p95'] or float('nan'):7.0f} ms  turns over budget "
                   f"{summary['budget_violations']}/{summary['turns']}  errors {summary['errors']}  "
                   f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget")
-        held = [s["sessions"] for s in sweep if s["within_budget"]]
-        result = {"summary": {"sweep": sweep, "max_sessions_within_budget": max(held, default=0),
+        result = {"summary": {"sweep": sweep, "max_sessions_within_budget": sessions_held(sweep),
                               "budget_ms": budget_ms}, "per_turn": per_turn}
         print(f"largest N with p95 within budget: {result['summary']['max_sessions_within_budget']}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(result, indent=1))
     return result["summary"]
+
+
+def sessions_held(sweep: list[dict]) -> int:
+    """The largest N held within budget together with every smaller N of the sweep: a machine
+    that misses the budget at 3 sessions does not hold 4 because one noisy run at 4 passed."""
+    held = 0
+    for entry in sorted(sweep, key=lambda entry: entry["sessions"]):
+        if not entry["within_budget"]:
+            break
+        held = entry["sessions"]
+    return held
 
 
 async def run_concurrent(url: str, files: list[Path], refs: dict[str, str], rate: int, lm_mode: str | None,

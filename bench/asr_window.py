@@ -20,7 +20,7 @@ import jiwer
 import numpy as np
 
 from common import REPO, machine, write_json
-from voice.asr import AsrConfig, Whisper, repeats_itself
+from voice.asr import FULL_WINDOW_S, AsrConfig, Whisper, repeats_itself
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
 
@@ -47,9 +47,9 @@ def measure(window_s: float, cases: list[tuple[np.ndarray, str]]) -> dict:
     hypotheses, loops, seconds = [], 0, 0.0
     for audio, _ in cases:
         start = time.perf_counter()
-        window = max(window_s, np.ceil(len(audio) / 16000 + 1.0))
+        window = whisper.window_s(len(audio))
         # the window alone, without the service's full-window retry of a loop
-        text = whisper._transcribe_window(audio, "", window) if window < 30 else whisper.transcribe(audio)
+        text = whisper._transcribe_window(audio, "", window) if window < FULL_WINDOW_S else whisper.transcribe(audio)
         seconds += time.perf_counter() - start
         loops += repeats_itself(text)
         hypotheses.append(normalise(text))

@@ -8,7 +8,7 @@ import pytest
 
 from voice.asr import AsrConfig, StreamingTranscriber, Whisper
 from voice.audio import read_wav
-from voice.clients.bench import normalise
+from voice.clients.bench import normalise, read_references
 
 SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 CHUNK = 1600  # 100 ms at 16 kHz
@@ -184,9 +184,7 @@ class EncoderSpy:
         return getattr(self.real, name)
 
 
-REFERENCES = dict(
-    line.split("\t") for line in (SPEECH / "transcripts.tsv").read_text().splitlines()[1:]
-)
+REFERENCES = read_references(SPEECH)
 
 
 def word_error_rate(transcripts: list[str]) -> float:

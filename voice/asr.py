@@ -46,7 +46,6 @@ class AsrConfig:
     early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
     min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
 
-
     def __post_init__(self) -> None:
         if self.beam_size < 1:
             raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
@@ -87,9 +86,13 @@ class Whisper:
             multilingual = self.model.model.is_multilingual
             self._tokenizer = Tokenizer(self.model.hf_tokenizer, multilingual, "transcribe", known_language)
 
+    def window_s(self, samples: int) -> float:
+        """The encoder window for this much audio; FULL_WINDOW_S or more = the long-form path."""
+        return max(self.config.min_window_s, np.ceil(samples / SAMPLE_RATE + 1.0))
+
     def transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
         """Transcript of `audio`, which starts with `prefix` when one is given."""
-        seconds = max(self.config.min_window_s, np.ceil(len(audio) / SAMPLE_RATE + 1.0))
+        seconds = self.window_s(len(audio))
         if seconds >= FULL_WINDOW_S or not self._tokenizer:
             return self._transcribe_long(audio, prefix)
         text = self._transcribe_window(audio, prefix, seconds)
@@ -98,7 +101,7 @@ class Whisper:
     def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float) -> str:
         window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
         window[: len(audio)] = audio
-        frames = int(seconds * SAMPLE_RATE) // self.model.feature_extractor.hop_length
+        frames = len(window) // self.model.feature_extractor.hop_length
         features = np.ascontiguousarray(self.model.feature_extractor(window)[np.newaxis, :, :frames])
         encoded = self.model.model.encode(ctranslate2.StorageView.from_array(features))
         prompt = self.model.get_prompt(self._tokenizer, [], without_timestamps=True, prefix=prefix)

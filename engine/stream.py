@@ -3,7 +3,9 @@
 One scheduler thread owns the model. Every round it advances each active request to its
 next forward (a denoising step, or an AR token) and runs up to `max_batch` of them as one
 batched pass, so concurrent conversations share block-denoising steps instead of queueing
-behind each other (continuous batching at block-step granularity). Each conversation keeps
+behind each other (continuous batching at block-step granularity). Replies that have not
+delivered their first piece go first: a caller waits in silence for that one, while a reply
+already flowing has slack (MAX_DEFER_S, `host_busy`). Each conversation keeps
 its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
@@ -23,6 +25,10 @@ from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan,
 from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
+
+# How long a reply that already delivered text may sit out rounds for first pieces. Its
+# caller is still speaking or showing what came before, so a short pause costs nobody time.
+MAX_DEFER_S = 0.3
 
 
 @dataclass
@@ -91,6 +97,8 @@ class _Request:
     steps: Generator | None = None
     reply: _Reply | None = None
     result: object = None  # what to send into `steps` next
+    forward: Forward | None = None  # the next forward, waiting for its round
+    ready_since: float = 0.0  # when `forward` was planned (monotonic)
     cancelled: bool = False
 
 
@@ -105,6 +113,9 @@ class Engine:
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
+        # The host says when someone is waiting on the CPU for its other work (a voice service:
+        # speech recognition, synthesis); replies past their first piece then sit out a while.
+        self.host_busy: Callable[[], bool] = lambda: False
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
@@ -188,30 +199,50 @@ class Engine:
     def _schedule(self) -> None:
         active: list[_Request] = []
         while True:
-            try:
-                while True:
-                    self._admit(self._inbox.get(block=not active), active)
-            except queue.Empty:
-                pass
-            ready: list[tuple[_Request, Forward]] = []
-            for request in list(active):
-                forward = self._advance(request)
-                if forward is None:
-                    active.remove(request)
-                else:
-                    ready.append((request, forward))
-            for i in range(0, len(ready), self.max_batch):
-                batch = ready[i:i + self.max_batch]
+            self._admit_new(active, timeout=0 if active else None)
+            batch_from = self._this_round(self._ready(active))
+            if not batch_from:  # everyone sits out this round: look for newcomers meanwhile
+                self._admit_new(active, timeout=0.005)
+                continue
+            for i in range(0, len(batch_from), self.max_batch):
+                batch = batch_from[i:i + self.max_batch]
                 self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
                 try:
-                    results = run_many(self.model, [f for _, f in batch])
+                    results = run_many(self.model, [request.forward for request in batch])
                 except Exception as err:  # one bad batch fails its requests, not the scheduler
                     log.exception("batched forward failed")
-                    for request, _ in batch:
-                        request.result = err
-                    continue
-                for (request, _), result in zip(batch, results):
-                    request.result = result
+                    results = [err] * len(batch)
+                for request, result in zip(batch, results):
+                    request.result, request.forward = result, None
+
+    def _admit_new(self, active: list[_Request], timeout: float | None) -> None:
+        """Admit whatever is in the inbox, first waiting up to `timeout` s for it (None: forever)."""
+        try:
+            request = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+            while True:
+                self._admit(request, active)
+                request = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _ready(self, active: list[_Request]) -> list[_Request]:
+        """Plan each request's next forward (finished and cancelled requests leave `active`)."""
+        for request in list(active):
+            if request.forward is None or request.cancelled:
+                request.forward, request.ready_since = self._advance(request), time.monotonic()
+                if request.forward is None:
+                    active.remove(request)
+        return active
+
+    def _this_round(self, ready: list[_Request]) -> list[_Request]:
+        """First pieces first: a reply that has delivered text sits out while another has not, or
+        while the host says someone is waiting on the CPU for other work; at most MAX_DEFER_S."""
+        first = [request for request in ready if request.reply.first is None]
+        if not first and not self.host_busy():
+            return ready
+        now = time.monotonic()
+        return first + [request for request in ready
+                        if request.reply.first is not None and now - request.ready_since >= MAX_DEFER_S]
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from engine.decode import (CacheState, ContextOverflow, DecodeConfig, DiffusionS
                            generate_ar_batch, generate_diffusion, run)
 from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
+import engine.stream as engine_stream
 from engine.stream import Conversation, Engine
 
 import tinyckpt
@@ -504,3 +506,68 @@ def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
     got = asyncio.run(main())
     assert got == expected
     assert max(engine.batch_sizes) > 1  # the three requests really shared forwards
+
+
+def test_a_new_reply_gets_its_first_piece_before_a_flowing_reply_goes_on(smol, monkeypatch):
+    """First pieces first: someone waits in silence for a reply's first block, while a reply
+    that already delivered text has slack; it sits out until the newcomer's first piece."""
+    monkeypatch.setattr(engine_stream, "MAX_DEFER_S", 60.0)
+    engine = Engine(smol, max_seq_len=512, max_batch=4)
+    flowing_cfg = DecodeConfig(mode="ar", max_new_tokens=40)  # a piece per forward
+    newcomer_cfg = DecodeConfig(rule="topk", topk=1, max_new_tokens=8)  # one token per forward
+    # the question whose first piece takes the most forwards (diffusion may settle later words first)
+    replies = {q: list(engine.generate_sync([{"role": "user", "content": q}], newcomer_cfg))
+               for q in ("List three colours.", "Name a fruit.", "Say hello to Sam.", "Write a haiku about rain.")}
+    question = max(replies, key=lambda q: replies[q][0].forwards)
+    newcomer_chat, expected = [{"role": "user", "content": question}], replies[question]
+    assert expected[0].forwards >= 4  # a flowing reply sharing its rounds would deliver that many pieces
+    events: list[str] = []
+
+    async def main():
+        flowing_started = asyncio.Event()
+
+        async def flowing():
+            async for _ in engine.stream(FIRST, flowing_cfg):
+                events.append("flowing")
+                flowing_started.set()
+
+        async def newcomer():
+            pieces = []
+            async for piece in engine.stream(newcomer_chat, newcomer_cfg):
+                events.append("newcomer")
+                pieces.append(piece)
+            return pieces
+
+        flowing_task = asyncio.create_task(flowing())
+        await flowing_started.wait()
+        events.append("submitted")
+        pieces = await newcomer()
+        await flowing_task
+        return pieces
+
+    pieces = asyncio.run(main())
+    assert reply_ids(pieces) == reply_ids(expected)
+    between = events[events.index("submitted"):events.index("newcomer")]
+    assert between.count("flowing") <= 2  # at most what was already in flight when it arrived
+    assert events.count("flowing") == 40  # and then the flowing reply finished
+
+
+def test_a_flowing_reply_yields_to_the_host_but_is_never_starved(smol, monkeypatch):
+    """While the host is busy (someone waits for speech recognition or synthesis), a reply past its
+    first piece sits out rounds, each forward at most MAX_DEFER_S, and still finishes unchanged."""
+    monkeypatch.setattr(engine_stream, "MAX_DEFER_S", 0.2)
+    engine = Engine(smol, max_seq_len=512)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    expected = reply_ids(engine.generate_sync(FIRST, cfg))
+    engine.host_busy = lambda: True
+
+    async def main():
+        arrivals = []
+        async for piece in engine.stream(FIRST, cfg):
+            arrivals.append((time.monotonic(), piece))
+        return arrivals
+
+    arrivals = asyncio.run(main())
+    assert reply_ids([piece for _, piece in arrivals]) == expected
+    gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
+    assert len(gaps) == 5 and all(0.2 <= gap < 2.0 for gap in gaps)

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from fakes import FakeLM, FakeWhisper, fake_stages, make_config, speech
+from fakes import FakeLM, FakeSynth, FakeWhisper, fake_stages, make_config, speech
 from voice.events import ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
+from voice.priority import WAITING
 from voice.session import Session
 
 FRAME = 640  # 20 ms of 16 kHz PCM16
@@ -141,3 +142,42 @@ def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
     both = (len(speech("001.wav")) + len(speech("002.wav"))) / 32000
     assert spoken > both - 0.5, (finals[0].text, both)  # the transcript covers both stretches of speech
     assert [m["role"] for m in history] == ["user", "assistant"] and history[0]["content"] == finals[0].text
+
+
+class WaitingProbe(FakeSynth):
+    """Notes, for each phrase, whether anyone was listed as waiting for first audio."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting: list[bool] = []
+
+    async def synthesize(self, text: str, out_rate: int, urgent: bool = False):
+        self.waiting.append(WAITING.busy())
+        return await super().synthesize(text, out_rate, urgent)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_the_session_waits_from_end_of_speech_to_its_first_audio(speculative):
+    """Other sessions' background work yields while this one is listed in WAITING: from its
+    (speculative) final transcript until its first phrase is synthesised, and no longer."""
+    stages = stages_for(speculative)
+    stages.synthesizer = WaitingProbe()
+
+    async def scenario():
+        s = Session(stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        await push(s, speech("001.wav"))
+        during_speech = WAITING.busy()
+        await push(s, silence(1000), realtime=True)
+        await until_reply_done(seen)
+        after_reply = WAITING.busy()
+        reader.cancel()
+        await s.close()
+        return during_speech, after_reply
+
+    during_speech, after_reply = asyncio.run(scenario())
+    probe = stages.synthesizer.waiting
+    assert not during_speech and not after_reply
+    assert len(probe) >= 2 and probe[0] and not any(probe[1:])
+

@@ -1,12 +1,14 @@
 import asyncio
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from voice.asr import AsrConfig, StreamingTranscriber, Whisper
 from voice.audio import resample, rms_dbfs
+from voice.priority import MAX_DEFER_S, Waiting
 from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, UrgentFirst, load_voice
 
 REPLY = (
@@ -160,3 +162,24 @@ def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
         job.result(timeout=10)
     assert isinstance(failing.exception(timeout=10), ZeroDivisionError)
     assert order == ["first", "later0", "later1", "later2"]
+
+
+def test_later_phrases_wait_briefly_while_someone_waits_in_silence():
+    """While a user waits for their first audio, other replies' later phrases hold back (not forever)."""
+    waiting = Waiting()
+    worker = UrgentFirst(defer=waiting.defer)
+    order: list[str] = []
+    waiting.start("a session")
+    submitted = time.monotonic()
+    later = worker.submit(False, order.append, "later")
+    time.sleep(MAX_DEFER_S / 3)
+    assert order == []
+    worker.submit(True, order.append, "first").result(timeout=10)
+    later.result(timeout=10)
+    assert order == ["first", "later"]
+    assert MAX_DEFER_S <= time.monotonic() - submitted < MAX_DEFER_S + 1.0  # held, then let through
+    waiting.stop("a session")
+    started = time.monotonic()
+    worker.submit(False, order.append, "now").result(timeout=10)
+    assert time.monotonic() - started < MAX_DEFER_S
+

@@ -21,6 +21,8 @@ import numpy as np
 from faster_whisper import WhisperModel
 from faster_whisper.tokenizer import Tokenizer
 
+from voice.priority import WAITING
+
 SAMPLE_RATE = 16000
 FULL_WINDOW_S = 30  # what Whisper was trained on; its encoder accepts no more
 
@@ -157,8 +159,8 @@ class StreamingTranscriber:
     async def process_iter(self) -> str | None:
         """Decode if enough new audio arrived; the longer partial transcript, or None."""
         interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(_speaking), 1)
-        if self._samples - self._decoded_samples < interval or _busy:
-            return None  # partials are best effort: never queue one behind another session's work
+        if self._samples - self._decoded_samples < interval or _busy or WAITING.busy():
+            return None  # partials are best effort: never queue one behind work someone waits for
         self._decoded_samples = self._samples
         utterance = self._utterance
         committed = " ".join(self._committed)

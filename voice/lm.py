@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from voice.config import LmConfig
+from voice.priority import WAITING
 
 log = logging.getLogger("voice.lm")
 
@@ -46,6 +47,7 @@ class LocalLM:
                                    threshold=config.threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize)
+        self.engine.host_busy = WAITING.busy  # later blocks yield to speech recognition and synthesis
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)

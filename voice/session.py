@@ -10,6 +10,9 @@ at start-up), and the session goes on. Every turn is written to the call records
 `reply_done` is sent. The outbox is bounded (`[limits]`): reply audio for a client that reads
 too slowly is dropped, and past a hard limit the session ends. `ending` is set when the
 session must end (a limit, shutdown); the transport then closes the connection.
+
+From the end of the user's speech until their reply's first audio is synthesised, the session
+is listed in `voice.priority.WAITING`: every other session's background work yields to it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDo
 from voice.latency import LatencyTracker, Metrics
 from voice.limits import Admission
 from voice.lm import load_lm
+from voice.priority import WAITING
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
@@ -321,6 +325,7 @@ class Session:
         if early_ms and silence_ms >= early_ms:
             if self.turn_ended is None:
                 self.turn_ended = asyncio.Event()
+                WAITING.start(self)
                 self.final_task = asyncio.create_task(
                     self._finalise(self.turn, self.transcriber.snapshot(), self.turn_ended))
             return
@@ -331,6 +336,7 @@ class Session:
 
     def _drop_speculation(self) -> None:
         self.turn_ended = None
+        WAITING.stop(self)
         self.final_task.cancel()
         if self.reply is not None and not self.reply.released.is_set():
             self.reply.task.cancel()
@@ -356,6 +362,7 @@ class Session:
         ended, self.turn_ended = self.turn_ended, None
         if ended is None:
             ended = asyncio.Event()
+            WAITING.start(self)
             self.final_task = asyncio.create_task(self._finalise(self.turn, self.transcriber.finish(), ended))
         else:
             self.transcriber.reset()
@@ -430,6 +437,7 @@ class Session:
 
     def _record_unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""
+        WAITING.stop(self)
         self.tracker.forget(turn)
         meta = self.turn_meta.pop(turn, {})
         self._record(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), status, transcript, "", "",
@@ -528,6 +536,7 @@ class Session:
             except Exception as err:
                 log.warning("session=%s turn=%d TTS failed: %r", self.id, reply.turn, err)
                 raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
+            WAITING.stop(self)  # the first audio is ready: nothing of ours is urgent any more
             await reply.released.wait()
             if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
                 reply.pending += 1
@@ -541,6 +550,7 @@ class Session:
 
     def _fail(self, reply: _Reply, failure: StageFailure) -> None:
         """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
+        WAITING.stop(self)
         self._fault(failure)
         reply.failure = failure
         reply.apology_at = reply.emitted
@@ -554,6 +564,7 @@ class Session:
 
     async def _reply_done(self, reply: _Reply, user_text: str, status: str) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
+        WAITING.stop(self)
         now = time.monotonic()
         heard = reply.text.strip() if reply.finished else reply.heard(now)
         if user_text:
@@ -633,6 +644,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        WAITING.stop(self)
         self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog):
             if task is not None and not task.done() and task is not asyncio.current_task():

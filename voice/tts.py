@@ -9,6 +9,8 @@ import itertools
 import queue
 import re
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ import numpy as np
 from piper import PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample
-
+from voice.priority import WAITING
 
 
 class UrgentFirst:
@@ -25,10 +27,12 @@ class UrgentFirst:
 
     onnxruntime already spreads one call over the cores, so sessions take turns instead of
     slowing each other down. A reply's first phrase is what its user is waiting for, while a
-    later phrase has the audio before it as slack, so first phrases go ahead of the queue.
+    later phrase has the audio before it as slack, so first phrases go ahead of the queue, and
+    later phrases also wait (briefly, see voice.priority) while anyone else is waiting in silence.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, defer: Callable[[float], bool] = WAITING.defer) -> None:
+        self._defer = defer
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # FIFO among jobs of the same urgency
         self._thread: threading.Thread | None = None
@@ -36,7 +40,7 @@ class UrgentFirst:
 
     def submit(self, urgent: bool, fn, *args) -> Future:
         future: Future = Future()
-        self._jobs.put((0 if urgent else 1, next(self._order), future, fn, args))
+        self._jobs.put((0 if urgent else 1, next(self._order), time.monotonic(), future, fn, args))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
@@ -45,7 +49,12 @@ class UrgentFirst:
 
     def _run(self) -> None:
         while True:
-            _, _, future, fn, args = self._jobs.get()
+            job = self._jobs.get()
+            later, _, since, future, fn, args = job
+            if later and self._defer(since):
+                self._jobs.put(job)  # back in its place: an urgent job that comes meanwhile goes first
+                time.sleep(0.005)
+                continue
             if not future.set_running_or_notify_cancel():  # cancelled while queued (barge-in)
                 continue
             try:

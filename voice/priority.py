@@ -1,0 +1,43 @@
+"""Who goes first on the shared CPU: the work a silent user is waiting for.
+
+From the moment a user stops talking until the first phrase of their reply is synthesised,
+they hear nothing, and that gap is the latency we sell. Everything else (partial
+transcripts, LM blocks after a reply's first, phrases after its first, whose audio has the
+phrases before it as slack) can wait a moment. Sessions say when they start and stop
+waiting; the background work of every stage then defers to them, each job for at most
+`MAX_DEFER_S`, so background work is delayed, never starved.
+"""
+
+import threading
+import time
+
+# How long a background job may be held back. A reply's first phrase is at least four words,
+# more than a second of audio, so holding its later phrases this long costs no gap.
+MAX_DEFER_S = 0.3
+
+
+class Waiting:
+    """The sessions waiting for their reply's first audio, counted across threads."""
+
+    def __init__(self) -> None:
+        self._waiting: set[object] = set()
+        self._lock = threading.Lock()
+
+    def start(self, who: object) -> None:
+        with self._lock:
+            self._waiting.add(who)
+
+    def stop(self, who: object) -> None:
+        with self._lock:
+            self._waiting.discard(who)
+
+    def busy(self) -> bool:
+        """Is anyone waiting in silence?"""
+        return bool(self._waiting)
+
+    def defer(self, since: float) -> bool:
+        """Should a background job that has been ready since `since` (monotonic) wait longer?"""
+        return self.busy() and time.monotonic() - since < MAX_DEFER_S
+
+
+WAITING = Waiting()

@@ -3,9 +3,10 @@
 One scheduler thread owns the model. Every round it advances each active request to its
 next forward (a denoising step, or an AR token) and runs up to `max_batch` of them as one
 batched pass, so concurrent conversations share block-denoising steps instead of queueing
-behind each other (continuous batching at block-step granularity). Replies that have not
-delivered their first piece go first: a caller waits in silence for that one, while a reply
-already flowing has slack (MAX_DEFER_S, `host_busy`). Each conversation keeps
+behind each other (continuous batching at block-step granularity). Urgent replies go first:
+those that have not delivered a piece yet, and those whose caller says it still waits for
+more (`urgent`: a voice service waits for a whole first phrase), while a reply already
+flowing has slack (MAX_DEFER_S, `host_busy`). Each conversation keeps
 its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
@@ -93,6 +94,7 @@ class _Request:
     cfg: DecodeConfig
     conversation: Conversation
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
+    urgent: Callable[[], bool] | None = None  # the caller still waits in silence for more of it
     start: float = field(default_factory=time.perf_counter)
     steps: Generator | None = None
     reply: _Reply | None = None
@@ -100,6 +102,10 @@ class _Request:
     forward: Forward | None = None  # the next forward, waiting for its round
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
     cancelled: bool = False
+
+    def waited_for(self) -> bool:
+        """Is someone waiting in silence for this request's next piece?"""
+        return self.reply.first is None or (self.urgent is not None and self.urgent())
 
 
 class Engine:
@@ -168,8 +174,10 @@ class Engine:
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                     conversation: Conversation | None = None, **overrides) -> AsyncIterator[Piece]:
-        """Pieces as they are committed; closing the iterator cancels the request."""
+                     conversation: Conversation | None = None, urgent: Callable[[], bool] | None = None,
+                     **overrides) -> AsyncIterator[Piece]:
+        """Pieces as they are committed; closing the iterator cancels the request. Until its first
+        piece, and while `urgent()` says so, the request goes ahead of replies already flowing."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -180,7 +188,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides), conversation or Conversation(),
-                           deliver)
+                           deliver, urgent)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -235,14 +243,14 @@ class Engine:
         return active
 
     def _this_round(self, ready: list[_Request]) -> list[_Request]:
-        """First pieces first: a reply that has delivered text sits out while another has not, or
-        while the host says someone is waiting on the CPU for other work; at most MAX_DEFER_S."""
-        first = [request for request in ready if request.reply.first is None]
-        if not first and not self.host_busy():
+        """Urgent requests first: the others sit out while one is urgent, or while the host says
+        someone is waiting on the CPU for its other work; each forward at most MAX_DEFER_S."""
+        urgent = [request for request in ready if request.waited_for()]
+        if not urgent and not self.host_busy():
             return ready
         now = time.monotonic()
-        return first + [request for request in ready
-                        if request.reply.first is not None and now - request.ready_since >= MAX_DEFER_S]
+        return urgent + [request for request in ready
+                         if request not in urgent and now - request.ready_since >= MAX_DEFER_S]
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation

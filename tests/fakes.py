@@ -50,7 +50,7 @@ class FakeChat:
     def __init__(self, lm: "FakeLM"):
         self.lm = lm
 
-    async def reply(self, messages, mode=None):
+    async def reply(self, messages, mode=None, urgent=None):
         self.lm.calls += 1
         for i, text in enumerate(self.lm.blocks):
             if self.lm.delay_s:

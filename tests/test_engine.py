@@ -508,19 +508,20 @@ def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
     assert max(engine.batch_sizes) > 1  # the three requests really shared forwards
 
 
-def test_a_new_reply_gets_its_first_piece_before_a_flowing_reply_goes_on(smol, monkeypatch):
-    """First pieces first: someone waits in silence for a reply's first block, while a reply
-    that already delivered text has slack; it sits out until the newcomer's first piece."""
+@pytest.mark.parametrize("wanted", [1, 3])
+def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, monkeypatch, wanted):
+    """Someone waits in silence for a reply's first piece (and, when its caller says `urgent`,
+    for more: a whole first phrase); a reply already flowing has slack and sits out meanwhile."""
     monkeypatch.setattr(engine_stream, "MAX_DEFER_S", 60.0)
     engine = Engine(smol, max_seq_len=512, max_batch=4)
     flowing_cfg = DecodeConfig(mode="ar", max_new_tokens=40)  # a piece per forward
     newcomer_cfg = DecodeConfig(rule="topk", topk=1, max_new_tokens=8)  # one token per forward
-    # the question whose first piece takes the most forwards (diffusion may settle later words first)
+    # the question whose pieces take the most forwards (diffusion may settle later words first)
     replies = {q: list(engine.generate_sync([{"role": "user", "content": q}], newcomer_cfg))
                for q in ("List three colours.", "Name a fruit.", "Say hello to Sam.", "Write a haiku about rain.")}
-    question = max(replies, key=lambda q: replies[q][0].forwards)
+    question = max(replies, key=lambda q: replies[q][wanted - 1].forwards if len(replies[q]) >= wanted else 0)
     newcomer_chat, expected = [{"role": "user", "content": question}], replies[question]
-    assert expected[0].forwards >= 4  # a flowing reply sharing its rounds would deliver that many pieces
+    assert expected[wanted - 1].forwards >= 4  # a flowing reply sharing its rounds would deliver that many pieces
     events: list[str] = []
 
     async def main():
@@ -533,7 +534,7 @@ def test_a_new_reply_gets_its_first_piece_before_a_flowing_reply_goes_on(smol, m
 
         async def newcomer():
             pieces = []
-            async for piece in engine.stream(newcomer_chat, newcomer_cfg):
+            async for piece in engine.stream(newcomer_chat, newcomer_cfg, urgent=lambda: len(pieces) < wanted):
                 events.append("newcomer")
                 pieces.append(piece)
             return pieces
@@ -547,8 +548,9 @@ def test_a_new_reply_gets_its_first_piece_before_a_flowing_reply_goes_on(smol, m
 
     pieces = asyncio.run(main())
     assert reply_ids(pieces) == reply_ids(expected)
-    between = events[events.index("submitted"):events.index("newcomer")]
-    assert between.count("flowing") <= 2  # at most what was already in flight when it arrived
+    start = events.index("submitted")
+    got_wanted = [i for i, e in enumerate(events) if e == "newcomer"][wanted - 1]
+    assert events[start:got_wanted].count("flowing") <= 2  # at most what was in flight when it came
     assert events.count("flowing") == 40  # and then the flowing reply finished
 
 

@@ -37,9 +37,9 @@ class TimedLM(FakeLM):
         chat = super().chat()
         inner = chat.reply
 
-        def reply(messages, mode=None):
+        def reply(messages, mode=None, urgent=None):
             self.asked.append(time.monotonic())
-            return inner(messages, mode)
+            return inner(messages, mode, urgent)
         chat.reply = reply
         return chat
 

@@ -1,7 +1,8 @@
 """The LM stage: the one door into `engine/`, or to any OpenAI-compatible endpoint.
 
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
-(barge-in) cancels generation. Each session gets its own `Chat` so a local engine keeps the
+(barge-in) cancels generation; `urgent()` says while the user still waits in silence for more
+of it (a local engine then runs it ahead of replies already being spoken). Each session gets its own `Chat` so a local engine keeps the
 conversation's prefix cached between turns.
 
 A remote endpoint that can't be reached is retried with backoff before the first block
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from voice.config import LmConfig
@@ -58,9 +59,11 @@ class LocalChat:
         from engine.stream import Conversation
         self.lm, self.conversation = lm, Conversation()
 
-    async def reply(self, messages: list[dict], mode: str | None = None) -> AsyncIterator[Block]:
+    async def reply(self, messages: list[dict], mode: str | None = None,
+                    urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:
         overrides = {"mode": mode} if mode else {}
-        async for piece in self.lm.engine.stream(messages, conversation=self.conversation, **overrides):
+        async for piece in self.lm.engine.stream(messages, conversation=self.conversation, urgent=urgent,
+                                                 **overrides):
             if piece.text:
                 yield Block(piece.text, piece.tokens, piece.steps)
 
@@ -120,8 +123,9 @@ class RemoteChat:
     def __init__(self, lm: RemoteLM):
         self.lm = lm
 
-    async def reply(self, messages: list[dict], mode: str | None = None) -> AsyncIterator[Block]:
-        cfg, lm = self.lm.config, self.lm
+    async def reply(self, messages: list[dict], mode: str | None = None,
+                    urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:
+        cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
             try:
                 stream = await lm.client.chat.completions.create(

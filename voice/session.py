@@ -484,7 +484,8 @@ class Session:
         """LM blocks -> reply events and phrases for the speaker, each block under its timeout."""
         faults, limit = self.config.faults, self.config.limits.max_reply_chars
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
-        blocks = self.chat.reply(messages, self.lm_mode)
+        phrased = False
+        blocks = self.chat.reply(messages, self.lm_mode, urgent=lambda: not phrased)  # until the first phrase
         block_no = 0
         try:
             while True:
@@ -508,6 +509,7 @@ class Session:
                 reply.text += block.text
                 for phrase in splitter.push(block.text):
                     phrases.put_nowait(phrase)
+                    phrased = True
                 await reply.released.wait()
                 self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
                 if len(reply.text) >= limit:

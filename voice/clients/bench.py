@@ -63,7 +63,22 @@ class Turn:
     stages_ms: dict = field(default_factory=dict)
     over_budget: list = field(default_factory=list)
     audio_bytes: int = 0
+    gap_ms: float = 0.0  # silence in the middle of the reply: its next audio came after the last had played
     error: str = ""
+
+
+class Player:
+    """A listener's speaker: plays each frame when it arrives or when the one before ends, and
+    counts the silence heard mid-reply because the next frame was late."""
+
+    def __init__(self) -> None:
+        self.gap_s = 0.0
+        self._end: float | None = None  # when what has arrived so far ends playing
+
+    def play(self, arrived: float, seconds: float) -> None:
+        if self._end is not None and arrived > self._end:
+            self.gap_s += arrived - self._end
+        self._end = max(arrived, self._end or arrived) + seconds
 
 
 async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float = 30.0) -> Turn:
@@ -74,13 +89,17 @@ async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float =
     n = rate * FRAME_MS // 1000
     done = asyncio.Event()
     speech_end_wall: list[float] = []
+    player = Player()
 
     async def receive():
         async for msg in ws:
             if isinstance(msg, bytes):
+                now = time.perf_counter()
                 if turn.v2v_ms is None and speech_end_wall:
-                    turn.v2v_ms = (time.perf_counter() - speech_end_wall[0]) * 1000
+                    turn.v2v_ms = (now - speech_end_wall[0]) * 1000
                 turn.audio_bytes += len(msg)
+                player.play(now, len(msg) / 2 / rate)
+                turn.gap_ms = player.gap_s * 1000
                 continue
             ev = json.loads(msg)
             kind = ev.get("type")
@@ -157,6 +176,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 def summarise(turns: list[Turn]) -> dict:
     v2v = [t.v2v_ms for t in turns if t.v2v_ms is not None]
+    gaps = [t.gap_ms for t in turns if t.v2v_ms is not None]
     stages = sorted({k for t in turns for k in t.stages_ms})
     refs = [normalise(t.reference) for t in turns if t.reference]
     hyps = [normalise(t.transcript) for t in turns if t.reference]
@@ -165,6 +185,7 @@ def summarise(turns: list[Turn]) -> dict:
         "answered": len(v2v),
         "v2v_ms_p50": pct(v2v, 50), "v2v_ms_p95": pct(v2v, 95),
         "v2v_ms_mean": statistics.fmean(v2v) if v2v else None,
+        "gap_ms_p95": pct(gaps, 95), "gap_ms_max": max(gaps, default=None),
         "stages_ms_p50": {s: pct([t.stages_ms[s] for t in turns if s in t.stages_ms], 50) for s in stages},
         "wer": jiwer.wer(refs, hyps) if refs else None,
         "budget_violations": sum(1 for t in turns if t.over_budget),
@@ -177,6 +198,7 @@ def print_table(summary: dict) -> None:
     print(f"\nturns {summary['turns']}  answered {summary['answered']}  WER {summary['wer']:.3f}"
           if summary["wer"] is not None else f"\nturns {summary['turns']}")
     print(f"voice-to-voice  p50 {f(summary['v2v_ms_p50'])} ms   p95 {f(summary['v2v_ms_p95'])} ms")
+    print(f"mid-reply silence  p95 {f(summary['gap_ms_p95'])} ms   max {f(summary['gap_ms_max'])} ms")
     for stage, v in summary["stages_ms_p50"].items():
         print(f"  {stage:16s} p50 {f(v)} ms")
 
@@ -203,7 +225,8 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
                 and summary["answered"] == summary["turns"]
             sweep.append(summary)
             print(f"sessions {n:3d}: v2v p50 {summary['v2v_ms_p50'] or float('nan'):7.0f} ms  "
-                  f"p95 {summary['v2v_ms_p95'] or float('nan'):7.0f} ms  turns over budget "
+                  f"p95 {summary['v2v_ms_p95'] or float('nan'):7.0f} ms  mid-reply silence p95 "
+                  f"{summary['gap_ms_p95'] or 0:5.0f} ms  turns over budget "
                   f"{summary['budget_violations']}/{summary['turns']}  errors {summary['errors']}  "
                   f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget")
         result = {"summary": {"sweep": sweep, "max_sessions_within_budget": sessions_held(sweep),

@@ -96,7 +96,7 @@ class FaultySynth:
         self.real = real
         self.voice_rate = real.voice_rate
 
-    async def synthesize(self, text, out_rate, urgent=False):
+    async def synthesize(self, text, out_rate, urgent=lambda: False):
         if Faults.mode == "tts_raise":
             raise RuntimeError("injected TTS failure")
         if Faults.mode == "tts_hang":

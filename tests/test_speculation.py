@@ -151,7 +151,7 @@ class WaitingProbe(FakeSynth):
         super().__init__()
         self.waiting: list[bool] = []
 
-    async def synthesize(self, text: str, out_rate: int, urgent: bool = False):
+    async def synthesize(self, text: str, out_rate: int, urgent=lambda: False):
         self.waiting.append(WAITING.busy())
         return await super().synthesize(text, out_rate, urgent)
 

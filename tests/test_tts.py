@@ -147,21 +147,32 @@ def test_splitter_lets_the_first_phrase_end_after_a_few_words():
     assert splitter.flush() == "Yes."
 
 
+def never() -> bool:
+    return False
+
+
+def always() -> bool:
+    return True
+
+
 def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
-    """A reply's first phrase jumps the synthesis queue; a phrase dropped by barge-in is skipped."""
+    """A reply's first phrase jumps the synthesis queue, and so does a phrase whose reply runs out
+    of audio while it waits; a phrase dropped by barge-in is skipped."""
     worker = UrgentFirst()
-    gate, order = threading.Event(), []
-    worker.submit(False, gate.wait)  # keeps the thread busy while the queue fills
-    later = [worker.submit(False, order.append, f"later{i}") for i in range(3)]
-    dropped = worker.submit(False, order.append, "dropped")
-    first = worker.submit(True, order.append, "first")
+    gate, order, runs_dry = threading.Event(), [], threading.Event()
+    worker.submit(never, gate.wait)  # keeps the thread busy while the queue fills
+    later = [worker.submit(never, order.append, f"later{i}") for i in range(3)]
+    dropped = worker.submit(never, order.append, "dropped")
+    first = worker.submit(always, order.append, "first")
+    running_out = worker.submit(runs_dry.is_set, order.append, "running out")
     assert dropped.cancel()
-    failing = worker.submit(False, lambda: 1 / 0)
+    failing = worker.submit(never, lambda: 1 / 0)
+    runs_dry.set()
     gate.set()
-    for job in later + [first]:
+    for job in later + [first, running_out]:
         job.result(timeout=10)
     assert isinstance(failing.exception(timeout=10), ZeroDivisionError)
-    assert order == ["first", "later0", "later1", "later2"]
+    assert order == ["first", "running out", "later0", "later1", "later2"]
 
 
 def test_later_phrases_wait_briefly_while_someone_waits_in_silence():
@@ -171,15 +182,15 @@ def test_later_phrases_wait_briefly_while_someone_waits_in_silence():
     order: list[str] = []
     waiting.start("a session")
     submitted = time.monotonic()
-    later = worker.submit(False, order.append, "later")
+    later = worker.submit(never, order.append, "later")
     time.sleep(MAX_DEFER_S / 3)
     assert order == []
-    worker.submit(True, order.append, "first").result(timeout=10)
+    worker.submit(always, order.append, "first").result(timeout=10)
     later.result(timeout=10)
     assert order == ["first", "later"]
     assert MAX_DEFER_S <= time.monotonic() - submitted < MAX_DEFER_S + 1.0  # held, then let through
     waiting.stop("a session")
     started = time.monotonic()
-    worker.submit(False, order.append, "now").result(timeout=10)
+    worker.submit(never, order.append, "now").result(timeout=10)
     assert time.monotonic() - started < MAX_DEFER_S
 

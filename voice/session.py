@@ -38,7 +38,7 @@ from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDo
 from voice.latency import LatencyTracker, Metrics
 from voice.limits import Admission
 from voice.lm import load_lm
-from voice.priority import WAITING
+from voice.priority import LM_HORIZON_S, TTS_HORIZON_S, WAITING
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
@@ -139,6 +139,11 @@ class _Reply:
     def sent(self, text: str, now: float, seconds: float) -> None:
         end = self.playback_end()
         self.phrases.append((text, now if end is None else max(end, now), seconds))
+
+    def runs_dry(self, now: float, horizon_s: float) -> bool:
+        """Is the audio on the wire about to run out (less than `horizon_s` left to play)?"""
+        end = self.playback_end()
+        return end is not None and end - now < horizon_s
 
     def playing(self, now: float) -> bool:
         end = self.playback_end()
@@ -485,7 +490,8 @@ class Session:
         faults, limit = self.config.faults, self.config.limits.max_reply_chars
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
         phrased = False
-        blocks = self.chat.reply(messages, self.lm_mode, urgent=lambda: not phrased)  # until the first phrase
+        blocks = self.chat.reply(messages, self.lm_mode,
+                                 urgent=lambda: not phrased or reply.runs_dry(time.monotonic(), LM_HORIZON_S))
         block_no = 0
         try:
             while True:
@@ -528,8 +534,9 @@ class Session:
         timeout = self.config.faults.tts_timeout_s
         while (phrase := await phrases.get()) is not None:
             try:
-                pcm = await asyncio.wait_for(self.stages.synthesizer.synthesize(phrase, self.out_rate,
-                                                                                 urgent=not reply.emitted), timeout)
+                synthesis = self.stages.synthesizer.synthesize(phrase, self.out_rate, urgent=lambda: (
+                    not reply.emitted or reply.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+                pcm = await asyncio.wait_for(synthesis, timeout)
             except asyncio.TimeoutError:
                 raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
                                    "timeout") from None

@@ -5,8 +5,6 @@ voice as soon as they are complete, rather than waiting for the whole reply.
 """
 
 import asyncio
-import itertools
-import queue
 import re
 import threading
 import time
@@ -26,35 +24,45 @@ class UrgentFirst:
     """One thread that runs every session's synthesis, urgent jobs first.
 
     onnxruntime already spreads one call over the cores, so sessions take turns instead of
-    slowing each other down. A reply's first phrase is what its user is waiting for, while a
-    later phrase has the audio before it as slack, so first phrases go ahead of the queue, and
-    later phrases also wait (briefly, see voice.priority) while anyone else is waiting in silence.
+    slowing each other down. A job is urgent while its `urgent()` says someone will hear
+    silence without it soon (a reply's first phrase; a phrase whose reply's audio is running
+    out); urgent jobs go first, the others in order of arrival, and those wait (briefly, see
+    voice.priority) while anyone is waiting in silence.
     """
 
     def __init__(self, defer: Callable[[float], bool] = WAITING.defer) -> None:
         self._defer = defer
-        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()  # FIFO among jobs of the same urgency
+        self._jobs: list[tuple[float, Callable[[], bool], Future, Callable, tuple]] = []
+        self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
-    def submit(self, urgent: bool, fn, *args) -> Future:
+    def submit(self, urgent: Callable[[], bool], fn, *args) -> Future:
         future: Future = Future()
-        self._jobs.put((0 if urgent else 1, next(self._order), time.monotonic(), future, fn, args))
-        with self._lock:
+        with self._ready:
+            self._jobs.append((time.monotonic(), urgent, future, fn, args))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
                 self._thread.start()
+            self._ready.notify()
         return future
+
+    def _next(self) -> tuple:
+        with self._ready:
+            while True:
+                if not self._jobs:
+                    self._ready.wait()
+                    continue
+                job = next((job for job in self._jobs if job[1]()), None)
+                if job is None and not self._defer(self._jobs[0][0]):
+                    job = self._jobs[0]
+                if job is not None:
+                    self._jobs.remove(job)
+                    return job
+                self._ready.wait(0.005)  # someone waits elsewhere: look again shortly
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            later, _, since, future, fn, args = job
-            if later and self._defer(since):
-                self._jobs.put(job)  # back in its place: an urgent job that comes meanwhile goes first
-                time.sleep(0.005)
-                continue
+            _, _, future, fn, args = self._next()
             if not future.set_running_or_notify_cancel():  # cancelled while queued (barge-in)
                 continue
             try:
@@ -145,8 +153,8 @@ class Synthesizer:
         """The voice's native sample rate."""
         return self._voice.config.sample_rate
 
-    async def synthesize(self, text: str, out_rate: int, urgent: bool = False) -> np.ndarray:
-        """`urgent`: someone is waiting in silence for this (a reply's first phrase)."""
+    async def synthesize(self, text: str, out_rate: int, urgent: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """`urgent()`: someone will hear silence soon without this (asked until it starts)."""
         if not text.strip():
             return np.zeros(0, dtype=np.int16)
         return await asyncio.wrap_future(_WORKER.submit(urgent, self._render, text, out_rate))

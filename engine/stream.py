@@ -27,8 +27,8 @@ from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
 
-# How long a reply that already delivered text may sit out rounds for first pieces. Its
-# caller is still speaking or showing what came before, so a short pause costs nobody time.
+# How long a reply nobody is waiting for may sit out rounds for urgent ones or a busy host.
+# Its caller is still speaking or showing what came before, so a short pause costs no time.
 MAX_DEFER_S = 0.3
 
 
@@ -120,7 +120,7 @@ class Engine:
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
         # The host says when someone is waiting on the CPU for its other work (a voice service:
-        # speech recognition, synthesis); replies past their first piece then sit out a while.
+        # speech recognition, synthesis); replies nobody is waiting for then sit out a while.
         self.host_busy: Callable[[], bool] = lambda: False
 
     @classmethod

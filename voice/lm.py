@@ -2,8 +2,8 @@
 
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
 (barge-in) cancels generation; `urgent()` says while the user still waits in silence for more
-of it (a local engine then runs it ahead of replies already being spoken). Each session gets its own `Chat` so a local engine keeps the
-conversation's prefix cached between turns.
+of it (a local engine then runs it ahead of replies already being spoken). Each session gets
+its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
 A remote endpoint that can't be reached is retried with backoff before the first block
 (`lm.retries`, `lm.retry_backoff_s`); its health (last success or failure, and a periodic

@@ -49,6 +49,7 @@ class UrgentFirst:
     def _next(self) -> tuple:
         with self._ready:
             while True:
+                self._jobs = [job for job in self._jobs if not job[2].cancelled()]  # dropped by barge-in
                 if not self._jobs:
                     self._ready.wait()
                     continue

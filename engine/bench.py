@@ -114,8 +114,8 @@ def write_json(path: Path | None, result: dict) -> None:
 def effective_adapter(model: str, adapter: str | Path | None) -> str | None:
     """The adapter `engine.loading.load` will really merge (None: none), for reports."""
     from engine.loading import DEFAULT_ADAPTER
-    if adapter is None:
-        return str(DEFAULT_ADAPTER) if model == "default" and DEFAULT_ADAPTER.exists() else None
+    if adapter == "default":
+        return str(DEFAULT_ADAPTER)
     return str(adapter) if adapter else None
 
 
@@ -217,12 +217,12 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
-              limit: int = 0, log=print, quantize: str = "none") -> dict:
+              limit: int = 0, log=print, quantize: str = "none", drafter: str | None = None) -> dict:
     """Benchmark AR vs diffusion decoding of `model`; print a table, write JSON if asked, return the result."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()
     t = time.perf_counter()
-    engine = Engine.load(model, adapter=adapter, quantize=quantize)
+    engine = Engine.load(model, adapter=adapter, quantize=quantize, drafter=drafter)
     log(f"loaded {engine.name} ({engine.loaded.weights}, adapter: {effective_adapter(model, adapter) or 'none'}) in "
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, "
         f"max_new_tokens {cfg.max_new_tokens}, torch threads {torch.get_num_threads()}")

@@ -1,4 +1,4 @@
-"""`engine generate | serve | bench | adapt | eval`."""
+"""`engine generate | serve | bench | eval | draft | adapt`."""
 
 from __future__ import annotations
 
@@ -18,12 +18,16 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                    help="block diffusion (default) or the autoregressive baseline on the same weights")
     g.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit in tokens (default 96)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--block-size", type=int, default=0, help="tokens per diffusion block (default: the checkpoint's)")
+    g.add_argument("--block-size", type=int, default=0,
+                   help="verify: tokens drafted per forward (default: the drafter's); threshold/topk: tokens per "
+                        "mask block (default: the checkpoint's)")
     g.add_argument("--first-block-size", type=int, default=0,
                    help="a smaller first block gets the first words out sooner (default: same as --block-size)")
-    g.add_argument("--rule", choices=sorted(COMMIT_RULES), default="threshold",
-                   help="commit rule: 'threshold' commits every position at least --threshold sure (and the "
-                        "surest one), 'topk' commits the --topk surest per step")
+    g.add_argument("--rule", choices=sorted(COMMIT_RULES), default="verify",
+                   help="commit rule: 'verify' (default, lossless) commits the drafted tokens the base model agrees "
+                        "with plus its own next one, so replies are the AR replies; the lossy mask-denoising rules "
+                        "need a diffusion-trained model (e.g. --adapter default): 'threshold' commits every position "
+                        "at least --threshold sure (and the surest one), 'topk' the --topk surest per step")
     g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for --rule threshold")
     g.add_argument("--topk", type=int, default=1, help="positions committed per step for --rule topk")
     g.add_argument("--max-steps", type=int, default=0, help="denoising steps per block before committing the rest "
@@ -43,7 +47,12 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (packaged SmolLM2 + our diffusion adapter), a .gguf file, a Hugging Face "
                         "model folder, or a hub id such as JetLM/SDAR-1.7B-Chat (needs network)")
-    p.add_argument("--adapter", default=None, help="a LoRA adapter from `engine adapt` to merge into --model")
+    p.add_argument("--adapter", default=None,
+                   help="a LoRA adapter from `engine adapt` to merge into --model, or 'default' for the shipped "
+                        "one; it changes the weights, so it is for the lossy --rule threshold/topk only")
+    p.add_argument("--drafter", default=None,
+                   help="a draft head from `engine draft` for --rule verify; '' = prompt lookup "
+                        "(default: the model's shipped head, prompt lookup if it has none)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
     p.add_argument("--quantize", choices=["none", "int8"], default="none",
@@ -53,7 +62,7 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(a) -> int:
     from engine.stream import Engine
-    engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize)
+    engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize, drafter=a.drafter)
     cfg = decode_config(a)
     messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
     start = time.perf_counter()
@@ -70,21 +79,28 @@ def cmd_generate(a) -> int:
 
 def cmd_serve(a) -> int:
     from engine.server import serve
-    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize)
+    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter)
     return 0
 
 
 def cmd_bench(a) -> int:
     from engine.bench import run_bench
     run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
-              quantize=a.quantize)
+              quantize=a.quantize, drafter=a.drafter)
     return 0
 
 
 def cmd_eval(a) -> int:
-    from engine.eval import run_eval
-    run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
-             quantize=a.quantize)
+    from engine.eval import run_answers, run_eval
+    if bool(a.prompts) == bool(a.answers):
+        raise SystemExit("engine eval: give exactly one of --prompts (replies vs the AR teacher) and --answers "
+                         "(answer accuracy)")
+    if a.answers:
+        run_answers(a.model, a.adapter, Path(a.answers), Path(a.json) if a.json else None, decode_config(a), a.limit,
+                    quantize=a.quantize, modes=tuple(a.modes.split(",")), drafter=a.drafter)
+    else:
+        run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
+                 quantize=a.quantize)
     return 0
 
 
@@ -108,6 +124,25 @@ def cmd_adapt(a) -> int:
     result = adapt.train(teacher.model, train_set, spec, cfg, out, heldout)
     print(json.dumps(result))
     print(f"adapter: {out / 'adapter.safetensors'}")
+    return 0
+
+
+def cmd_draft(a) -> int:
+    import torch
+    from engine import data, train_draft
+    from engine.loading import load
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    base = load(a.base, adapter="", drafter="", device=device)
+    distilled = out / "distilled.jsonl"
+    prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, seed=a.seed)
+    data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch)
+    corpus = train_draft.read_corpus(base, distilled, a.window)
+    cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
+                                       batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
+                                       seed=a.seed)
+    print(json.dumps(train_draft.train(base, corpus, cfg, out, device)))
     return 0
 
 
@@ -137,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text)
         add_model_option(p)
         add_decode_options(p)
-        p.add_argument("--prompts", required=True, help="JSONL file, one {\"prompt\": \"...\"} per line")
+        p.add_argument("--prompts", required=name == "bench", default="",
+                       help="JSONL file, one {\"prompt\": \"...\"} per line")
+        if name == "eval":
+            p.add_argument("--answers", default="",
+                           help="answer accuracy instead: JSONL of {\"prompt\", \"answer\": regex} (e.g. "
+                                "engine/prompts/answers_heldout.jsonl); each question is asked in every --modes")
+            p.add_argument("--modes", default="ar,diffusion", help="with --answers: decoding modes to compare")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
         p.set_defaults(func=func)
@@ -162,6 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_adapt)
+
+    p = sub.add_parser("draft", help="train a draft head for lossless `verify` decoding of a base model",
+                       description="Distil the base model's greedy replies, read its hidden states over them, and "
+                                   "train a small block-drafting head on them. Resumes from --out.")
+    p.add_argument("--base", default="default", help="the model to draft for (default: packaged SmolLM2)")
+    p.add_argument("--out", default="runs/draft", help="run folder: distilled data, checkpoints, drafter")
+    p.add_argument("--chat-prompts", type=int, default=4500, help="chitchat turns to distil replies for")
+    p.add_argument("--assistant-prompts", type=int, default=1500, help="templated assistant questions to distil")
+    p.add_argument("--distill-batch", type=int, default=32)
+    p.add_argument("--reply-tokens", type=int, default=48, help="teacher reply length limit")
+    p.add_argument("--block", type=int, default=4, help="tokens drafted per forward")
+    p.add_argument("--window", type=int, default=16, help="base positions the head reads")
+    p.add_argument("--layers", type=int, default=2, help="head layers")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (most frequent)")
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the LR schedule spans them)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long (resume later)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_draft)
 
     a = parser.parse_args(argv)
     if getattr(a, "threads", 0):

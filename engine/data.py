@@ -77,3 +77,60 @@ def sample_prompts(split: str, n: int, seed: int = 0) -> list[str]:
     prompts = chitchat_prompts(split)
     random.Random(seed).shuffle(prompts)
     return prompts[:n]
+
+
+# Everyday assistant questions for the drafter's training data, built from templates over
+# entities that the answer-accuracy sets (`engine/prompts/answers_*.jsonl`) do not use, so the
+# drafter never sees an evaluation question. Voice users ask these as often as they chat.
+_COUNTRIES = ["Norway", "Sweden", "Poland", "Peru", "Chile", "India", "Turkey", "Austria", "Belgium", "Finland",
+              "Denmark", "Hungary", "Argentina", "Colombia", "Vietnam", "Thailand", "Morocco", "Nigeria", "Cuba",
+              "Iceland", "Switzerland", "the Netherlands", "South Korea", "Indonesia", "Pakistan", "Ukraine"]
+_THINGS = ["a volcano", "a rainbow", "photosynthesis", "a black hole", "an atom", "a galaxy", "democracy", "a verb",
+           "an allergy", "a vaccine", "inflation", "a comet", "an earthquake", "a glacier", "a mammal", "a fraction",
+           "electricity", "a battery", "a noun", "a tornado", "the internet", "a recipe", "a password", "a calendar"]
+_TASKS = ["make a cup of tea", "tie a tie", "fall asleep faster", "cook rice", "clean a cast iron pan",
+          "remember names better", "save money each month", "start running", "water a cactus", "fix a flat tire",
+          "learn a new language", "make pancakes", "stay focused while working", "plant tomatoes",
+          "get rid of hiccups", "write a thank you note", "stretch my back", "keep bread fresh"]
+_UNITS = [("feet", "a yard"), ("ounces", "a pound"), ("days", "a year"), ("weeks", "a year"), ("cups", "a quart"),
+          ("millimeters", "a centimeter"), ("quarters", "a dollar"), ("years", "a century"), ("pints", "a gallon")]
+_WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "thirteen",
+          "fourteen", "sixteen", "seventeen", "eighteen", "nineteen", "thirty", "forty"]
+
+
+def answer_set_prompts() -> set[str]:
+    folder = Path(__file__).parent / "prompts"
+    return {json.loads(line)["prompt"] for f in folder.glob("answers_*.jsonl") for line in f.open() if line.strip()}
+
+
+def assistant_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct templated questions, none of them in an answer-accuracy set."""
+    rng = random.Random(seed)
+    makers = [
+        lambda: f"What is the capital of {rng.choice(_COUNTRIES)}?",
+        lambda: f"What language do they speak in {rng.choice(_COUNTRIES)}?",
+        lambda: f"What is {rng.choice(_THINGS)}?",
+        lambda: f"Can you explain {rng.choice(_THINGS)} simply?",
+        lambda: f"How do I {rng.choice(_TASKS)}?",
+        lambda: f"What's the best way to {rng.choice(_TASKS)}?",
+        lambda: "How many {} are in {}?".format(*rng.choice(_UNITS)),
+        lambda: f"What is {rng.choice(_WORDS)} {rng.choice(['plus', 'minus', 'times'])} {rng.choice(_WORDS)}?",
+        lambda: f"What is {rng.randint(13, 99)} {rng.choice(['plus', 'minus'])} {rng.randint(2, 40)}?",
+        lambda: f"Tell me a fun fact about {rng.choice(_COUNTRIES)}.",
+    ]
+    seen, prompts = answer_set_prompts(), []
+    for _ in range(n * 20):
+        p = rng.choice(makers)()
+        if p not in seen:
+            seen.add(p)
+            prompts.append(p)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def drafter_prompts(n_chat: int, n_assistant: int, seed: int = 0) -> list[str]:
+    """Training prompts for a drafter: chitchat turns (train split) and templated assistant questions."""
+    prompts = sample_prompts("train", n_chat, seed) + assistant_prompts(n_assistant, seed)
+    random.Random(seed).shuffle(prompts)
+    return prompts

@@ -1,11 +1,19 @@
 """Decoders over one Transformer: autoregressive and block diffusion, as plain generators.
 
-Both share `run`, the one forward used everywhere: it appends *clean* tokens (prompt or a
+All share `run`, the one forward used everywhere: it appends *clean* tokens (prompt or a
 finished block) to the KV cache with the checkpoint's context pattern and, in the same
 forward, lets an optional *draft block* (mask tokens being denoised) look at everything
 before it plus its own whole block. Fusing the write of block k with the first denoising
 step of block k+1 means a block costs only its denoising steps, and the prompt prefill
 doubles as the first step of the first block: that is what keeps time-to-first-block low.
+
+The default commit rule is `verify` (lossless): a drafter (`engine.draft`) proposes the next
+block, the block runs as *causal* rows of the base model in the forward that also writes the
+previous step's last token, and the longest prefix that agrees with the base model's own
+choice at each row is committed, plus the base's own next token. Greedy replies are token for
+token the AR replies; sampled ones keep the base's distribution (speculative sampling). The
+`threshold` and `topk` rules denoise mask blocks with a diffusion-trained checkpoint (an
+adapter or a native diffusion LM) and are lossy.
 
 Cache invariant: `state.ids` are exactly the tokens whose cache rows are final. Anything
 past them is scratch, so stopping between any two forwards (barge-in) leaves a state the
@@ -19,8 +27,10 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from engine.draft import LookupDrafter, Proposal
 from engine.model import KVCache, Segment, Transformer, visibility_mask
 
 
@@ -41,9 +51,9 @@ class DecodeConfig:
     mode: str = "diffusion"  # diffusion | ar
     max_new_tokens: int = 96
     temperature: float = 0.0  # 0: greedy
-    block_size: int = 0  # 0: the checkpoint's
+    block_size: int = 0  # verify: tokens drafted per forward; threshold/topk: mask block; 0: the drafter's/checkpoint's
     first_block_size: int = 0  # 0: same as block_size; smaller = earlier first words
-    rule: str = "threshold"  # threshold | topk
+    rule: str = "verify"  # verify (lossless, drafted blocks checked by the base) | threshold | topk (lossy)
     threshold: float = 0.9
     topk: int = 1
     max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
@@ -75,6 +85,7 @@ class CacheState:
     """One conversation's KV cache and the tokens whose rows in it are final."""
 
     caches: list[KVCache]
+    hidden: Tensor | None = None  # [capacity, dim]: the base's last hidden state at each position (for drafters)
     ids: list[int] = field(default_factory=list)
     # (start, end) of cached stretches whose rows attend forward within the stretch (block_causal
     # blocks): cutting one would keep rows that saw dropped tokens, so reuse stops at its start
@@ -83,7 +94,8 @@ class CacheState:
     @classmethod
     def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
         model.setup_cache(1, max_seq_len)
-        return cls(model.caches())
+        caches = model.caches()
+        return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim))
 
     @property
     def capacity(self) -> int:
@@ -109,7 +121,36 @@ class CacheState:
         return prompt[keep:]
 
 
-# --- commit rules: which masked positions become final this step ----------------------------
+# --- commit rules ------------------------------------------------------------------------------
+
+def verify_rule(target: Tensor, proposal: Proposal, temperature: float,
+                generator: torch.Generator | None) -> list[int]:
+    """Lossless: the tokens to commit after a verify forward. `target` [k + 1, V] are the base's
+    logits at the row before each drafted token and at the last one. Greedy: the drafted prefix
+    the base agrees with, then the base's own next token. Sampled (speculative sampling): drafted
+    token d is kept with probability min(1, p(d) / q(d)), else replaced by a draw from
+    max(p - q, 0), which leaves every committed token distributed exactly as the base's p."""
+    drafted = proposal.ids
+    if temperature <= 0:
+        best = target.argmax(-1).tolist()
+        n = 0
+        while n < len(drafted) and drafted[n] == best[n]:
+            n += 1
+        return drafted[:n] + [best[n]]
+    p = (target.float() / temperature).softmax(-1)
+    out = []
+    for j, d in enumerate(drafted):
+        q = proposal.probs[j] if proposal.probs is not None else F.one_hot(torch.tensor(d), p.shape[-1]).float()
+        if float(torch.rand(1, generator=generator)) * q[d] <= p[j, d]:
+            out.append(d)
+            continue
+        residual = (p[j] - q).clamp(min=0)
+        out.append(int(torch.multinomial(residual if residual.sum() > 0 else p[j], 1, generator=generator)))
+        return out
+    return out + [int(torch.multinomial(p[len(drafted)], 1, generator=generator))]
+
+
+# Mask-block rules (lossy): which masked positions become final this step.
 
 CommitRule = Callable[[Tensor, int], Tensor]  # (confidence of masked positions, steps left) -> bool
 
@@ -132,7 +173,8 @@ def topk_rule(k: int) -> CommitRule:
     return rule
 
 
-COMMIT_RULES: dict[str, Callable[[DecodeConfig], CommitRule]] = {
+COMMIT_RULES: dict[str, Callable[[DecodeConfig], CommitRule] | None] = {
+    "verify": None,  # not a mask rule: `verify_steps` applies `verify_rule`
     "threshold": lambda cfg: threshold_rule(cfg.threshold),
     "topk": lambda cfg: topk_rule(cfg.topk),
 }
@@ -150,6 +192,7 @@ class Forward:
     clean_is_block: bool = False
     draft: list[int] = field(default_factory=list)
     context: str = "causal"
+    draft_causal: bool = False  # verify: drafted tokens run as causal rows (True) instead of a mask block
 
     def segment(self) -> Segment:
         state, clean, draft = self.state, self.clean, self.draft
@@ -164,15 +207,19 @@ class Forward:
         elif self.context == "block_causal" and self.clean_is_block:
             visible = torch.full((n_clean + n_draft,), end)
             visible[:n_clean] = start + n_clean
+        elif self.draft_causal:
+            visible = pos + 1
         else:
             visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
         rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
         return Segment(torch.tensor(clean + draft, dtype=torch.long), pos, visibility_mask(visible, end),
                        state.caches, rows)
 
-    def commit(self, logits: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
         state, n_clean = self.state, len(self.clean)
+        if state.hidden is not None:  # rows past the clean ones stay scratch until a verify step keeps them
+            state.hidden[len(state.ids):len(state.ids) + len(hidden)] = hidden.float()
         if self.context == "block_causal" and self.clean_is_block and n_clean > 1:
             state.blocks.append((len(state.ids), len(state.ids) + n_clean))
         state.ids.extend(self.clean)
@@ -183,14 +230,14 @@ class Forward:
 @torch.inference_mode()
 def run_many(model: Transformer, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
     """Run several sequences' forwards as one batched pass (see `engine.model.forward_segments`)."""
-    logits = model(segments=[f.segment() for f in forwards])
-    return [f.commit(out) for f, out in zip(forwards, logits)]
+    outputs = model(segments=[f.segment() for f in forwards])
+    return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, outputs)]
 
 
 def run(model: Transformer, state: CacheState, clean: list[int], clean_is_block: bool,
-        draft: list[int], context: str = "causal") -> tuple[Tensor | None, Tensor | None]:
+        draft: list[int], context: str = "causal", draft_causal: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """One sequence's forward; returns (logits of the last clean row or None, of the draft rows or None)."""
-    return run_many(model, [Forward(state, clean, clean_is_block, draft, context)])[0]
+    return run_many(model, [Forward(state, clean, clean_is_block, draft, context, draft_causal)])[0]
 
 
 def drive(model: Transformer, steps: Generator) -> Iterator[Block]:
@@ -241,13 +288,46 @@ def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_i
         pending = [token]
 
 
+def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter, embed,
+                 stop_ids: set[int]) -> Generator:
+    """Draft, then verify: each forward writes the last committed token and checks the drafted
+    block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
+    The first forward is the prompt's prefill (there is nothing to draft from yet). Rejected rows
+    stay scratch past `state.ids`, so the cache invariant holds between any two forwards.
+
+    Yields a `Forward` per step (and is sent its logits) and a `Block` per step's commits."""
+    generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+    k_max = cfg.block_size or getattr(getattr(drafter, "args", None), "block", 4)
+    pending, proposal = new_prompt, Proposal([])
+    produced = forwards = 0
+    while True:
+        k = max(0, min(len(proposal.ids), cfg.max_new_tokens - produced - 1))
+        drafted = Proposal(proposal.ids[:k], proposal.probs[:k] if proposal.probs is not None else None)
+        last, draft_logits = yield Forward(state, pending, draft=drafted.ids, draft_causal=True)
+        forwards += 1
+        target = torch.cat([last[None], draft_logits]) if k else last[None]
+        committed = verify_rule(target, drafted, cfg.temperature, generator)
+        accepted = len(committed) - 1  # drafted tokens the base agreed with: their causal rows are final
+        stop = next((i + 1 for i, token in enumerate(committed) if token in stop_ids), len(committed))
+        committed = committed[:stop]
+        state.ids.extend(committed[:min(accepted, stop)])
+        produced += len(committed)
+        done = committed[-1] in stop_ids or produced >= cfg.max_new_tokens
+        yield Block(committed, 1, forwards, done)
+        if done:
+            return
+        pending = [committed[-1]]
+        proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
+                                   cfg.temperature, generator)
+
+
 def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
                     stop_ids: set[int]) -> Generator:
     """Block diffusion: each block starts as masks and is committed by `cfg.rule` over a few steps.
 
     Yields a `Forward` per denoising step (and is sent its logits) and a `Block` per release."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    rule = COMMIT_RULES[cfg.rule](cfg)
+    rule = COMMIT_RULES[cfg.rule](cfg)  # a mask rule: `plan` sends `verify` to `verify_steps`
     block_size = cfg.block_size or spec.sub_block_size or spec.block_size
     size = min(cfg.first_block_size or block_size, cfg.max_new_tokens)
     pending, pending_is_block = new_prompt, False
@@ -330,23 +410,29 @@ def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cf
 
 
 def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                       spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
+                       spec: DiffusionSpec, stop_ids: set[int], drafter=None) -> Iterator[Block]:
+    if cfg.rule == "verify":
+        return drive(model, verify_steps(state, new_prompt, cfg, drafter or LookupDrafter(), model.embed_tokens,
+                                         stop_ids))
     return drive(model, diffusion_steps(state, new_prompt, cfg, spec, stop_ids))
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int]) -> Generator:
+         stop_ids: set[int], drafter=None, embed=None) -> Generator:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
-    only the prompt's uncached tail is prefilled."""
+    only the prompt's uncached tail is prefilled. `verify` drafts with `drafter` (prompt lookup
+    when None); `embed` is the base model's token embedding, which a draft head reads."""
     if len(prompt) + cfg.max_new_tokens > state.capacity:
         raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
                               f"the context of {state.capacity}")
     new = state.reuse_for(prompt)
     if cfg.mode == "ar":
         return ar_steps(state, new, cfg, stop_ids)
+    if cfg.rule == "verify":
+        return verify_steps(state, new, cfg, drafter or LookupDrafter(), embed, stop_ids)
     return diffusion_steps(state, new, cfg, spec, stop_ids)
 
 
 def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
-             spec: DiffusionSpec, stop_ids: set[int]) -> Iterator[Block]:
-    return drive(model, plan(state, prompt, cfg, spec, stop_ids))
+             spec: DiffusionSpec, stop_ids: set[int], drafter=None) -> Iterator[Block]:
+    return drive(model, plan(state, prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))

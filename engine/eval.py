@@ -20,8 +20,10 @@ the teacher is the same checkpoint.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -168,5 +170,98 @@ def run_eval(model: str, adapter: str | None, prompts_path: Path, json_path: Pat
               "per_prompt": rows}
     log("")
     log(format_table(rows, summary))
+    write_json(json_path, result)
+    return result
+
+
+# --- answer accuracy ---------------------------------------------------------------------------
+
+# Openings that say nothing: apologies and "as a voice assistant" disclaimers instead of an answer.
+BOILERPLATE = re.compile(r"^\W*(i'?m sorry|sorry\b|i apologi[sz]e|as an? (ai|voice|language|virtual)|"
+                         r"i'?m (just |only )?an? (ai|voice|language|virtual)|i (do not|don't) have (access|"
+                         r"real-time|the ability))", re.IGNORECASE)
+
+
+def read_questions(path: Path, limit: int = 0) -> list[dict]:
+    """{"prompt", "answer"} rows; `answer` is a regular expression searched case-insensitively."""
+    rows = []
+    for n, line in enumerate(Path(path).open(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            re.compile(row["answer"])
+            if not isinstance(row["prompt"], str):
+                raise TypeError("prompt is not a string")
+        except (ValueError, KeyError, TypeError, re.error) as err:
+            raise ValueError(f"{path}:{n}: expected {{\"prompt\": str, \"answer\": regex}} ({err})") from err
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} has no questions")
+    return rows[:limit] if limit and limit > 0 else rows
+
+
+def is_right(reply: str, answer: str) -> bool:
+    return re.search(answer, reply, re.IGNORECASE) is not None
+
+
+def answer_summary(rows: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in rows)
+    forwards = sum(r["forwards"] for r in rows)
+    seconds = sum(r["total_ms"] for r in rows) / 1000
+    return {"n": len(rows), "right": sum(r["right"] for r in rows),
+            "accuracy": sum(r["right"] for r in rows) / len(rows),
+            "boilerplate_rate": sum(r["boilerplate"] for r in rows) / len(rows),
+            "tokens_per_forward": tokens / forwards if forwards else float("nan"),
+            "tok_s": tokens / seconds if seconds else float("nan"),
+            "ttfb_ms_p50": percentile([r["ttfb_ms"] for r in rows], 50),
+            "reply_tokens_mean": tokens / len(rows)}
+
+
+def run_answers(model: str, adapter: str | None, questions_path: Path, json_path: Path | None, cfg: DecodeConfig,
+                limit: int = 0, log=print, quantize: str = "none", modes: tuple[str, ...] = ("ar", "diffusion"),
+                system: str = VOICE_SYSTEM_PROMPT, drafter: str | None = None) -> dict:
+    """Ask every question in each decoding mode on the same weights; report the share answered right
+    (the reference regex found in the reply), boilerplate openings, tokens per forward and speed,
+    and how many replies are identical across modes (greedy `verify` must make them all so)."""
+    questions = read_questions(questions_path, limit)
+    machine = machine_info()
+    engine = Engine.load(model, adapter=adapter, quantize=quantize, drafter=drafter)
+    drafter_name = type(engine.loaded.drafter).__name__ if engine.loaded.drafter else "LookupDrafter"
+    log(f"loaded {engine.name} ({engine.loaded.weights}, adapter: {effective_adapter(model, adapter) or 'none'}, "
+        f"drafter: {drafter_name}); {len(questions)} questions, modes {', '.join(modes)}")
+    configs = {m: replace(cfg, mode=m) for m in modes}
+    for m in modes:  # warm-up, not counted
+        timed_request(engine, chat(questions[0]["prompt"], system), configs[m])
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    for i, q in enumerate(questions):
+        for m in modes:
+            r = timed_request(engine, chat(q["prompt"], system), configs[m])
+            per_mode[m].append({"prompt": q["prompt"], "answer": q["answer"], "reply": r["text"],
+                                "right": is_right(r["text"], q["answer"]),
+                                "boilerplate": BOILERPLATE.search(r["text"]) is not None,
+                                "tokens": r["tokens"], "forwards": r["forwards"], "ttfb_ms": r["ttfb_ms"],
+                                "total_ms": r["total_ms"], "token_ids": r["token_ids"]})
+        marks = " ".join(f"{m}:{'right' if per_mode[m][-1]['right'] else 'WRONG'}" for m in modes)
+        log(f"[{i + 1}/{len(questions)}] {marks} | {q['prompt']!r} -> {per_mode[modes[-1]][-1]['reply'][:80]!r}")
+    summary = {m: answer_summary(rows) for m, rows in per_mode.items()}
+    if len(modes) > 1:
+        first = per_mode[modes[0]]
+        summary["identical_replies"] = {m: sum(a["token_ids"] == b["token_ids"] for a, b in zip(first, per_mode[m]))
+                                        for m in modes[1:]}
+    if hasattr(os, "getloadavg"):
+        machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    log("")
+    log(f"{'mode':10} {'right':>9} {'accuracy':>9} {'boilerplate':>11} {'tok/fwd':>8} {'tok/s':>7} {'TTFB p50':>9}")
+    for m in modes:
+        s = summary[m]
+        log(f"{m:10} {s['right']:>4}/{s['n']:<4} {s['accuracy']:>9.1%} {s['boilerplate_rate']:>11.1%} "
+            f"{_fmt(s['tokens_per_forward']):>8} {_fmt(s['tok_s'], 1):>7} {_fmt(s['ttfb_ms_p50'], 0):>6} ms")
+    if "identical_replies" in summary:
+        log(f"replies identical to {modes[0]}: " + ", ".join(f"{m} {n}/{len(questions)}"
+                                                           for m, n in summary["identical_replies"].items()))
+    result = {"model": engine.name, "adapter": effective_adapter(model, adapter), "weights": engine.loaded.weights,
+              "drafter": drafter_name, "questions": str(questions_path), "system_prompt": system,
+              "config": asdict(cfg), "machine": machine, "summary": summary, "per_mode": per_mode}
     write_json(json_path, result)
     return result

@@ -1,7 +1,10 @@
 """Checkpoints -> (Transformer, Tokenizer, DiffusionSpec). Kept apart from the model code.
 
-Sources: `default` (the packaged SmolLM2 GGUF plus our committed adapter), a GGUF file, a
+Sources: `default` (the packaged SmolLM2 GGUF, with our trained draft head), a GGUF file, a
 Hugging Face folder, or a hub id (downloaded with huggingface_hub when the network allows).
+The base weights are never changed by default: the `verify` rule needs them exact. The
+shipped LoRA adapter (`--adapter default`) turns them into a mask-denoising model for the
+lossy `threshold`/`topk` rules.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine.quantize import quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 DEFAULT_ADAPTER = Path(__file__).parent / "weights" / "default-adapter.safetensors"
+DEFAULT_DRAFTER = Path(__file__).parent / "weights" / "smollm2-drafter.safetensors"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "sdar", "fast_dllm", "a2d")
 MASK_TOKEN_NAMES = ("<|MASK|>", "|<MASK>|", "<|mask|>", "<mask>", "<|mdm_mask|>")
 
@@ -34,7 +38,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     spec: DiffusionSpec
     name: str
-    weights: str = "fp32"  # what the linear layers run in: fp32 | int8
+    weights: str = "fp32"  # what the linear layers run in (see engine.quantize)
+    drafter: object | None = None  # proposes blocks for `verify` (engine.draft); None: prompt lookup
 
 
 def packaged_smollm2_gguf() -> Path:
@@ -49,13 +54,17 @@ def packaged_smollm2_gguf() -> Path:
 
 
 def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
-         adapter: str | Path | None = None, quantize: str = "none") -> LoadedModel:
-    """Load `name` (default | *.gguf | HF folder | hub id); `adapter` overrides the default's delta;
-    `quantize` (none | int8, see `engine.quantize`) applies after the adapter is merged."""
+         adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
+    """Load `name` (default | *.gguf | HF folder | hub id). `adapter`: a LoRA file to merge, or
+    "default" for the shipped one (lossy rules only). `drafter`: a draft head file, "" for prompt
+    lookup, None for the model's shipped head. `quantize` (engine.quantize) applies last."""
+    if adapter == "default":
+        adapter = DEFAULT_ADAPTER
     if name == "default":
         loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
-        adapter = adapter if adapter is not None else (DEFAULT_ADAPTER if DEFAULT_ADAPTER.exists() else None)
         loaded.name = "default"
+        if drafter is None and DEFAULT_DRAFTER.exists():
+            drafter = DEFAULT_DRAFTER
     else:
         path = Path(name)
         if path.suffix == ".gguf":
@@ -71,6 +80,12 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
     if adapter:
         from engine.lora import load_adapter
         loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)
+    if drafter:
+        from engine.draft import load_head
+        try:
+            loaded.drafter = load_head(drafter, loaded.model.args.dim, loaded.model.args.vocab_size)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot use draft head {drafter}: {err}") from err
     loaded.model.eval()
     loaded.weights = quantize_model(loaded.model, quantize)
     return loaded

@@ -188,12 +188,16 @@ class Transformer(nn.Module):
         """
         if segments is not None:
             return forward_segments(self, segments)
+        return self.lm_head(self.norm(self.hidden(tokens, pos, mask)[:, logits_rows]))
+
+    def hidden(self, tokens: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        """The last layer's output for every row, before the final norm (what a draft head reads)."""
         cos = self.rope_cos[pos][None, None]
         sin = self.rope_sin[pos][None, None]
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, pos, mask)
-        return self.lm_head(self.norm(x[:, logits_rows]))
+        return x
 
 
 @dataclass
@@ -207,10 +211,12 @@ class Segment:
     logits_rows: Tensor  # rows of this segment whose logits are wanted
 
 
-def forward_segments(model: Transformer, segments: list[Segment]) -> list[Tensor]:
+def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[Tensor, Tensor]]:
     """Several sequences in one pass, each against its own cache: the projections and the MLP
     (nearly all the arithmetic) run on every row at once, attention runs per sequence.
-    This is how requests from different conversations share a block-denoising step."""
+    This is how requests from different conversations share a decoding step. Per segment:
+    (logits of its `logits_rows`, final hidden states of all its rows, before the last norm;
+    a drafter reads those)."""
     sizes = [len(s.tokens) for s in segments]
     x = model.embed_tokens(torch.cat([s.tokens for s in segments])[None])
     ropes = [(model.rope_cos[s.pos][None, None], model.rope_sin[s.pos][None, None]) for s in segments]
@@ -229,7 +235,7 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[Tensor
     offsets = torch.tensor([0] + sizes[:-1]).cumsum(0)
     rows = torch.cat([s.logits_rows + o for s, o in zip(segments, offsets)])
     logits = model.lm_head(model.norm(x[:, rows]))[0]
-    return list(logits.split([len(s.logits_rows) for s in segments]))
+    return list(zip(logits.split([len(s.logits_rows) for s in segments]), x[0].split(sizes)))
 
 
 def visibility_mask(visible: Tensor, kv_len: int) -> Tensor:

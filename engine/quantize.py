@@ -1,49 +1,68 @@
-"""Int8 linear layers for CPU inference.
+"""int8 linear layers for CPU inference whose rows never depend on each other.
 
 A forward of a small model on CPU is bound by reading fp32 weights and by fp32 GEMMs that are
-inefficient for the few rows a decoding step has (1 for AR, a block for diffusion). Swapping
-every `nn.Linear` (LM head included) for PyTorch's dynamically quantised int8 linear (int8
-weights per output channel, activations quantised on the fly, fbgemm kernels) makes a forward
-about 3x cheaper on this project's CPUs (figures in BENCHMARKS.md).
-
-What it costs: replies are not token-for-token those of the fp32 model, and the rows of one
-batched step share an activation scale, so under continuous batching a reply may differ
-slightly with what shares its steps (fp32 keeps batched == sequential exactly). `engine eval
---quantize int8` measures the quality against the fp32 teacher.
-
-fbgemm needs AVX2; where it cannot run, `quantize` says so and the model stays fp32.
+inefficient for the few rows a decoding step has (1 for AR, a drafted block for verify).
+`Int8RowLinear` keeps int8 weights (one scale per output channel) and quantises activations
+on the fly with one scale *per row*, multiplying in int8 with int32 accumulation
+(`torch._int_mm`, VNNI on AVX-512 CPUs). Integer accumulation is exact and the scales are per
+row, so a row's output is the same whatever else shares its forward: a verified draft row
+equals the AR row, and a conversation's reply does not change with what it is batched with.
+(torch.ao's dynamic int8, the previous default, shares one activation scale per tensor: the
+huge activations next to the first token spoiled every other row of a prefill, and batching
+changed replies.) Candidates and their figures: `bench/fastpath.py`, BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 log = logging.getLogger("engine.quantize")
 CHOICES = ("none", "int8")
 
 
+class Int8RowLinear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(1).clamp(min=1e-8) / 127
+        self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.out_features = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float()
+        row_scale = rows.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+        q = (rows / row_scale).round_().to(torch.int8)
+        y = torch._int_mm(q, self.qweight.t()) * row_scale * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -> None:
+    """Replace the transformer's linear layers (`body`) and/or its LM head (`head`) with `make(linear)`."""
+    if body:
+        for layer in model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, nn.Linear):
+                        setattr(parent, name, make(child))
+    if head and isinstance(model.lm_head, nn.Linear):
+        model.lm_head = make(model.lm_head)
+
+
 def int8_supported() -> str:
-    """'' if int8 linear layers run here, else why not."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines and \
-            "x86" not in torch.backends.quantized.supported_engines:
-        return "this PyTorch build has no x86 quantized engine"
+    """'' if the int8 matmul runs here, else why not."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            probe = _quantize(nn.Sequential(nn.Linear(8, 8)))
-            probe(torch.zeros(1, 8))
-    except (RuntimeError, AssertionError) as err:  # fbgemm refuses CPUs without AVX2
-        return f"int8 kernels are unavailable on this CPU ({err})"
+        torch._int_mm(torch.ones(2, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except (RuntimeError, NotImplementedError) as err:
+        return f"int8 matmul is unavailable on this CPU or PyTorch build ({err})"
     return ""
-
-
-def _quantize(model: nn.Module) -> nn.Module:
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-    return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
 
 
 def quantize(model: nn.Module, how: str) -> str:
@@ -60,7 +79,5 @@ def quantize(model: nn.Module, how: str) -> str:
     if why_not:
         log.warning("int8 requested but %s: running fp32", why_not)
         return "fp32"
-    with warnings.catch_warnings():  # torch.ao's quantised tensors are deprecated upstream; pinned torch has them
-        warnings.simplefilter("ignore")
-        _quantize(model)
+    swap_linears(model, Int8RowLinear)
     return "int8"

@@ -493,7 +493,8 @@ class RequestLog:
                      (time.perf_counter() - start) * 1000, extra)
 
 
-def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig, quantize: str = "none") -> None:
+def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig, quantize: str = "none",
+          drafter: str | None = None) -> None:
     """Load `model` and serve it until interrupted."""
     import uvicorn
 
@@ -511,7 +512,7 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
                 raise SystemExit(f"engine serve: ${var} must be a positive integer")
             limits[name] = int(value)
     try:
-        engine = Engine.load(model, adapter=adapter, defaults=defaults, quantize=quantize)
+        engine = Engine.load(model, adapter=adapter, defaults=defaults, quantize=quantize, drafter=drafter)
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,

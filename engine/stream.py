@@ -125,9 +125,10 @@ class Engine:
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
-             defaults: DecodeConfig | None = None, max_batch: int = 8, quantize: str = "none") -> "Engine":
-        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter, quantize=quantize), max_seq_len, defaults,
-                   max_batch)
+             defaults: DecodeConfig | None = None, max_batch: int = 8, quantize: str = "none",
+             drafter: str | None = None) -> "Engine":
+        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter, quantize=quantize, drafter=drafter),
+                   max_seq_len, defaults, max_batch)
 
     @property
     def name(self) -> str:
@@ -145,7 +146,8 @@ class Engine:
         if conversation.state is None:
             conversation.state = CacheState.new(self.model, self.max_seq_len)
         reply = _Reply(self, prompt, conversation.state, start)
-        steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids)
+        steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids, self.loaded.drafter,
+                     self.model.embed_tokens)
         return steps, reply
 
     @staticmethod

@@ -48,8 +48,8 @@ def reply_logits(model, tokenizer, messages) -> torch.Tensor:
 
 
 def test_int8_tracks_fp32_on_the_real_model(pair):
-    """Not token for token (engine eval measures reply quality against the fp32 teacher), but
-    close: most next-token choices agree and the distributions stay near."""
+    """Not token for token (`bench/fastpath.py` measures answer accuracy against fp32), but close:
+    nearly all next-token choices agree and the distributions stay near."""
     fp32, int8 = pair
     assert (fp32.weights, int8.weights) == ("fp32", "int8")
     assert not any(type(m) is nn.Linear for m in int8.model.modules())
@@ -62,8 +62,23 @@ def test_int8_tracks_fp32_on_the_real_model(pair):
         total += len(a)
         kls.append(torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                               reduction="batchmean").item())
-    assert agree / total >= 0.65, agree / total  # measured 0.74 on this model
-    assert max(kls) < 1.0, kls  # nats per position, fp32 || int8; measured 0.41 and 0.63 (a broken model: several)
+    # per-row activation scales: measured 0.95 agreement, KL 0.04-0.05 (one scale per tensor: 0.74, 0.4-0.6)
+    assert agree / total >= 0.85, agree / total
+    assert max(kls) < 0.2, kls
+
+
+def test_int8_rows_do_not_depend_on_each_other():
+    """A row's output is bit for bit the same alone or among other rows: what lets a verified draft
+    row equal the AR row, and a batched reply equal the same reply alone."""
+    needs_int8()
+    torch.manual_seed(0)
+    layer = q.Int8RowLinear(nn.Linear(64, 48))
+    rows = torch.randn(9, 64) * torch.logspace(-2, 2, 9)[:, None]  # very different magnitudes per row
+    together = layer(rows)
+    for i in range(len(rows)):
+        assert torch.equal(layer(rows[i:i + 1])[0], together[i])
+    exact = rows @ layer.qweight.float().t() * layer.scale + layer.bias
+    assert torch.allclose(together, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
 def test_int8_model_decodes_in_both_modes_and_in_batches(pair):

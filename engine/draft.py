@@ -1,0 +1,156 @@
+"""Drafters: whatever proposes the next block of tokens for the base model to verify.
+
+Under the `verify` commit rule (`engine.decode`) the base model's own weights decide every
+committed token; a drafter only proposes. A good proposal saves forwards, a bad one costs a
+little arithmetic and nothing else, so replies are the base model's whatever the drafter does.
+
+- `DraftHead`: a small block-diffusion head that reads the frozen base model's last hidden
+  states (DFlash/EAGLE-like). One parallel pass drafts a whole block: `block` mask rows, one
+  per offset, attend to the last `window` positions (each the base's hidden state there plus
+  the embedding of the token that followed it) and to each other. Training needs only forward
+  passes of the base (`engine.train_draft`), and its logits cover a truncated vocabulary (the
+  tokens the base actually says), so drafting costs a fraction of a base forward.
+- `LookupDrafter`: prompt lookup (copy what followed the last occurrence of the current
+  bigram); needs no training, so every model gets some drafting.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model import RMSNorm
+
+
+@dataclass
+class Proposal:
+    """A drafted block: token ids, and the distribution each was drawn from (None when greedy)."""
+
+    ids: list[int]
+    probs: Tensor | None = None  # [len(ids), vocab] over the base vocabulary
+
+
+@dataclass
+class DraftArgs:
+    dim: int  # the base model's hidden size
+    vocab_size: int  # the base model's vocabulary
+    draft_vocab: int = 8192  # most frequent reply tokens the head can propose
+    block: int = 4  # tokens drafted per pass
+    window: int = 16  # base positions read
+    n_layers: int = 2
+    n_heads: int = 8
+    hidden_dim: int = 1536
+    norm_eps: float = 1e-5
+
+
+class DraftLayer(nn.Module):
+    """Draft rows attend to the context features and to each other, then an MLP."""
+
+    def __init__(self, a: DraftArgs):
+        super().__init__()
+        self.n_heads = a.n_heads
+        self.attn_norm, self.ctx_norm, self.mlp_norm = (RMSNorm(a.dim, a.norm_eps) for _ in range(3))
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(a.dim, a.dim, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(a.dim, a.hidden_dim, bias=False), nn.Linear(a.dim, a.hidden_dim, bias=False)
+        self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
+
+    def forward(self, x: Tensor, ctx: Tensor, mask: Tensor) -> Tensor:
+        b, k, d = x.shape
+        h = self.attn_norm(x)
+        kv = torch.cat([self.ctx_norm(ctx), h], 1)
+        split = lambda t: t.view(b, t.shape[1], self.n_heads, d // self.n_heads).transpose(1, 2)  # noqa: E731
+        y = F.scaled_dot_product_attention(split(self.wq(h)), split(self.wk(kv)), split(self.wv(kv)), attn_mask=mask)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, k, d))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class DraftHead(nn.Module):
+    def __init__(self, args: DraftArgs, vocab_ids: Tensor):
+        super().__init__()
+        self.args = args
+        self.in_norm = RMSNorm(args.dim, args.norm_eps)
+        self.fuse = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.ctx_pos = nn.Parameter(torch.zeros(args.window, args.dim))
+        self.queries = nn.Parameter(torch.randn(args.block, args.dim) * 0.02)
+        self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)
+
+    def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor) -> Tensor:
+        """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, block, draft_vocab]."""
+        b = hidden.shape[0]
+        ctx = self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
+        mask = torch.cat([valid, valid.new_ones(b, self.args.block)], 1)[:, None, None, :]
+        x = self.queries.expand(b, -1, -1)
+        for layer in self.layers:
+            x = layer(x, ctx, mask)
+        return self.head(self.norm(x))
+
+    @torch.inference_mode()
+    def propose(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, temperature: float,
+                generator: torch.Generator | None) -> Proposal:
+        """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
+        every position but the last (each paired with the token after it, the last one's being ids[-1])."""
+        w = self.args.window
+        n = min(w, hidden.shape[0])
+        h = hidden[-n:].float()
+        nxt = torch.tensor(ids[-n:])
+        pad = w - n
+        valid = torch.arange(w) >= pad
+        h = F.pad(h, (0, 0, pad, 0))[None]
+        e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
+        logits = self(h, e, valid[None])[0, :k].float()
+        if temperature <= 0:
+            return Proposal(self.vocab_ids[logits.argmax(-1)].tolist())
+        q = (logits / temperature).softmax(-1)
+        picks = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+        full = torch.zeros(k, self.args.vocab_size)
+        full[:, self.vocab_ids] = q
+        return Proposal(self.vocab_ids[picks].tolist(), full)
+
+
+def save_head(path: str | Path, head: DraftHead, info: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(path), metadata={"args": json.dumps(asdict(head.args)), "info": json.dumps(info or {})})
+
+
+def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if "args" not in meta:
+        raise ValueError(f"{path} is not one of our draft heads (no args in its metadata)")
+    args = DraftArgs(**json.loads(meta["args"]))
+    if (args.dim, args.vocab_size) != (dim, vocab_size):
+        raise ValueError(f"{path} drafts for a model of hidden size {args.dim} and vocabulary {args.vocab_size}, "
+                         f"not {dim} and {vocab_size}")
+    state = load_file(str(path))
+    head = DraftHead(args, state["vocab_ids"])
+    head.load_state_dict(state)
+    return head.eval()
+
+
+class LookupDrafter:
+    """Prompt lookup: propose what followed the most recent earlier occurrence of the last two tokens."""
+
+    ngram = 2
+
+    def propose(self, embed, hidden, ids: list[int], k: int, temperature: float, generator) -> Proposal:
+        n = self.ngram
+        if len(ids) <= n:
+            return Proposal([])
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == tail:
+                return Proposal(ids[start + n:start + n + k])
+        return Proposal([])

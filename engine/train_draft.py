@@ -1,0 +1,254 @@
+"""`engine draft`: train a draft head on the frozen base model's own greedy replies.
+
+1. Distil: the base answers chitchat turns and templated assistant questions greedily
+   (`engine.data.distill`); deterministic targets are what a parallel drafter can learn.
+2. Read: one causal forward of the base over each prompt + reply gives its last hidden state
+   at every position; nothing else of the base is ever run, so a CPU hour covers many more
+   tokens than training through the model would.
+3. Train: at each reply position p (the token the base just committed), the head sees the
+   hidden states of the `window` positions before p, each with the token after it, and learns
+   the base's next `block` tokens. Earlier offsets weigh more: a draft is accepted left to right.
+
+Checkpoints to `--out` and resumes from it, on CPU or CUDA. The figure that matters is the
+teacher-forced accepted length on held-out replies (`tokens_per_forward` = 1 + accepted):
+what greedy `verify` decoding will see on text like the training replies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.data import chat
+from engine.draft import DraftArgs, DraftHead, save_head
+from engine.loading import LoadedModel
+from engine.model import visibility_mask
+
+OFFSET_WEIGHTS = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.2)
+
+
+@dataclass
+class DraftTrainConfig:
+    block: int = 4
+    window: int = 16
+    n_layers: int = 2
+    draft_vocab: int = 8192
+    batch: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    max_steps: int = 4000
+    max_minutes: float = 0.0
+    eval_every: int = 250
+    seed: int = 0
+
+
+@dataclass
+class Corpus:
+    """Every example's ids and the base's hidden states, padded in front by `window` zero rows."""
+
+    ids: torch.Tensor  # [N] all examples' tokens, each example preceded by `window` pad ids (0)
+    hidden: torch.Tensor  # [N, dim] fp16, zero rows in front of each example
+    starts: list[int]  # where each example's own tokens begin in `ids`
+    prompt_lens: list[int]
+    lengths: list[int]
+
+    def positions(self, examples: list[int]) -> torch.Tensor:
+        """Global indices of every reply position p that has at least one target after it."""
+        out = []
+        for e in examples:
+            s, p_len, n = self.starts[e], self.prompt_lens[e], self.lengths[e]
+            out.append(torch.arange(s + p_len, s + n - 1))
+        return torch.cat(out)
+
+
+SHARD = 500  # replies per saved shard of hidden states
+
+
+@torch.inference_mode()
+def read_corpus(base: LoadedModel, distilled: Path, window: int, limit: int = 0, log=print) -> Corpus:
+    """Run the base over every distilled reply (or the first `limit`); shards of the hidden states are
+    saved beside `distilled` so an interrupted or repeated run only reads what is new."""
+    rows = [json.loads(line) for line in distilled.open()]
+    rows = rows[:limit] if limit else rows
+    shards = []
+    t0, done = time.perf_counter(), 0
+    for first in range(0, len(rows), SHARD):
+        part = rows[first:first + SHARD]
+        path = distilled.parent / f"hidden-{first:06d}.pt"
+        if path.exists() and (saved := torch.load(path, weights_only=True))["n"] == len(part):
+            shards.append(saved)
+            continue
+        shard = _read_rows(base, part, window)
+        if len(part) == SHARD:
+            torch.save(shard, path)
+        shards.append(shard)
+        done += len(part)
+        log(f"read {first + len(part)}/{len(rows)} replies through the base ({done / (time.perf_counter() - t0):.1f}/s)")
+    ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
+    for shard in shards:
+        ids.append(shard["ids"])
+        hidden.append(shard["hidden"])
+        starts += [offset + s for s in shard["starts"].tolist()]
+        prompt_lens += shard["prompt_lens"].tolist()
+        lengths += shard["lengths"].tolist()
+        offset += len(shard["ids"])
+    return Corpus(torch.cat(ids), torch.cat(hidden), starts, prompt_lens, lengths)
+
+
+def _read_rows(base: LoadedModel, rows: list[dict], window: int) -> dict:
+    tok, model = base.tokenizer, base.model
+    model.use_caches([None] * len(model.layers))
+    eos = next(iter(tok.eos_ids))
+    ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
+    for row in rows:
+        prompt = tok.encode_chat(chat(row["prompt"]))
+        reply = [t for t in row["reply_ids"] if t not in tok.eos_ids] + [eos]
+        seq = prompt + reply
+        pos = torch.arange(len(seq))
+        h = model.hidden(torch.tensor([seq]), pos, visibility_mask(pos + 1, len(seq)))[0]
+        ids += [0] * window + seq
+        hidden += [torch.zeros(window, h.shape[-1], dtype=torch.float16), h.half()]
+        starts.append(offset + window)
+        prompt_lens.append(len(prompt))
+        lengths.append(len(seq))
+        offset += window + len(seq)
+    return {"n": len(rows), "ids": torch.tensor(ids), "hidden": torch.cat(hidden), "starts": torch.tensor(starts),
+            "prompt_lens": torch.tensor(prompt_lens), "lengths": torch.tensor(lengths)}
+
+
+def draft_vocabulary(corpus: Corpus, examples: list[int], size: int, eos_ids: set[int]) -> torch.Tensor:
+    """The `size` most frequent reply tokens (EOS always in): all a head ever needs to propose."""
+    counts: dict[int, int] = {}
+    for e in examples:
+        s = corpus.starts[e]
+        for t in corpus.ids[s + corpus.prompt_lens[e]:s + corpus.lengths[e]].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    top = [t for t, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:size]]
+    top += [t for t in eos_ids if t not in top]
+    return torch.tensor(sorted(top))
+
+
+def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Tensor, cfg: DraftTrainConfig,
+             ends: torch.Tensor, device):
+    """Inputs and targets for bonus positions `positions` (global indices into the corpus)."""
+    w, k = cfg.window, cfg.block
+    ctx = positions[:, None] - w + torch.arange(w)[None]  # positions p-w .. p-1
+    hidden = corpus.hidden[ctx].float()
+    nxt = corpus.ids[ctx + 1]
+    valid = corpus.ids.new_ones(ctx.shape, dtype=torch.bool) & (hidden.abs().sum(-1) > 0)
+    tgt_pos = positions[:, None] + 1 + torch.arange(k)[None]
+    in_example = tgt_pos < ends[:, None]
+    targets = to_draft[corpus.ids[tgt_pos.clamp(max=len(corpus.ids) - 1)]]
+    targets[~in_example] = -100
+    with torch.no_grad():
+        emb = embed(nxt).float()
+    return hidden.to(device), emb.to(device), valid.to(device), targets.to(device)
+
+
+def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, emb, valid, targets = batch
+    logits = head(hidden, emb, valid).float()
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+    ce = ce.view(targets.shape)
+    mask = (targets != -100).float()
+    loss = (ce * mask * weights).sum() / (mask * weights).sum()
+    hits = (logits.argmax(-1) == targets) & (targets != -100)
+    accepted = hits.int().cumprod(-1).sum(-1)  # greedy verify keeps the agreeing prefix
+    return loss, accepted
+
+
+def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device="cpu", log=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(cfg.seed)
+    examples = list(range(len(corpus.starts)))
+    rng.shuffle(examples)
+    n_held = max(1, len(examples) // 20)
+    held, train_set = examples[:n_held], examples[n_held:]
+    state_path = out / "train_state.pt"
+    saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    if saved:
+        vocab = saved["vocab_ids"]
+    else:
+        vocab = draft_vocabulary(corpus, train_set, cfg.draft_vocab, base.tokenizer.eos_ids)
+    a = base.model.args
+    head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
+                               window=cfg.window, n_layers=cfg.n_layers, norm_eps=a.norm_eps), vocab)
+    with torch.no_grad():
+        head.head.weight.copy_(base.model.lm_head.weight[vocab].float())
+    head.to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
+    step = 0
+    if saved:
+        head.load_state_dict(saved["head"])
+        opt.load_state_dict(saved["optimizer"])
+        step = saved["step"]
+        log(f"resumed at step {step}")
+    to_draft = torch.full((a.vocab_size,), -100, dtype=torch.long)
+    to_draft[vocab] = torch.arange(len(vocab))
+    ends = torch.zeros(len(corpus.ids), dtype=torch.long)
+    for s, n in zip(corpus.starts, corpus.lengths):
+        ends[s:s + n] = s + n
+    train_pos, held_pos = corpus.positions(train_set), corpus.positions(held)
+    weights = torch.tensor(OFFSET_WEIGHTS[:cfg.block], device=device)
+    embed = base.model.embed_tokens
+    log(f"{len(train_set)} training replies ({len(train_pos)} positions), {len(held)} held out "
+        f"({len(held_pos)}); draft vocabulary {len(vocab)}; head {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M "
+        f"parameters on {device}")
+
+    def evaluate() -> float:
+        head.eval()
+        total = 0
+        with torch.no_grad():
+            for i in range(0, len(held_pos), 1024):
+                pos = held_pos[i:i + 1024]
+                total += int(loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, ends[pos], device),
+                                               weights)[1].sum())
+        head.train()
+        return 1 + total / len(held_pos)
+
+    def checkpoint(tpf: float | None) -> None:
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab},
+                   state_path)
+        save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg),
+                                                             "heldout_tokens_per_forward": tpf})
+        head.to(device)
+
+    start, history, tpf = time.perf_counter(), [], None
+    gen = torch.Generator().manual_seed(cfg.seed + step)
+    head.train()
+    while step < cfg.max_steps:
+        if cfg.max_minutes and (time.perf_counter() - start) / 60 >= cfg.max_minutes:
+            break
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / cfg.max_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        pos = train_pos[torch.randint(len(train_pos), (cfg.batch,), generator=gen)]
+        loss, accepted = loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, ends[pos], device),
+                                           weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        history.append((loss.item(), accepted.float().mean().item()))
+        if step % 25 == 0:
+            recent = history[-25:]
+            rate = len(history) / (time.perf_counter() - start)
+            log(f"step {step}/{cfg.max_steps}  loss {sum(x for x, _ in recent) / len(recent):.3f}  "
+                f"train tokens/forward {1 + sum(y for _, y in recent) / len(recent):.2f}  lr {lr:.2e}  "
+                f"{rate:.1f} steps/s  eta {(cfg.max_steps - step) / rate / 60:.1f} min")
+        if step % cfg.eval_every == 0:
+            tpf = evaluate()
+            log(f"step {step}  held-out tokens/forward (teacher-forced, greedy) {tpf:.3f}")
+            checkpoint(tpf)
+    tpf = evaluate()
+    log(f"final held-out tokens/forward (teacher-forced, greedy) {tpf:.3f}")
+    checkpoint(tpf)
+    return {"steps": step, "heldout_tokens_per_forward": tpf, "drafter": str(out / "drafter.safetensors")}

@@ -1,0 +1,174 @@
+"""Lossless `verify` decoding: drafts propose, the base model decides.
+
+Greedy verify must be token for token greedy AR whatever the drafter proposes (tiny model with
+a drafter that is right only some of the time; the real default model with its shipped head,
+in fp32 and in the int8 fast path). Sampled verify must keep the base's distribution
+(speculative sampling), checked on the rule alone against exact probabilities and end to end
+on a tiny model. The drafter itself must be worth something: its acceptance is asserted too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.data import chat
+from engine.decode import CacheState, DecodeConfig, DiffusionSpec, Proposal, generate, verify_rule
+from engine.draft import DraftHead, LookupDrafter
+from engine.loading import DEFAULT_DRAFTER, load
+from engine.stream import Conversation, Engine
+
+import tinyckpt
+from tinyckpt import EOS_ID, MASK_ID, VOCAB
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_verify")
+    tinyckpt.write_hf_folder(folder, "qwen2", tie=False, seed=5)
+    return load(str(folder), max_seq_len=256, drafter="")
+
+
+def decode(loaded, prompt: list[int], cfg: DecodeConfig, drafter=None) -> tuple[list[int], int]:
+    state = CacheState.new(loaded.model, 256)
+    ids, forwards = [], 0
+    for block in generate(loaded.model, state, prompt, cfg, loaded.spec, {EOS_ID}, drafter):
+        ids += block.token_ids
+        forwards = block.forwards
+    return ids, forwards
+
+
+class SometimesRight:
+    """Proposes the reference reply with about a third of its tokens replaced by wrong ones."""
+
+    def __init__(self, prompt_len: int, reference: list[int], seed: int):
+        self.prompt_len, self.reference = prompt_len, reference
+        self.rng = torch.Generator().manual_seed(seed)
+        self.proposed = self.wrong = 0
+
+    def propose(self, embed, hidden, ids, k, temperature, generator) -> Proposal:
+        at = len(ids) - self.prompt_len
+        out = []
+        for token in self.reference[at:at + k]:
+            if float(torch.rand(1, generator=self.rng)) < 0.33:
+                token = (token + 1 + int(torch.randint(0, 50, (1,), generator=self.rng))) % (MASK_ID - 4)
+                self.wrong += 1
+            out.append(token)
+        self.proposed += len(out)
+        return Proposal(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_greedy_verify_commits_only_what_the_base_would(tiny, seed):
+    prompt = torch.randint(0, MASK_ID - 4, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ar, ar_forwards = decode(tiny, prompt, DecodeConfig(mode="ar", max_new_tokens=40))
+    drafter = SometimesRight(len(prompt), ar, seed)
+    ids, forwards = decode(tiny, prompt, DecodeConfig(mode="diffusion", rule="verify", max_new_tokens=40,
+                                                      block_size=4), drafter)
+    assert ids == ar
+    assert drafter.wrong > 0 and drafter.proposed > drafter.wrong  # rejections and acceptances both happened
+    assert forwards < ar_forwards  # every accepted draft token saved a forward
+
+
+def test_lookup_drafter_is_lossless_and_saves_forwards_on_repeated_text(tiny):
+    prompt = [5, 6, 7, 8, 9, 10] * 6
+    ar, ar_forwards = decode(tiny, prompt, DecodeConfig(mode="ar", max_new_tokens=30))
+    ids, _ = decode(tiny, prompt, DecodeConfig(mode="diffusion", max_new_tokens=30), LookupDrafter())
+    assert ids == ar
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().sum() / 2)
+
+
+def test_verify_rule_sampling_keeps_the_base_distribution():
+    """First committed token after one drafted token, over 6 tokens: exact p vs 40,000 draws."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.07, 0.03])
+    q = torch.tensor([0.05, 0.05, 0.10, 0.20, 0.25, 0.35])
+    assert total_variation(p, q) > 0.4  # a rule that kept every draft would fail by far
+    target = torch.stack([p.log(), p.log()])  # row 0 judges the drafted token, row 1 would give the bonus
+    counts = torch.zeros(6)
+    n = 40_000
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=g))
+        counts[verify_rule(target, Proposal([d], q[None]), 1.0, g)[0]] += 1
+    assert total_variation(counts / n, p) < 0.015
+
+
+class RandomProposals:
+    """Drafts from a fixed random distribution unrelated to the model."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.softmax(torch.randn(VOCAB, generator=g) * 3, -1)
+
+    def propose(self, embed, hidden, ids, k, temperature, generator) -> Proposal:
+        picks = torch.multinomial(self.q, k, replacement=True, generator=generator).tolist()
+        return Proposal(picks, self.q.expand(k, -1))
+
+
+@torch.inference_mode()
+def second_token_distribution(loaded, prompt: list[int], temperature: float) -> torch.Tensor:
+    """Exact P(second reply token) = sum over t1 of P(t1) P(t2 | t1), from full causal forwards."""
+    def next_probs(ids):
+        state = CacheState.new(loaded.model, 256)
+        from engine.decode import run
+        last, _ = run(loaded.model, state, ids, False, [])
+        return (last.float() / temperature).softmax(-1)
+    p1 = next_probs(prompt)
+    out = torch.zeros(VOCAB)
+    for t1 in (p1 > 1e-4).nonzero().squeeze(-1).tolist():
+        out += p1[t1] * next_probs(prompt + [t1])
+    return out / out.sum()
+
+
+def test_sampled_verify_matches_the_base_distribution_end_to_end(tiny):
+    prompt = [40, 41, 42, 43, 44, 45, 46]
+    temperature = 0.35
+    exact = second_token_distribution(tiny, prompt, temperature)
+    drafter = RandomProposals(1)
+    assert total_variation(exact, drafter.q) > 0.5
+    n = 3000
+    counts = torch.zeros(VOCAB)
+    for seed in range(n):
+        ids, _ = decode(tiny, prompt, DecodeConfig(mode="diffusion", rule="verify", temperature=temperature,
+                                                   max_new_tokens=3, block_size=3, seed=seed), drafter)
+        counts[ids[1]] += 1
+    # 3,000 draws over the ~30 tokens that carry the mass: sampling noise alone gives a TV of ~0.04-0.06
+    assert total_variation(counts / n, exact) < 0.08
+
+
+# --- the real default model with its shipped draft head ----------------------------------------
+
+PROMPTS = ["What is the capital of Spain?", "How do I make a cup of tea?", "Tell me a fun fact about octopuses.",
+           "hey what's up, any plans for the weekend?"]
+
+
+@pytest.fixture(scope="module", params=["none", "int8"])
+def default_engine(request):
+    assert DEFAULT_DRAFTER.exists(), "the default model ships a draft head"
+    return Engine.load("default", quantize=request.param)
+
+
+def test_default_greedy_verify_equals_greedy_ar(default_engine):
+    assert isinstance(default_engine.loaded.drafter, DraftHead)
+    tokens = forwards = 0
+    for prompt in PROMPTS:
+        replies = {}
+        for mode in ("ar", "diffusion"):
+            pieces = list(default_engine.generate_sync(chat(prompt), DecodeConfig(mode=mode, max_new_tokens=48),
+                                                       Conversation()))
+            replies[mode] = [t for p in pieces for t in p.token_ids]
+            if mode == "diffusion":
+                tokens, forwards = tokens + pieces[-1].tokens, forwards + pieces[-1].forwards
+        assert replies["diffusion"] == replies["ar"], prompt
+    assert tokens / forwards > 1.3  # the head's drafts are accepted, so forwards are saved

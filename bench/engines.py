@@ -4,10 +4,10 @@
 
 Engines (each in its own subprocess, so peak RSS is its own and nothing is shared):
 
-  ours_diffusion  engine.stream.Engine, block diffusion (the `default` model: packaged GGUF +
-                  our adapter when engine/weights has one; --adapter overrides)
+  ours_diffusion  engine.stream.Engine, block diffusion (the `default` model: packaged GGUF and
+                  its draft head, lossless `verify`; --adapter merges a LoRA adapter for lossy rules)
   ours_ar         engine.stream.Engine, autoregressive, on the *base* GGUF (no adapter), i.e.
-                  exactly the weights the two peers load (--ar-adapter default: same as diffusion)
+                  exactly the weights the two peers load
   transformers    AutoModelForCausalLM.from_pretrained(folder, gguf_file=..., dtype=float32),
                   greedy `generate` with a streamer that timestamps every token
   llamacpp        llama-cpp-python (bench/.venv-llamacpp, llama.cpp built from source for this
@@ -85,9 +85,7 @@ class OursWorker:
         torch.set_num_threads(a.threads)
         self.mode = mode
         adapter = a.adapter if mode == "diffusion" else a.ar_adapter
-        if adapter == "default":
-            adapter = None  # engine.loading: the packaged adapter when there is one
-        elif adapter == "none":
+        if adapter == "none":
             adapter = ""
         self.engine = Engine.load(a.model, adapter=adapter, quantize=a.quantize)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
@@ -356,10 +354,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU threads for every engine (default 1: shared box)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit (default 96, as engine bench)")
     p.add_argument("--model", default="default", help="our engine's model (default: packaged SmolLM2 GGUF)")
-    p.add_argument("--adapter", default="default",
-                   help="ours_diffusion adapter: 'default' (engine/weights if present), 'none', or a path")
+    p.add_argument("--adapter", default="none",
+                   help="ours_diffusion LoRA adapter: 'none' (default: the base weights, verified drafts), "
+                        "'default' (the shipped one, for lossy rules) or a path")
     p.add_argument("--ar-adapter", default="none",
-                   help="ours_ar adapter (default 'none': the base weights the peers run; 'default' = as diffusion)")
+                   help="ours_ar adapter (default 'none': the base weights the peers run)")
     p.add_argument("--block-size", type=int, default=0, help="diffusion block size (0: the model's)")
     p.add_argument("--first-block-size", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9)

@@ -136,9 +136,9 @@ def cmd_draft(a) -> int:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     base = load(a.base, adapter="", drafter="", device=device)
     distilled = out / "distilled.jsonl"
-    prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, seed=a.seed)
+    prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
     data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch)
-    corpus = train_draft.read_corpus(base, distilled, a.window)
+    corpus = train_draft.read_corpus(base, distilled, a.window, limit=len(prompts))
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
                                        seed=a.seed)
@@ -211,15 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/draft", help="run folder: distilled data, checkpoints, drafter")
     p.add_argument("--chat-prompts", type=int, default=4500, help="chitchat turns to distil replies for")
     p.add_argument("--assistant-prompts", type=int, default=1500, help="templated assistant questions to distil")
+    p.add_argument("--replies", type=int, default=0,
+                   help="distil only the first N of those (shuffled) prompts (0: all)")
+    p.add_argument("--knowledge-prompts", type=int, default=1186,
+                   help="short factual questions (templated, none from the answer sets) distilled after them")
     p.add_argument("--distill-batch", type=int, default=32)
     p.add_argument("--reply-tokens", type=int, default=48, help="teacher reply length limit")
     p.add_argument("--block", type=int, default=4, help="tokens drafted per forward")
     p.add_argument("--window", type=int, default=16, help="base positions the head reads")
     p.add_argument("--layers", type=int, default=2, help="head layers")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (most frequent)")
-    p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the LR schedule spans them)")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (the LR schedule spans them)")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long (resume later)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")

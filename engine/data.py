@@ -98,9 +98,81 @@ _WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"
           "fourteen", "sixteen", "seventeen", "eighteen", "nineteen", "thirty", "forty"]
 
 
+_ANIMALS = ["a horse", "a cat", "an ant", "a bird", "a cow", "a frog", "a snake", "a duck", "a bee", "an octopus",
+            "a crab", "a starfish", "a chicken", "a kangaroo", "a penguin", "a goat", "an elephant", "a butterfly"]
+_OBJECTS = ["grass", "snow", "a lemon", "an orange", "a tomato", "coal", "milk", "the sun", "a carrot", "chocolate",
+            "a strawberry", "a lime", "a cloud", "a pumpkin", "an emerald", "a flamingo"]
+_WORKS = [("wrote", "Hamlet"), ("wrote", "Pride and Prejudice"), ("wrote", "The Odyssey"), ("painted", "Starry Night"),
+          ("painted", "The Last Supper"), ("invented", "the telephone"), ("invented", "the light bulb"),
+          ("discovered", "gravity"), ("invented", "the printing press"), ("composed", "the Moonlight Sonata"),
+          ("wrote", "Harry Potter"), ("discovered", "radium"), ("invented", "the airplane")]
+_ADJECTIVES = ["big", "fast", "happy", "early", "light", "old", "wet", "loud", "full", "strong", "soft", "rich",
+               "open", "young", "tall", "empty", "left"]
+_NOUNS = ["child", "foot", "tooth", "goose", "man", "woman", "person", "leaf", "knife", "cactus", "sheep", "fish"]
+_LANGUAGES = ["Spanish", "French", "German", "Italian", "Japanese", "Portuguese"]
+_PHRASES = ["goodbye", "good morning", "please", "water", "friend", "good night", "yes", "cat"]
+_PLACES = ["Spain", "France", "Mexico", "Brazil", "Egypt", "India", "Germany", "China", "Russia", "Canada", "Kenya",
+           "Japan", "Italy", "Greece", "Australia", "Peru", "Sweden", "Turkey"]
+_SUPERLATIVES = ["the largest country in the world", "the smallest country in the world", "the longest river in "
+                 "the world", "the biggest ocean", "the coldest place on Earth", "the largest animal on land",
+                 "the tallest animal", "the smallest planet", "the hottest planet", "the largest bone in the body",
+                 "the largest organ of the body", "the most spoken language", "the deepest ocean",
+                 "the biggest city in the United States", "the largest continent"]
+_TOOLS = [("hammer", "nails"), ("ruler", "length"), ("scale", "weight"), ("clock", "time"), ("compass", "direction"),
+          ("telescope", "stars"), ("stethoscope", "heartbeats"), ("broom", "floors"), ("ladder", "high shelves")]
+_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+_MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December"]
+_SHAPES = ["pentagon", "octagon", "rectangle", "circle", "cube", "heptagon", "decagon"]
+
+
+def _knowledge_makers(rng: random.Random) -> list:
+    """Short factual questions of the kinds voice users ask: animals, colours, who-did-what, words, places."""
+    return [
+        lambda: f"How many legs does {rng.choice(_ANIMALS)} have?",
+        lambda: f"What do {rng.choice(_ANIMALS).split(' ', 1)[1]}s eat?",
+        lambda: f"Where does {rng.choice(_ANIMALS)} live?",
+        lambda: f"What is a baby {rng.choice(_ANIMALS).split(' ', 1)[1]} called?",
+        lambda: f"What color is {rng.choice(_OBJECTS)}?",
+        lambda: "Who {} {}?".format(*rng.choice(_WORKS)),
+        lambda: f"What is the opposite of {rng.choice(_ADJECTIVES)}?",
+        lambda: f"What is the plural of {rng.choice(_NOUNS)}?",
+        lambda: f"How do you say {rng.choice(_PHRASES)} in {rng.choice(_LANGUAGES)}?",
+        lambda: f"What is the currency of {rng.choice(_PLACES)}?",
+        lambda: f"Which continent is {rng.choice(_PLACES)} in?",
+        lambda: f"What is {rng.choice(_SUPERLATIVES)}?",
+        lambda: "What do you use a {} for?".format(rng.choice(_TOOLS)[0]),
+        lambda: "What tool do you use to measure {}?".format(rng.choice(_TOOLS)[1]),
+        lambda: f"What day comes after {rng.choice(_DAYS)}?",
+        lambda: f"What day comes before {rng.choice(_DAYS)}?",
+        lambda: f"What month comes after {rng.choice(_MONTHS)}?",
+        lambda: f"How many days are in {rng.choice(_MONTHS)}?",
+        lambda: f"How many sides does a {rng.choice(_SHAPES)} have?",
+        lambda: f"What is {rng.randint(2, 12)} times {rng.randint(2, 12)}?",
+        lambda: f"What is {rng.randint(10, 200)} divided by {rng.choice([2, 4, 5, 10])}?",
+        lambda: f"What is half of {rng.choice([10, 30, 40, 60, 80, 90, 120, 200])}?",
+        lambda: f"What is the square root of {rng.choice([4, 16, 25, 36, 49, 64, 81, 100])}?",
+    ]
+
+
 def answer_set_prompts() -> set[str]:
     folder = Path(__file__).parent / "prompts"
     return {json.loads(line)["prompt"] for f in folder.glob("answers_*.jsonl") for line in f.open() if line.strip()}
+
+
+def knowledge_prompts(n: int, seed: int = 0) -> list[str]:
+    """`n` distinct short factual questions, none of them in an answer-accuracy set."""
+    rng = random.Random(seed)
+    makers = _knowledge_makers(rng)
+    seen, prompts = answer_set_prompts(), []
+    for _ in range(n * 50):
+        p = rng.choice(makers)()
+        if p not in seen:
+            seen.add(p)
+            prompts.append(p)
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def assistant_prompts(n: int, seed: int = 0) -> list[str]:
@@ -129,8 +201,10 @@ def assistant_prompts(n: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-def drafter_prompts(n_chat: int, n_assistant: int, seed: int = 0) -> list[str]:
-    """Training prompts for a drafter: chitchat turns (train split) and templated assistant questions."""
+def drafter_prompts(n_chat: int, n_assistant: int, n_first: int = 0, n_knowledge: int = 0,
+                    seed: int = 0) -> list[str]:
+    """Training prompts for a drafter: chitchat turns (train split) and templated assistant questions,
+    shuffled, the first `n_first` of them (0: all), then `n_knowledge` short factual questions."""
     prompts = sample_prompts("train", n_chat, seed) + assistant_prompts(n_assistant, seed)
     random.Random(seed).shuffle(prompts)
-    return prompts
+    return (prompts[:n_first] if n_first else prompts) + knowledge_prompts(n_knowledge, seed)

@@ -95,7 +95,7 @@ class CacheState:
     def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
         model.setup_cache(1, max_seq_len)
         caches = model.caches()
-        return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim))
+        return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim, device=caches[0].k.device))
 
     @property
     def capacity(self) -> int:
@@ -137,10 +137,10 @@ def verify_rule(target: Tensor, proposal: Proposal, temperature: float,
         while n < len(drafted) and drafted[n] == best[n]:
             n += 1
         return drafted[:n] + [best[n]]
-    p = (target.float() / temperature).softmax(-1)
+    p = (target.float() / temperature).softmax(-1).cpu()  # the generator is a CPU one
     out = []
     for j, d in enumerate(drafted):
-        q = proposal.probs[j] if proposal.probs is not None else F.one_hot(torch.tensor(d), p.shape[-1]).float()
+        q = proposal.probs[j].cpu() if proposal.probs is not None else F.one_hot(torch.tensor(d), p.shape[-1]).float()
         if float(torch.rand(1, generator=generator)) * q[d] <= p[j, d]:
             out.append(d)
             continue
@@ -213,7 +213,7 @@ class Forward:
             visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
         rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
         return Segment(torch.tensor(clean + draft, dtype=torch.long), pos, visibility_mask(visible, end),
-                       state.caches, rows)
+                       state.caches, rows, rowwise=self.draft_causal and n_draft > 0)
 
     def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
@@ -380,14 +380,17 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     with pad keys masked out gives each row the same result as decoding it alone.
     """
     n, width = len(prompts), max(len(p) for p in prompts)
+    device = model.embed_tokens.weight.device
     model.setup_cache(n, width + max_new_tokens)
     tokens = torch.zeros(n, width, dtype=torch.long)
     valid = torch.ones(n, width + max_new_tokens, dtype=torch.bool)
     for i, p in enumerate(prompts):
         tokens[i, width - len(p):] = torch.tensor(p)
         valid[i, : width - len(p)] = False
-    pos = torch.arange(width)
-    mask = visibility_mask(pos + 1, width)[None] & valid[:, None, :width] | torch.eye(width, dtype=torch.bool)
+    tokens, valid = tokens.to(device), valid.to(device)
+    pos = torch.arange(width, device=device)
+    mask = (visibility_mask(pos + 1, width)[None] & valid[:, None, :width]
+            | torch.eye(width, dtype=torch.bool, device=device))
     logits = model(tokens, pos, mask[:, None], slice(-1, None))[:, -1].float()
     replies: list[list[int]] = [[] for _ in prompts]
     alive = torch.ones(n, dtype=torch.bool)
@@ -399,7 +402,8 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
         if not alive.any() or step == max_new_tokens - 1:
             break
         p = width + step
-        logits = model(token[:, None], torch.tensor([p]), valid[:, None, None, : p + 1], slice(None))[:, -1].float()
+        logits = model(token[:, None], torch.tensor([p], device=device), valid[:, None, None, : p + 1],
+                       slice(None))[:, -1].float()
     model.use_caches([None] * len(model.layers))
     return replies
 

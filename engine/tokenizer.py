@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 
 @dataclass
@@ -69,6 +69,8 @@ def _token_text(token) -> str:
 
 # llama.cpp names the pre-tokenizer regex by model family; these are the ones we can rebuild.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS = {
     "smollm": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
@@ -77,7 +79,16 @@ _PRE_TOKENIZERS = {
     "default": lambda: pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_GPT2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    # Qwen2 / Qwen2.5 tokenizer.json: single digits, letters with one leading non-letter, newline runs apart
+    "qwen2": lambda: pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
 }
+# Qwen's tokenizer.json also NFC-normalises text first (so "e" + U+0301 and "é" give the same ids).
+_NORMALIZERS = {"qwen2": normalizers.NFC}
+# The GGUF names one eos, but chat models end a turn with another token too; stop on all of them
+# (what Qwen2.5's generation_config.json lists as eos_token_id).
+_STOP_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
 
 
 def tokenizer_from_gguf(fields: dict) -> Tokenizer:
@@ -94,10 +105,15 @@ def tokenizer_from_gguf(fields: dict) -> Tokenizer:
     backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                      ignore_merges=False))
     backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    if pre in _NORMALIZERS:
+        backend.normalizer = _NORMALIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     control = [i for i, t in enumerate(types) if t == 3]  # llama.cpp token type 3 = control
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+    # type 4 = user-defined (Qwen's <tool_call>): matched whole in text like llama.cpp does, but not special
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4])
     eos_id = int(fields["tokenizer.ggml.eos_token_id"])
+    eos_ids = {eos_id} | {i for t in _STOP_TOKENS.get(pre, ()) if (i := backend.token_to_id(t)) is not None}
     bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    return Tokenizer(backend, fields.get("tokenizer.chat_template", ""), {eos_id},
+    return Tokenizer(backend, fields.get("tokenizer.chat_template", ""), eos_ids,
                      tokens[int(bos_id)] if bos_id is not None else "", tokens[eos_id], set(control))

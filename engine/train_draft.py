@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
-from engine.model import visibility_mask
+from engine.decode import CacheState, run
 
 OFFSET_WEIGHTS = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.2)
 
@@ -41,9 +41,9 @@ class DraftTrainConfig:
     n_layers: int = 2
     draft_vocab: int = 8192
     batch: int = 256
-    lr: float = 1e-3
+    lr: float = 2e-3
     warmup_steps: int = 50
-    max_steps: int = 4000
+    max_steps: int = 1500
     max_minutes: float = 0.0
     eval_every: int = 250
     seed: int = 0
@@ -103,16 +103,18 @@ def read_corpus(base: LoadedModel, distilled: Path, window: int, limit: int = 0,
 
 
 def _read_rows(base: LoadedModel, rows: list[dict], window: int) -> dict:
+    """Causal forwards through a KV cache: the prefix every example shares (the system prompt) is
+    computed once, each example adds only its own tokens; `CacheState.hidden` keeps every row's state."""
     tok, model = base.tokenizer, base.model
-    model.use_caches([None] * len(model.layers))
     eos = next(iter(tok.eos_ids))
+    state = CacheState.new(model, 1024)
     ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
     for row in rows:
         prompt = tok.encode_chat(chat(row["prompt"]))
         reply = [t for t in row["reply_ids"] if t not in tok.eos_ids] + [eos]
         seq = prompt + reply
-        pos = torch.arange(len(seq))
-        h = model.hidden(torch.tensor([seq]), pos, visibility_mask(pos + 1, len(seq)))[0]
+        run(model, state, state.reuse_for(seq + [eos]), False, [])  # the extra token keeps all of seq new-or-cached
+        h = state.hidden[:len(seq)].float().cpu()
         ids += [0] * window + seq
         hidden += [torch.zeros(window, h.shape[-1], dtype=torch.float16), h.half()]
         starts.append(offset + window)
@@ -148,13 +150,14 @@ def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Ten
     targets = to_draft[corpus.ids[tgt_pos.clamp(max=len(corpus.ids) - 1)]]
     targets[~in_example] = -100
     with torch.no_grad():
-        emb = embed(nxt).float()
+        emb = embed(nxt.to(embed.weight.device)).float()
     return hidden.to(device), emb.to(device), valid.to(device), targets.to(device)
 
 
 def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, emb, valid, targets = batch
-    logits = head(hidden, emb, valid).float()
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):  # ~1.5x faster on AVX-512 BF16 CPUs too
+        logits = head(hidden, emb, valid).float()
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
     ce = ce.view(targets.shape)
     mask = (targets != -100).float()
@@ -164,13 +167,17 @@ def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[to
     return loss, accepted
 
 
+def split(corpus: Corpus, seed: int) -> tuple[list[int], list[int]]:
+    """(held-out, training) example indices: 5% of the replies never trained on."""
+    examples = list(range(len(corpus.starts)))
+    random.Random(seed).shuffle(examples)
+    n_held = max(1, len(examples) // 20)
+    return examples[:n_held], examples[n_held:]
+
+
 def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device="cpu", log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(cfg.seed)
-    examples = list(range(len(corpus.starts)))
-    rng.shuffle(examples)
-    n_held = max(1, len(examples) // 20)
-    held, train_set = examples[:n_held], examples[n_held:]
+    held, train_set = split(corpus, cfg.seed)
     state_path = out / "train_state.pt"
     saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
     if saved:
@@ -181,7 +188,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
                                window=cfg.window, n_layers=cfg.n_layers, norm_eps=a.norm_eps), vocab)
     with torch.no_grad():
-        head.head.weight.copy_(base.model.lm_head.weight[vocab].float())
+        head.head.weight.copy_(base.model.lm_head.weight[vocab.to(base.model.lm_head.weight.device)].float().cpu())
     head.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
     step = 0

@@ -15,7 +15,6 @@ from engine import bench, eval as evaluate
 from engine.bench import percentile, read_prompts
 from engine.decode import DecodeConfig
 from engine.eval import repeated_ngram_rate
-from engine.loading import DEFAULT_ADAPTER
 from engine.model import visibility_mask
 from engine.stream import Engine
 
@@ -40,8 +39,6 @@ def shared_engines():
     original = Engine.load.__func__
 
     def load(cls, name="default", adapter=None, **kwargs):
-        if adapter is None and name == "default":
-            adapter = str(DEFAULT_ADAPTER) if DEFAULT_ADAPTER.exists() else ""
         key = (name, str(adapter or ""))
         if key not in cache:
             cache[key] = original(cls, name, adapter=adapter, **kwargs)
@@ -123,6 +120,31 @@ def test_eval_smoke(tmp_path, capsys):
         assert 0 < row["tokens"] <= CFG.max_new_tokens and 0 < row["teacher_tokens"] <= CFG.max_new_tokens
     assert data["config"]["mode"] == "diffusion"
     assert result["summary"]["n"] == 2
+
+
+def test_answers_smoke(tmp_path, capsys):
+    """Answer accuracy: every question asked in both modes on the same weights; greedy verify
+    replies are the AR replies, so both modes are right on the same questions."""
+    out = tmp_path / "answers.json"
+    result = evaluate.run_answers("default", None, PROMPTS / "answers_heldout.jsonl", out, CFG, limit=4)
+    printed = capsys.readouterr().out
+    assert "[4/4]" in printed and "accuracy" in printed
+    s = json.loads(out.read_text())["summary"]
+    assert s["identical_replies"] == {"diffusion": 4}
+    assert s["ar"]["right"] == s["diffusion"]["right"]
+    assert s["ar"]["tokens_per_forward"] == pytest.approx(1.0) and s["diffusion"]["tokens_per_forward"] > 1.0
+    rows = result["per_mode"]["diffusion"]
+    assert all(row["right"] == evaluate.is_right(row["reply"], row["answer"]) for row in rows)
+
+
+def test_answer_sets_are_well_formed_and_disjoint():
+    dev = evaluate.read_questions(PROMPTS / "answers_dev.jsonl")
+    held = evaluate.read_questions(PROMPTS / "answers_heldout.jsonl")
+    assert len(dev) + len(held) >= 100 and len(held) >= 50
+    assert not {q["prompt"] for q in dev} & {q["prompt"] for q in held}
+    assert evaluate.is_right("The capital of Spain is Madrid.", r"madrid")
+    assert evaluate.BOILERPLATE.search("I'm sorry for any confusion, but") is not None
+    assert evaluate.BOILERPLATE.search("Madrid is the capital of Spain.") is None
 
 
 def test_reply_nll_agrees_with_cached_decoding():

@@ -44,8 +44,8 @@ class LocalLM:
             torch.set_num_threads(config.threads)
         self.config = config
         self.decode = DecodeConfig(mode=config.mode, max_new_tokens=config.max_new_tokens,
-                                   block_size=config.block_size, first_block_size=config.first_block_size,
-                                   threshold=config.threshold)
+                                   rule=config.rule, block_size=config.block_size,
+                                   first_block_size=config.first_block_size, threshold=config.threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize)
         self.engine.host_busy = WAITING.busy  # later blocks yield to speech recognition and synthesis

@@ -62,7 +62,7 @@ def training_examples(teacher: LoadedModel, distilled: Path, seed: int = 0
                       ) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) per example: system + user prompt, then the reply and EOS."""
     tok = teacher.tokenizer
-    eos = next(iter(tok.eos_ids))
+    eos = tok.turn_end_id
     examples = []
     for line in distilled.open():
         row = json.loads(line)

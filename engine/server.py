@@ -16,7 +16,9 @@ Security and limits (docs/SECURITY.md): with API keys configured, every `/v1/*` 
 `$ENGINE_API_KEYS_FILE`, and refuses to listen on a non-loopback host without any unless
 `ENGINE_ALLOW_UNAUTHENTICATED=1`. Request bodies are capped (`$ENGINE_MAX_BODY_BYTES`, 1 MiB:
 413) and so is the text of the messages (`$ENGINE_MAX_INPUT_CHARS`, 32768 characters: 400
-`string_above_max_length`).
+`string_above_max_length`). Bodies are decoded by `engine.wire.decode_json`, the one JSON
+decoder of every front (bounded depth and number length, no lone surrogates: 400
+`invalid_json`), and `engine.redact` keeps keys out of every log line.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from starlette.routing import Route
 
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.keys import ConfigError, load_keys
+from engine.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
+from engine.wire import WireError, ascii_int, decode_json
 
 log = logging.getLogger("engine.server")
 
@@ -78,6 +82,11 @@ UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value 
     "logprobs": lambda v: v in (None, False),
     "tools": lambda v: v in (None, []),
     "functions": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},  # JSON output would need constrained decoding
+    "logit_bias": lambda v: v in (None, {}),
+    "top_logprobs": lambda v: v in (None, 0),
 }
 
 
@@ -112,7 +121,7 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise APIError(400, f"{where} must be an object.", where, "invalid_type")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or object is not even hashable
             raise APIError(400, f"Invalid value for '{where}.role': {json.dumps(role)[:40]}; supported roles are "
                            f"{', '.join(ROLES)}.", f"{where}.role", "invalid_value")
         content = m.get("content")
@@ -252,6 +261,7 @@ def _sse(obj: Any) -> bytes:
 def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] | None = None,
               max_input_chars: int = MAX_INPUT_CHARS, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them."""
+    install_redaction((api_keys or {}).values())  # no key in any log line (engine.redact)
     model_id = engine.name
     created = int(time.time())
     context = engine.max_seq_len
@@ -272,14 +282,17 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
     async def chat_completions(request: Request) -> Response:
         info = request.scope.setdefault(LOG_KEY, {})
         raw = await _read_body(request, max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise APIError(400, f"We could not parse the JSON body of your request: {err}.", None,
-                           "invalid_json") from err
+        try:  # the one decoder of every front (engine.wire): bounded depth and numbers, no lone surrogates
+            body = decode_json(raw, max_bytes=max_body_bytes)
+        except WireError as err:
+            if err.reason == "too_large":
+                raise APIError(413, f"The request body is too large: {err.message}.", None,
+                               "request_too_large") from None
+            raise APIError(400, f"We could not parse the JSON body of your request: {err.message}.", None,
+                           "invalid_json") from None
         if isinstance(body, dict) and body.get("model") is not None and body.get("model") != model_id:
             info["model"] = str(body.get("model"))[:60]
-            raise APIError(404, f"The model `{body.get('model')}` does not exist; this server has "
+            raise APIError(404, f"The model `{info['model']}` does not exist; this server has "
                            f"`{model_id}`.", "model", "model_not_found")
         messages, cfg, opts = parse_request(body, defaults, context)
         chars = sum(len(m["content"]) for m in messages)
@@ -400,7 +413,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
 
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    if ascii_int(length, 20) is not None and int(length) > limit:
         raise APIError(413, f"The request body is {length} bytes; this server accepts at most {limit}.", None,
                        "request_too_large")
     chunks, size = [], 0
@@ -444,7 +457,7 @@ class BearerAuth:
             response = err.response()
             response.headers["www-authenticate"] = "Bearer"
             return await response(scope, receive, send)
-        scope.setdefault(LOG_KEY, {})["key"] = name
+        scope.setdefault(LOG_KEY, {})["principal"] = name  # the key's name, never the key
         return await self.app(scope, receive, send)
 
 
@@ -508,7 +521,7 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
     for name, var in (("max_input_chars", "ENGINE_MAX_INPUT_CHARS"), ("max_body_bytes", "ENGINE_MAX_BODY_BYTES")):
         value = os.environ.get(var, "")
         if value:
-            if not value.isdigit() or int(value) < 1:
+            if ascii_int(value) is None or int(value) < 1:
                 raise SystemExit(f"engine serve: ${var} must be a positive integer")
             limits[name] = int(value)
     try:
@@ -517,5 +530,10 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
         raise SystemExit(f"engine serve: {err}") from err
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,
              host, port, defaults.mode, defaults.max_new_tokens, f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
-    uvicorn.run(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
-                log_level="info")
+    config = uvicorn.Config(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
+                            log_level="info")
+    install_redaction(keys.values())  # again, now that uvicorn has set up its loggers' handlers
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:  # as uvicorn.run: it could not start (port in use...)
+        raise SystemExit(3)

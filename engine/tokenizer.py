@@ -29,6 +29,12 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    @property
+    def turn_end_id(self) -> int:
+        """The token that ends an assistant turn (the checkpoint's own EOS, e.g. Qwen's <|im_end|>)."""
+        declared = self.token_id(self.eos_token) if self.eos_token else None
+        return declared if declared in self.eos_ids else min(self.eos_ids)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error

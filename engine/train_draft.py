@@ -106,7 +106,7 @@ def _read_rows(base: LoadedModel, rows: list[dict], window: int) -> dict:
     """Causal forwards through a KV cache: the prefix every example shares (the system prompt) is
     computed once, each example adds only its own tokens; `CacheState.hidden` keeps every row's state."""
     tok, model = base.tokenizer, base.model
-    eos = next(iter(tok.eos_ids))
+    eos = tok.turn_end_id
     state = CacheState.new(model, 1024)
     ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
     for row in rows:

@@ -130,3 +130,97 @@ def sip_datagrams(draw) -> bytes:
         method = draw(st.sampled_from(["BYE", "CANCEL", "OPTIONS", "INFO", "ACK", "REGISTER", "FOO"]))
         text = text.replace("INVITE", method)
     return draw(mutated(text)).encode("utf-8", "replace")
+
+
+# --- hostile JSON (tests/test_wire.py) ----------------------------------------------------------
+# Raw JSON *text* fragments, spliced into otherwise well-formed messages: most of them can't be
+# produced by json.dumps at all (a 4,400-digit integer, NaN, a lone surrogate escape, 100,000
+# levels of nesting).
+
+_surrogate = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+UNICODE_DIGITS = ["²", "³", "¹", "٣", "١٦٠٠٠", "１６０００", "߀", "፩", "𝟙𝟞𝟘𝟘𝟘", "Ⅻ", "½", "16000", "0x3e80", "+16000",
+                  " 16000", "16_000", "1e4"]
+BROKEN = ['{"type": "start"', '{"a": 1}}', '\ufeff{"type": "start"}', '{"a": "\\x"}', '{"a": "\\u12"}', "", " ",
+          "[1,]", "{'a': 1}", '{"a": 1} x', '{"a" 1}', '{"a": 01}', '{"a": .5}', '{"a": -}', '{"a": "\x00"}',
+          '{"a": "\n"}', "nul", "tru", '{"a": 1e}', '"\\ud800', '{"\\ud800": 1}', "]", "}", "[" * 20]
+
+
+@st.composite
+def _nested(draw) -> str:
+    depth = draw(st.one_of(st.integers(20, 80), st.integers(80, 3000), st.sampled_from([100_000, 30_000])))
+    kind = draw(st.integers(0, 2))
+    if kind == 0:
+        return "[" * depth + "]" * depth
+    if kind == 1:
+        return '{"a":' * depth + "1" + "}" * depth
+    return "[" * depth  # never closed
+
+
+poison = st.one_of(
+    st.integers(4290, 6000).flatmap(lambda n: st.sampled_from(
+        ["9" * n, "-" + "9" * n, "1" * n + ".5", "0." + "1" * n])),
+    st.integers(65, 400).map(lambda n: "1" * n),  # over the 64-character number bound, under Python's limit
+    st.sampled_from(["1e999", "-1e999", "1E400", "NaN", "Infinity", "-Infinity", "1e-999", "9" * 40, "2e308"]),
+    st.lists(_surrogate, min_size=1, max_size=3).map(lambda cs: json.dumps("x" + "".join(cs))),
+    st.sampled_from(['"\\ud800"', '"\\udfff x"', '"a\\ud83d"', '"\\ude00\\ud83d"', '"\\ud83d\\ude00"']),
+    _nested(),
+    st.sampled_from(UNICODE_DIGITS).map(json.dumps),
+    st.sampled_from(["16000.0", "true", "false", "[]", "{}", "null", "-16000", "0", '""', "[16000]",
+                     '{"sample_rate": 16000}', "1" * 30]),
+    json_value.map(json.dumps),
+    st.text(max_size=30).map(json.dumps),
+)
+
+
+def splice(template: str, fragment: str) -> str:
+    return template.replace("@", fragment, 1)
+
+
+NATIVE_STARTS = [
+    '{"type": "start", "sample_rate": @}', '{"type": "start", "sample_rate": 16000, "output_sample_rate": @}',
+    '{"type": @, "sample_rate": 16000}', '{"type": "start", "version": @, "sample_rate": 16000}',
+    '{"type": "start", "sample_rate": 16000, "encoding": @}', '{"type": "start", "sample_rate": 16000, "session": @}',
+    '{"type": "start", "sample_rate": 16000, "session": {"system_prompt": @}}',
+    '{"type": "start", "sample_rate": 16000, "session": {"lm_mode": @}}',
+    '{"type": "start", "sample_rate": 16000, "x": @}', '{"type": "start", "sample_rate": 16000, @: 1}', "@",
+    '[{"type": "start", "sample_rate": 16000}, @]',
+]
+NATIVE_CONTROLS = ['{"type": @}', "@", '{"type": "start", "sample_rate": @}', '{"type": "ping", "v": @}',
+                   '{"v": @}', '[@]']
+TWILIO_MESSAGES = [
+    '{"event": "media", "streamSid": "MZf", "media": {"payload": "/w==", "chunk": @}}',
+    '{"event": "media", "streamSid": "MZf", "media": {"payload": @, "chunk": "3"}}',
+    '{"event": "media", "streamSid": "MZf", "media": {"payload": "/w==", "track": @}}',
+    '{"event": "media", "streamSid": "MZf", "media": @}', '{"event": "mark", "streamSid": "MZf", "mark": {"name": @}}',
+    '{"event": "dtmf", "streamSid": "MZf", "dtmf": {"digit": @}}', '{"event": @, "streamSid": "MZf"}', "@",
+    '{"event": "start", "streamSid": "MZf", "start": {"streamSid": "MZf", "mediaFormat": {"encoding": '
+    '"audio/x-mulaw", "sampleRate": @, "channels": 1}}}',
+    '{"event": "start", "streamSid": "MZf", "start": {"streamSid": "MZf", "callSid": @, "customParameters": @, '
+    '"mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}',
+    '{"event": "media", "sequenceNumber": @, "streamSid": "MZf", "media": {"payload": "/w==", "timestamp": @}}',
+]
+ENGINE_BODIES = [
+    '{"messages": [{"role": "user", "content": @}]}', '{"messages": @}', "@",
+    '{"messages": [{"role": @, "content": "hi"}]}', '{"messages": [@]}',
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": @}]}]}',
+    '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], "temperature": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], "seed": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], "stream": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], "mode": @, "rule": @, "block_size": @}',
+    '{"model": @, "messages": [{"role": "user", "content": "hi"}]}',
+    '{"messages": [{"role": "user", "content": "hi"}], "response_format": @, "tool_choice": @, "logit_bias": @}',
+    '{"messages": [{"role": "user", "content": "hi"}], @: 1}',
+]
+
+
+@st.composite
+def hostile_json(draw, templates: list[str]) -> str:
+    """A message shaped by one of `templates` with hostile fragments at its holes, or broken JSON."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.sampled_from(BROKEN))
+    text = draw(st.sampled_from(templates))
+    while "@" in text:
+        text = splice(text, draw(poison))
+    return text

@@ -19,7 +19,6 @@ import hmac
 import ipaddress
 import logging
 import os
-import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 from engine.keys import ConfigError, load_keys
+from engine.redact import RedactSecrets  # noqa: F401 - the one log filter, re-exported for voice
+from engine.redact import install_redaction as _install_redaction
 from voice.config import AuthConfig, Config
 
 log = logging.getLogger("voice.auth")
@@ -116,10 +117,11 @@ class Auth:
     def check_token(self, token: str, now: float | None = None) -> str:
         """The principal of a valid, unexpired token; AuthError otherwise."""
         parts = token.split(".")
-        if len(parts) != 4 or parts[0] != TOKEN_VERSION or len(token) > 512:
+        # Tokens are ASCII by construction; hmac.compare_digest refuses non-ASCII str (TypeError)
+        if len(token) > 512 or not token.isascii() or len(parts) != 4 or parts[0] != TOKEN_VERSION:
             raise AuthError("bad_token", "the token is malformed")
         body, sig = ".".join(parts[:3]), parts[3]
-        if not hmac.compare_digest(self._sign(body), sig):
+        if not hmac.compare_digest(self._sign(body).encode(), sig.encode()):
             raise AuthError("bad_token", "the token's signature is not valid (or the server restarted)")
         try:
             principal = _unb64(parts[1]).decode()
@@ -235,21 +237,12 @@ def check_exposure(config: Config, auth: Auth) -> None:
             f"of your PBX/trunk in sip.allow (e.g. allow = [\"203.0.113.7\", \"10.0.0.0/8\"]).")
 
 
-class RedactSecrets:
-    """A logging filter: `token=...` in query strings (uvicorn logs paths) becomes `token=REDACTED`."""
-
-    PATTERN = re.compile(r"(token=)[^&\s\"']+")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(self.PATTERN.sub(r"\1REDACTED", a) if isinstance(a, str) else a for a in record.args)
-        if isinstance(record.msg, str) and "token=" in record.msg:
-            record.msg = self.PATTERN.sub(r"\1REDACTED", record.msg)
-        return True
-
-
-def install_redaction() -> None:
-    for name in ("uvicorn.access", "uvicorn.error", "uvicorn"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
-            logger.addFilter(RedactSecrets())
+def install_redaction(auth: Auth | None = None) -> None:
+    """The one log filter (`engine.redact`) on every log line, knowing this server's secrets:
+    the API keys, the token secret (when it is configured) and the Twilio auth token."""
+    secrets: list[str] = []
+    if auth is not None:
+        secrets += list(auth.keys.values()) + [auth.twilio_token]
+        if not auth.secret_is_random:
+            secrets.append(auth.secret.decode("utf-8", "replace"))
+    _install_redaction(secrets)

@@ -26,20 +26,21 @@ class ServerConfig:
 class LmConfig:
     backend: str = "local"  # local (in-process engine) | openai (any OpenAI-compatible endpoint)
     model: str = "default"  # local: engine model name/path; openai: the model id to request
-    adapter: str = ""  # local: an extra adapter to merge
+    adapter: str = ""  # local: a LoRA adapter to merge ("default": the shipped one), for the lossy rules only
     url: str = "http://127.0.0.1:8001/v1"  # openai backend base URL
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
     system_prompt: str = ("You are a friendly voice assistant. Answer in one or two short spoken sentences, "
                           "without lists or markdown.")
     mode: str = "diffusion"  # diffusion | ar
     max_new_tokens: int = 48
-    block_size: int = 0  # 0: the model's
-    first_block_size: int = 0  # 0: same as block_size
+    rule: str = "verify"  # verify: lossless (replies are the AR replies, fewer forwards) | threshold | topk (lossy)
+    block_size: int = 0  # 0: the drafter's / model's
+    first_block_size: int = 0  # 0: same as block_size (threshold/topk)
     threshold: float = 0.9
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
-    quantize: str = "int8"  # local: int8 linear layers (~3x faster forwards on CPU; fp32 where unsupported) | none
+    quantize: str = "int8"  # local: int8 linear layers with per-row scales (BENCHMARKS.md; fp32 where unsupported) | none
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
     retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
     probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)
@@ -49,6 +50,8 @@ class LmConfig:
             raise ValueError(f"lm.backend must be 'local' or 'openai', not {self.backend!r}")
         if self.mode not in ("diffusion", "ar"):
             raise ValueError(f"lm.mode must be 'diffusion' or 'ar', not {self.mode!r}")
+        if self.rule not in ("verify", "threshold", "topk"):
+            raise ValueError(f"lm.rule must be 'verify', 'threshold' or 'topk', not {self.rule!r}")
         if self.quantize not in ("none", "int8"):
             raise ValueError(f"lm.quantize must be 'none' or 'int8', not {self.quantize!r}")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:
@@ -75,6 +78,13 @@ class SessionConfig:
     # From asr.early_final_ms of silence on, prepare the reply (LM + TTS) on the speculative
     # transcript; it is sent once the hangover confirms the turn ended, dropped if the user goes on.
     speculative_reply: bool = True
+    max_system_prompt_chars: int = 4000  # a client's `session.system_prompt`; longer is refused (bad_session)
+    max_text_bytes: int = 65536  # one JSON text frame (/ws, /twilio); larger is refused (bad_json)
+
+    def __post_init__(self) -> None:
+        if self.max_system_prompt_chars < 0 or self.max_text_bytes < 1024:
+            raise ValueError("session.max_system_prompt_chars must not be negative and session.max_text_bytes "
+                             "must be at least 1024")
 
 
 @dataclass

@@ -52,7 +52,7 @@ CREATE TABLE IF NOT EXISTS turns (
     turn INTEGER NOT NULL,
     started REAL,                   -- unix time the user started speaking
     ended REAL NOT NULL,            -- unix time the turn ended (reply done)
-    status TEXT NOT NULL,           -- ok | interrupted | failed | no_speech | asr_failed
+    status TEXT NOT NULL,           -- ok | interrupted | failed | no_speech | asr_failed | superseded | abandoned
     transcript TEXT NOT NULL DEFAULT '',
     reply TEXT NOT NULL DEFAULT '', -- everything the LM committed
     heard TEXT NOT NULL DEFAULT '', -- what the user heard (a prefix of reply after a barge-in)

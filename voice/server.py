@@ -40,6 +40,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
     """`stages` may be given (tests share loaded models); otherwise they load at startup.
     `auth` defaults to `[auth]` with its secrets read from the environment now."""
     auth = auth if auth is not None else Auth.from_config(config.auth)
+    install_redaction(auth)  # no secret of this server in any log line (engine.redact)
     state = {"stages": stages, "draining": False, "drained": False, "probe": None}
 
     async def drain(grace_s: float | None = None) -> None:
@@ -209,7 +210,7 @@ class VoiceServer(uvicorn.Server):
 def serve(config: Config) -> None:
     auth = Auth.from_config(config.auth)
     check_exposure(config, auth)
-    install_redaction()
+    install_redaction(auth)
     if not auth.enabled:
         log.warning("authentication is off (no API keys): only clients on this machine can connect")
     elif auth.secret_is_random:
@@ -219,4 +220,5 @@ def serve(config: Config) -> None:
     uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", ws="websockets",
                         ws_max_size=max(config.session.max_frame_bytes * 2, 1 << 20),
                         timeout_graceful_shutdown=5)
+    install_redaction(auth)  # again: uvicorn.Config has just replaced its loggers' handlers
     VoiceServer(uv, app).run()

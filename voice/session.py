@@ -45,6 +45,7 @@ log = logging.getLogger("voice.session")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
 RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # audio rates a client may use
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
+CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)
 
 
@@ -88,6 +89,15 @@ class StageFailure(Exception):
     def __init__(self, code: str, message: str, stage: str, kind: str):
         super().__init__(message)
         self.code, self.message, self.stage, self.kind = code, message, stage, kind
+
+
+def client_caused(err: BaseException) -> bool:
+    """Did the LM fail because of what this client sent, rather than being broken? A conversation
+    too long for its context (engine ContextOverflow), text it cannot encode, or a remote LM
+    answering 400/413/422. Such a failure ends the turn like any other but is no service fault."""
+    if isinstance(err, UnicodeError) or any(c.__name__ == "ContextOverflow" for c in type(err).__mro__):
+        return True
+    return getattr(err, "status_code", None) in (400, 413, 422)
 
 
 class Outbox(asyncio.Queue):
@@ -188,6 +198,7 @@ class Session:
         self.turn_ended: asyncio.Event | None = None  # of a final decoded speculatively during the hangover
         self.final_task: asyncio.Task | None = None
         self.reply: _Reply | None = None
+        self.reply_tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.utterance_start_s = 0.0  # audio time the current utterance started
@@ -425,7 +436,7 @@ class Session:
         reply = None
         if text and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.reply = _Reply(turn)
-            reply.task = asyncio.create_task(self._respond(reply, text))
+            reply.task = self._spawn(self._respond(reply, text))
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
             self._record_unreplied(turn, text, "superseded")
@@ -434,11 +445,17 @@ class Session:
         self.turn_meta.setdefault(turn, {})["transcript"] = text
         if text and reply is None:
             reply = self.reply = _Reply(turn)
-            reply.task = asyncio.create_task(self._respond(reply, text))
+            reply.task = self._spawn(self._respond(reply, text))
         if reply is not None:
             reply.released.set()
         else:
             self._record_unreplied(turn, "", "no_speech")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.reply_tasks.add(task)
+        task.add_done_callback(self.reply_tasks.discard)
+        return task
 
     def _record_unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""
@@ -507,6 +524,10 @@ class Session:
                 except (StageFailure, asyncio.CancelledError):
                     raise
                 except Exception as err:
+                    if client_caused(err):  # this conversation, not the service: no fault in /healthz
+                        log.warning("session=%s turn=%d LM refused this conversation: %r", self.id, reply.turn, err)
+                        raise StageFailure("reply_failed", f"the language model could not take this conversation: "
+                                                           f"{err}"[:300], "lm", "client") from err
                     log.warning("session=%s turn=%d LM failed: %r", self.id, reply.turn, err)
                     raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
                 if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
@@ -552,6 +573,8 @@ class Session:
                 reply.emitted += 1
 
     def _fault(self, failure: StageFailure) -> None:
+        if failure.kind == "client":  # caused by this client's input: not a fault of the service
+            return
         self.stages.metrics.stage_faults.labels(failure.stage, failure.kind).inc()
         faults = getattr(self.stages, "faults", None)
         if faults is not None:
@@ -655,13 +678,31 @@ class Session:
         self.closed = True
         WAITING.stop(self)
         self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
-        for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog):
+        cancelled = []
+        for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog,
+                     *self.reply_tasks):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
+                cancelled.append(task)
         self.stages.metrics.sessions.labels(self.transport).dec()
         live = getattr(self.stages, "live", None)
         if live is not None:
             live.discard(self)
         reason = self.end_reason or reason
-        self._record(rec.session_closed(self.uid, time.time(), reason, self.turn))
-        log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
+        try:
+            if cancelled and self.turn_meta:  # a cancelled reply records its own turn (interrupted) first
+                await asyncio.wait(cancelled, timeout=CLOSE_WAIT_S)
+        finally:
+            self._record_abandoned(reason)
+            self._record(rec.session_closed(self.uid, time.time(), reason, self.turn))
+            log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
+
+    def _record_abandoned(self, reason: str) -> None:
+        """Turns the session ended in the middle of (the user was speaking, the end of speech or the
+        final transcript was pending): recorded as `abandoned`, so every turn has its row."""
+        for turn in sorted(self.turn_meta):
+            meta = self.turn_meta.pop(turn)
+            errors = meta.get("errors", []) + [{"code": "abandoned", "message": f"the session ended ({reason}) "
+                                                                                "before the turn did"}]
+            self._record(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), "abandoned",
+                                       meta.get("transcript", ""), "", "", False, False, None, errors[-20:]))

@@ -1,8 +1,10 @@
 """The native websocket protocol (PROTOCOL.md): JSON control + PCM16LE binary frames.
 
 Bad input is answered with an `error` event and dropped; only a missing or invalid `start`
-closes the socket, because without it nothing else can be understood. Before that, the
-connection is authenticated and admitted (`voice.auth`, `voice.limits`); a refusal is an
+closes the socket, because without it nothing else can be understood. Every text frame goes
+through `engine.wire.decode_json`, the one bounded JSON decoder of every front (size, depth,
+number length, no lone surrogates), so that nothing a client sends raises past it. Before
+that, the connection is authenticated and admitted (`voice.auth`, `voice.limits`); a refusal is an
 `error` and a close too. A session the server ends (a limit, shutdown) gets its `error`,
 then a close with the error code as reason.
 """
@@ -10,12 +12,14 @@ then a close with the error code as reason.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine.wire import WireError, decode_json
 from voice.auth import Auth, AuthError
+from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, TtsAudio
 from voice.limits import LimitError
 from voice.session import RATES, Session, Stages
@@ -23,6 +27,9 @@ from voice.session import RATES, Session, Stages
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)
 FLUSH_S = 2.0  # when the server ends a session: time to send what is queued (the final error) before closing
+MAX_SYSTEM_PROMPT_CHARS = SessionConfig.max_system_prompt_chars
+MAX_TEXT_BYTES = SessionConfig.max_text_bytes
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ProtocolError(ValueError):
@@ -31,12 +38,10 @@ class ProtocolError(ValueError):
         self.code = code
 
 
-def parse_start(text: str) -> dict:
+def parse_start(text: str, max_prompt_chars: int = MAX_SYSTEM_PROMPT_CHARS,
+                max_text_bytes: int = MAX_TEXT_BYTES) -> dict:
     """Validate a `start` message; returns {in_rate, out_rate, system_prompt, lm_mode}."""
-    try:
-        msg = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise ProtocolError("bad_json", f"expected a JSON start message: {err}") from err
+    msg = decode(text, max_text_bytes, "expected a JSON start message")
     if not isinstance(msg, dict) or msg.get("type") != "start":
         raise ProtocolError("expected_start", "the first message must be {\"type\": \"start\", ...}")
     version = msg.get("version", PROTOCOL_VERSION)
@@ -50,16 +55,39 @@ def parse_start(text: str) -> dict:
             raise ProtocolError("bad_sample_rate", f"{name} must be one of {RATES}, not {value!r}"[:200])
     if msg.get("encoding", "pcm_s16le") not in ENCODINGS:
         raise ProtocolError("bad_encoding", f"encoding must be one of {ENCODINGS}")
-    session = msg.get("session") or {}
+    session = msg.get("session")
+    if session is None:
+        session = {}
     if not isinstance(session, dict):
         raise ProtocolError("bad_session", "session must be an object")
     mode = session.get("lm_mode")
     if mode not in (None, "ar", "diffusion"):
         raise ProtocolError("bad_session", "session.lm_mode must be 'ar' or 'diffusion'")
     system = session.get("system_prompt")
-    if system is not None and not isinstance(system, str):
-        raise ProtocolError("bad_session", "session.system_prompt must be a string")
+    if system is not None:
+        problem = system_prompt_problem(system, max_prompt_chars)
+        if problem:
+            raise ProtocolError("bad_session", f"session.system_prompt {problem}")
     return {"in_rate": rate, "out_rate": out_rate, "system_prompt": system, "lm_mode": mode}
+
+
+def system_prompt_problem(value, max_chars: int) -> str:
+    """What is wrong with a client's system prompt ("" if nothing): the LM must be able to take it."""
+    if not isinstance(value, str):
+        return "must be a string"
+    if len(value) > max_chars:
+        return f"is {len(value)} characters long; this server accepts at most {max_chars}"
+    if _SURROGATE.search(value):
+        return "holds a lone surrogate (\\ud800-\\udfff), which is not valid Unicode"
+    return ""
+
+
+def decode(text: str, max_bytes: int, what: str):
+    """A JSON text frame, through the one decoder of every front (engine.wire): ProtocolError bad_json."""
+    try:
+        return decode_json(text, max_bytes=max_bytes)
+    except WireError as err:
+        raise ProtocolError("bad_json", f"{what}: {err.message}") from None
 
 
 def _is_int(value) -> bool:
@@ -111,7 +139,7 @@ async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> Non
 async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
     cfg = stages.config.session
     try:
-        start = await asyncio.wait_for(_read_start(ws), cfg.start_timeout_s)
+        start = await asyncio.wait_for(_read_start(ws, stages), cfg.start_timeout_s)
     except asyncio.TimeoutError:
         await _fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
         return
@@ -152,7 +180,7 @@ async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
         await session.close(reason)
 
 
-async def _read_start(ws: WebSocket) -> dict:
+async def _read_start(ws: WebSocket, stages: Stages) -> dict:
     """Wait for a valid start; audio before it is answered with an error and ignored."""
     while True:
         msg = await ws.receive()
@@ -162,7 +190,8 @@ async def _read_start(ws: WebSocket) -> dict:
             await ws.send_json({"type": "error", "code": "expected_start",
                                 "message": "audio arrived before the start message; it was dropped"})
             continue
-        return parse_start(msg.get("text") or "")
+        cfg = stages.config.session
+        return parse_start(msg.get("text") or "", cfg.max_system_prompt_chars, cfg.max_text_bytes)
 
 
 async def _fail(ws: WebSocket, code: str, message: str, close_code: int | None = None) -> None:
@@ -196,14 +225,14 @@ async def _receive(ws: WebSocket, session: Session) -> None:
             else:
                 await session.push_audio(data)
         elif text is not None:
-            _control(session, text)
+            _control(session, text, session.config.session.max_text_bytes)
 
 
-def _control(session: Session, text: str) -> None:
+def _control(session: Session, text: str, max_bytes: int = MAX_TEXT_BYTES) -> None:
     try:
-        msg = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        session.error("bad_json", "text frames must be JSON control messages; audio goes in binary frames")
+        msg = decode(text, max_bytes, "text frames must be JSON control messages (audio goes in binary frames)")
+    except ProtocolError as err:
+        session.error(err.code, str(err))
         return
     kind = msg.get("type") if isinstance(msg, dict) else None
     if kind == "start":

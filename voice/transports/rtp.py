@@ -16,6 +16,9 @@ STATIC_PT = {"PCMU": 0, "PCMA": 8}
 DECODE = {"PCMU": ulaw_decode, "PCMA": alaw_decode}
 ENCODE = {"PCMU": ulaw_encode, "PCMA": alaw_encode}
 DTMF_EVENTS = "0123456789*#ABCD"
+# Largest RTP datagram accepted. G.711 at 20 ms is 172 bytes (12 of header + 160); 2,048 leaves room
+# for 120 ms packets (972), CSRCs and header extensions. Bigger ones are dropped (`rtp_too_large`).
+MAX_PACKET = 2048
 
 
 class RtpError(ValueError):

@@ -89,6 +89,9 @@ class Call:
         if addr[0] not in (self.answer.remote[0], self.source[0]):  # SDP c= address, or where the INVITE came from
             count_drop(self.ep.registry, r, "sip", "rtp_unknown_source", f"{addr[0]}:{addr[1]}")
             return
+        if len(data) > rtp.MAX_PACKET:
+            count_drop(self.ep.registry, r, "sip", "rtp_too_large", f"{len(data)} bytes (at most {rtp.MAX_PACKET})")
+            return
         try:
             pkt = rtp.RtpPacket.parse(data)
         except rtp.RtpError as err:

@@ -6,6 +6,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from engine.wire import ascii_int
+
 SIP_VERSION = "SIP/2.0"
 AGENT = "diffusion-voice"
 # compact header forms (RFC 3261 section 7.3.3 and the extensions we may see)
@@ -86,7 +88,7 @@ def sent_by(via: str) -> tuple[str, int | None]:
         host, port = value.split(":")
     else:
         host, port = value, ""
-    return host, int(port) if port.isdigit() else None
+    return host, ascii_int(port, 5)  # "²".isdigit() is true, and int("²") raises
 
 
 def valid_via(via: str) -> bool:
@@ -162,7 +164,7 @@ class SipMessage:
         first = lines[0].split(" ", 2)
         msg = cls()
         if first[0] == SIP_VERSION:
-            if len(first) < 2 or not first[1].isdigit() or len(first[1]) != 3:
+            if len(first) < 2 or ascii_int(first[1], 3) is None or len(first[1]) != 3:
                 raise SipError(f"bad status line {lines[0][:60]!r}")
             msg.status, msg.reason = int(first[1]), first[2] if len(first) > 2 else ""
         else:
@@ -181,7 +183,7 @@ class SipMessage:
             msg.headers.append((COMPACT.get(name, name), value.strip()))
         length = msg.get("content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > len(body):
+            if ascii_int(length, 10) is None or int(length) > len(body):
                 raise SipError(f"Content-Length {length!r} does not match the {len(body)}-byte body")
             body = body[:int(length)]
         msg.body = body
@@ -191,7 +193,7 @@ class SipMessage:
         if not valid_via(msg.get("via") or ""):
             raise SipError(f"bad Via {(msg.get('via') or '')[:60]!r}")
         num, _, method = (msg.get("cseq") or "").partition(" ")
-        if not num.strip().isdigit() or not method.strip():
+        if ascii_int(num.strip(), 10) is None or not method.strip():
             raise SipError(f"bad CSeq {msg.get('cseq')!r}")
         if msg.is_request and method.strip().upper() != msg.method:
             raise SipError("CSeq method does not match the request method")

@@ -21,6 +21,7 @@ import logging
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.session import Session, Stages
@@ -30,6 +31,9 @@ log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
 MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
 MAX_MARKS = 1000  # marks sent and not yet echoed that we remember
+MAX_TEXT_BYTES = 65536  # one message (session.max_text_bytes); Twilio's are a few hundred bytes
+MAX_DTMF = 1000  # digits remembered per call
+DTMF_DIGITS = "0123456789*#ABCD"
 
 
 class TwilioCall:
@@ -69,10 +73,11 @@ class TwilioCall:
             await self.end(self.session.end_reason or reason if self.session else reason)
 
     async def handle(self, text: str) -> str | None:
+        max_bytes = getattr(self.stages.config.session, "max_text_bytes", MAX_TEXT_BYTES)
         try:
-            msg = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as err:
-            self.drop("bad_json", str(err)[:100])
+            msg = decode_json(text, max_bytes=max_bytes)  # the one decoder of every front (engine.wire)
+        except WireError as err:
+            self.drop("bad_json", err.message[:100])
             return None
         if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
             self.drop("bad_message", "not an object with an event")
@@ -163,12 +168,12 @@ class TwilioCall:
             self.drop("bad_media", f"payload of {len(ulaw)} bytes")
             return
         self.record.counters["media_in"] += 1
-        chunk = media.get("chunk")
-        if isinstance(chunk, str) and chunk.isdigit():
+        chunk = ascii_int(media.get("chunk"))  # "²".isdigit() is true, and int("²") raises
+        if chunk is not None:
             last = self.record.meta.get("last_chunk")
-            if last is not None and int(chunk) != last + 1:
+            if last is not None and chunk != last + 1:
                 self.record.counters["chunk_gaps"] += 1
-            self.record.meta["last_chunk"] = int(chunk)
+            self.record.meta["last_chunk"] = chunk
         await self.session.push_audio(ulaw_decode(ulaw).astype("<i2").tobytes())
 
     def mark(self, msg: dict) -> None:
@@ -190,8 +195,11 @@ class TwilioCall:
     def dtmf(self, msg: dict) -> None:
         dtmf = msg.get("dtmf")
         digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
-        if not isinstance(digit, str) or not digit:
-            self.drop("bad_dtmf", "dtmf without dtmf.digit")
+        if not isinstance(digit, str) or len(digit) != 1 or digit.upper() not in DTMF_DIGITS:
+            self.drop("bad_dtmf", "dtmf without a dtmf.digit (0-9, *, #, A-D)")
+            return
+        if len(self.record.dtmf) >= MAX_DTMF:
+            self.drop("dtmf_overflow", f"more than {MAX_DTMF} digits in one call")
             return
         # The session has no DTMF input yet: record it and log it with the session id.
         self.record.dtmf.append(digit)

@@ -163,16 +163,7 @@ def answer_set_prompts() -> set[str]:
 def knowledge_prompts(n: int, seed: int = 0) -> list[str]:
     """`n` distinct short factual questions, none of them in an answer-accuracy set."""
     rng = random.Random(seed)
-    makers = _knowledge_makers(rng)
-    seen, prompts = answer_set_prompts(), []
-    for _ in range(n * 50):
-        p = rng.choice(makers)()
-        if p not in seen:
-            seen.add(p)
-            prompts.append(p)
-        if len(prompts) == n:
-            break
-    return prompts
+    return _distinct(_knowledge_makers(rng), n, rng)
 
 
 def assistant_prompts(n: int, seed: int = 0) -> list[str]:
@@ -190,8 +181,13 @@ def assistant_prompts(n: int, seed: int = 0) -> list[str]:
         lambda: f"What is {rng.randint(13, 99)} {rng.choice(['plus', 'minus'])} {rng.randint(2, 40)}?",
         lambda: f"Tell me a fun fact about {rng.choice(_COUNTRIES)}.",
     ]
+    return _distinct(makers, n, rng)
+
+
+def _distinct(makers: list, n: int, rng: random.Random) -> list[str]:
+    """Up to `n` distinct prompts from random templates, none of them an evaluation question."""
     seen, prompts = answer_set_prompts(), []
-    for _ in range(n * 20):
+    for _ in range(n * 50):
         p = rng.choice(makers)()
         if p not in seen:
             seen.add(p)

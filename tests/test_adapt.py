@@ -21,13 +21,7 @@ from tinyckpt import EOS_ID, MASK_ID
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: several times faster on the shared 2-core box (see test_engine.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def quiet(*_):

@@ -27,14 +27,7 @@ from tinyckpt import MASK_ID, VOCAB
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """These models are tiny or small: on a shared 2-core box, one intra-op thread is ~5x faster
-    than two fighting other processes (OpenMP spin-waits), and no slower alone."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:

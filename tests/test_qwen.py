@@ -32,13 +32,7 @@ NAME = "qwen2.5-0.5b"
 LOGITS_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """A 2-core box shared with other work: one intra-op thread (see test_engine.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

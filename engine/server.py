@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server: `/v1/models`, `/v1/chat/completions` (plain and SSE), `/healthz`.
 
-Every request gets a fresh engine `Conversation` (the API is stateless), and generation runs
-through `Engine.stream`, so the event loop only awaits committed pieces and stays responsive.
+Every request is a fresh conversation (the API is stateless) on a KV cache the engine lends
+from its pool and takes back when the request ends, and generation runs through
+`Engine.stream`, so the event loop only awaits committed pieces and stays responsive.
 With `stream: true` each committed piece becomes one `chat.completion.chunk`. A client that
 disconnects cancels its generation at the next piece boundary, streaming or not.
 
@@ -48,7 +49,7 @@ from starlette.routing import Route
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.keys import ConfigError, load_keys
 from engine.redact import install_redaction
-from engine.stream import Conversation, Engine, Piece
+from engine.stream import Engine, Piece
 from engine.wire import WireError, ascii_int, decode_json
 
 log = logging.getLogger("engine.server")
@@ -312,7 +313,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                            f"{cfg.max_new_tokens} in the completion).", "messages", "context_length_exceeded")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         now = int(time.time())
-        pieces = engine.stream(messages, cfg, Conversation())
+        pieces = engine.stream(messages, cfg, conversation=None)  # a one-off: on a pooled cache, given back
         if opts["stream"]:
             return EventStream(_chunks(rid, now, pieces, cfg, opts, len(prompt), info),
                                on_cancel=lambda: info.update(finish="cancelled"))

@@ -10,6 +10,12 @@ flowing has slack (MAX_DEFER_S, `host_busy`). Each conversation keeps
 its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
+
+A request made without a conversation (the HTTP server's, one per request) runs on a cache
+borrowed from the engine's pool and gives it back, cleared, when it finishes or is cancelled:
+steady-state serving allocates no new ~100 MB caches. (Allocating one per request let glibc's
+heap keep growing with freed, still-resident caches: RSS rose by hundreds of MB per 100
+requests. bench/serve_soak.py measures it.)
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ class _Request:
     forward: Forward | None = None  # the next forward, waiting for its round
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
     cancelled: bool = False
+    owned: bool = False  # the engine made `conversation`: its cache goes back to the pool at the end
 
     def waited_for(self) -> bool:
         """Is someone waiting in silence for this request's next piece?"""
@@ -110,7 +117,8 @@ class _Request:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None,
-                 max_batch: int = 8):
+                 max_batch: int = 8, pool_size: int | None = None):
+        """`pool_size`: idle KV caches kept for requests without a conversation (default `max_batch`)."""
         self.loaded = loaded
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
@@ -119,6 +127,9 @@ class Engine:
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
+        self.pool_size = max_batch if pool_size is None else pool_size
+        self._pool: list[CacheState] = []  # idle, cleared caches (any thread may take or give back)
+        self._pool_lock = threading.Lock()
         # The host says when someone is waiting on the CPU for its other work (a voice service:
         # speech recognition, synthesis); replies nobody is waiting for then sit out a while.
         self.host_busy: Callable[[], bool] = lambda: False
@@ -144,11 +155,27 @@ class Engine:
         if conversation.active is not None:
             self._close(conversation.active)
         if conversation.state is None:
-            conversation.state = CacheState.new(self.model, self.max_seq_len)
+            conversation.state = self._take_cache()
         reply = _Reply(self, prompt, conversation.state, start)
         steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids, self.loaded.drafter,
                      self.model.embed_tokens)
         return steps, reply
+
+    def _take_cache(self) -> CacheState:
+        """An idle cache from the pool, or a new one when none is idle."""
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return CacheState.new(self.model, self.max_seq_len)
+
+    def _give_back(self, conversation: Conversation) -> None:
+        """Take `conversation`'s cache for the pool, cleared (dropped if the pool is full)."""
+        state, conversation.state = conversation.state, None
+        if state is not None:
+            state.clear()
+            with self._pool_lock:
+                if len(self._pool) < self.pool_size:
+                    self._pool.append(state)
 
     @staticmethod
     def _close(active) -> None:
@@ -165,13 +192,19 @@ class Engine:
                       conversation: Conversation | None = None, **overrides) -> Iterator[Piece]:
         """Pieces of the reply to `messages`, decoded in the calling thread."""
         cfg = replace(cfg or self.defaults, **overrides)
-        conversation = conversation or Conversation()
+        owned, conversation = conversation is None, conversation or Conversation()
         steps, reply = self._begin(messages, cfg, conversation, time.perf_counter())
         blocks = drive(self.model, steps)
         conversation.active = blocks
-        for block in blocks:
-            yield reply.piece(block)
-        conversation.active = None
+        try:
+            for block in blocks:
+                yield reply.piece(block)
+        finally:  # finished, or closed by the caller
+            blocks.close()
+            if conversation.active is blocks:
+                conversation.active = None
+            if owned:
+                self._give_back(conversation)
 
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
@@ -179,7 +212,8 @@ class Engine:
                      conversation: Conversation | None = None, urgent: Callable[[], bool] | None = None,
                      **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
-        piece, and while `urgent()` says so, the request goes ahead of replies already flowing."""
+        piece, and while `urgent()` says so, the request goes ahead of replies already flowing.
+        Without a `conversation` the request is a one-off on a pooled cache."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -190,7 +224,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides), conversation or Conversation(),
-                           deliver, urgent)
+                           deliver, urgent, owned=conversation is None)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -262,6 +296,7 @@ class Engine:
             request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start)
         except Exception as err:
             request.deliver(err)
+            self._leave(request)
             return
         conversation.active = request
         active.append(request)
@@ -270,6 +305,7 @@ class Engine:
         """Run the request's decoder up to its next forward, handing out blocks on the way."""
         if request.cancelled:
             request.steps.close()
+            self._leave(request)
             return None
         try:
             while True:
@@ -284,6 +320,14 @@ class Engine:
             request.deliver(None)
         except Exception as err:
             request.deliver(err)
+        self._leave(request)
+        return None
+
+    def _leave(self, request: _Request) -> None:
+        """The request is over (finished, failed or cancelled): its conversation lets go of it (else
+        the two keep each other, and the cache, alive until a full garbage collection), and an
+        engine-made conversation's cache goes back to the pool."""
         if request.conversation.active is request:
             request.conversation.active = None
-        return None
+        if request.owned:
+            self._give_back(request.conversation)

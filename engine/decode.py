@@ -56,6 +56,7 @@ class DecodeConfig:
     rule: str = "verify"  # verify (lossless, drafted blocks checked by the base) | threshold | topk (lossy)
     threshold: float = 0.9
     topk: int = 1
+    draft_threshold: float = 0.0  # verify: send only drafted tokens the drafter is at least this sure of
     max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
     release_prefix: bool = True  # hand out a block's finished left part before the block is done
     seed: int | None = None
@@ -100,6 +101,11 @@ class CacheState:
     @property
     def capacity(self) -> int:
         return self.caches[0].k.shape[2]
+
+    def clear(self) -> None:
+        """Forget every cached token (all rows become scratch): as good as a new state, without allocating."""
+        self.ids.clear()
+        self.blocks.clear()
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """How much of `prompt` is already cached (at least its last token always stays new)."""
@@ -301,6 +307,7 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
     pending, proposal = new_prompt, Proposal([])
     produced = forwards = 0
     while True:
+        proposal = proposal.until_unsure(cfg.draft_threshold)
         k = max(0, min(len(proposal.ids), cfg.max_new_tokens - produced - 1))
         drafted = Proposal(proposal.ids[:k], proposal.probs[:k] if proposal.probs is not None else None)
         last, draft_logits = yield Forward(state, pending, draft=drafted.ids, draft_causal=True)

@@ -33,6 +33,16 @@ class Proposal:
 
     ids: list[int]
     probs: Tensor | None = None  # [len(ids), vocab] over the base vocabulary
+    confidence: list[float] | None = None  # the drafter's own probability of each token (None: sure)
+
+    def until_unsure(self, threshold: float) -> "Proposal":
+        """The drafted prefix the drafter itself is at least `threshold` sure of: a draft row costs
+        arithmetic, so rows likely to be rejected are not worth sending. Lossless either way (which
+        rows are sent never depends on the base's answer)."""
+        if self.confidence is None or threshold <= 0:
+            return self
+        n = next((i for i, c in enumerate(self.confidence) if c < threshold), len(self.ids))
+        return Proposal(self.ids[:n], self.probs[:n] if self.probs is not None else None, self.confidence[:n])
 
 
 @dataclass
@@ -108,13 +118,14 @@ class DraftHead(nn.Module):
         e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
         logits = self(h, e, valid[None])[0, :k].float()
         if temperature <= 0:
-            return Proposal(self.vocab_ids[logits.argmax(-1)].tolist())
+            confidence, best = logits.softmax(-1).max(-1)
+            return Proposal(self.vocab_ids[best].tolist(), None, confidence.tolist())
         q = (logits / temperature).softmax(-1).cpu()  # sampled with the decoder's CPU generator
         vocab = self.vocab_ids.cpu()
         picks = torch.multinomial(q, 1, generator=generator).squeeze(-1)
         full = torch.zeros(k, self.args.vocab_size)
         full[:, vocab] = q
-        return Proposal(vocab[picks].tolist(), full)
+        return Proposal(vocab[picks].tolist(), full, q.gather(-1, picks[:, None]).squeeze(-1).tolist())
 
 
 def save_head(path: str | Path, head: DraftHead, info: dict | None = None) -> None:

@@ -56,6 +56,15 @@ def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -
         model.lm_head = make(model.lm_head)
 
 
+def swap_all_linears(module: nn.Module) -> None:
+    """Every nn.Linear inside `module` (a draft head) becomes an `Int8RowLinear`."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8RowLinear(child))
+        else:
+            swap_all_linears(child)
+
+
 def int8_supported() -> str:
     """'' if the int8 matmul runs here, else why not."""
     try:

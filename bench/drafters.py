@@ -1,6 +1,6 @@
 """Which drafter: the LoRA adapter drafting a mask block vs the draft head, at the same positions.
 
-    .venv/bin/python bench/drafters.py --run runs/draft-smollm2 --json bench/results/drafters.json
+    .venv/bin/python bench/drafters.py --run runs/draft-smollm2-v2 --json bench/results/drafters.json
 
 On the held-out 5% of a draft run's distilled replies (the base model's own greedy replies,
 never trained on by the head), at every 4th reply position p: given the reply through p, each
@@ -93,7 +93,7 @@ def lookup_kept(seq: list[int], p_len: int, block: int) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="runs/draft-smollm2", help="an `engine draft` run folder")
+    p.add_argument("--run", default="runs/draft-smollm2-v2", help="the `engine draft` run folder of the head")
     p.add_argument("--adapter", default=str(DEFAULT_ADAPTER))
     p.add_argument("--limit", type=int, default=0, help="held-out replies to use (0: all)")
     p.add_argument("--threads", type=int, default=1)

@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=0, help="diffusion block size (0: the model's)")
     p.add_argument("--first-block-size", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
+    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="fp16",
                    help="our engine's linear layers (default int8, as the voice service ships)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: the packaged one)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),

@@ -29,7 +29,7 @@ from engine.bench import machine_info, percentile, timed_request, write_json  # 
 from engine.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
 from engine.decode import CacheState, DecodeConfig, run  # noqa: E402
 from engine.eval import BOILERPLATE, is_right, read_questions  # noqa: E402
-from engine.quantize import Int8RowLinear, swap_linears  # noqa: E402
+from engine.quantize import Int8RowLinear, fp16_linears, swap_linears  # noqa: E402
 from engine.stream import Engine  # noqa: E402
 
 
@@ -74,14 +74,6 @@ def dynamic_int8(model: nn.Module, keep_head: bool) -> None:
         model.lm_head = head
 
 
-def dynamic_fp16(model: nn.Module) -> None:
-    """fbgemm's fp16-weight linear (fp32 activations): half the weight bytes, no activation rounding."""
-    from torch.ao.quantization import quantize_dynamic
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize_dynamic(model, {nn.Linear}, dtype=torch.float16, inplace=True)
-
-
 CANDIDATES = {
     "fp32": lambda m: None,
     "int8 per-tensor act (torch.ao dynamic, old default)": lambda m: dynamic_int8(m, keep_head=False),
@@ -91,7 +83,7 @@ CANDIDATES = {
     "int8 per-row act, bf16 LM head": lambda m: (swap_linears(m, Int8RowLinear, head=False),
                                                  swap_linears(m, Bf16Linear, head=True, body=False)),
     "bf16": lambda m: swap_linears(m, Bf16Linear, head=True),
-    "fp16 weights, fp32 act (torch.ao dynamic fp16)": dynamic_fp16,
+    "fp16 weights, fp32 act (torch.ao dynamic fp16)": fp16_linears,
     "int8 weights, bf16 act (_weight_int8pack_mm)": lambda m: swap_linears(m, W8A16Linear, head=True),
 }
 

@@ -30,6 +30,9 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "at least --threshold sure (and the surest one), 'topk' the --topk surest per step")
     g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for --rule threshold")
     g.add_argument("--topk", type=int, default=1, help="positions committed per step for --rule topk")
+    g.add_argument("--draft-threshold", type=float, default=0.5,
+                   help="verify: send only the drafted tokens the drafter is at least this sure of (each draft row "
+                        "costs arithmetic; 0 = always the whole block; lossless either way)")
     g.add_argument("--max-steps", type=int, default=0, help="denoising steps per block before committing the rest "
                                                            "(default: block size)")
     g.add_argument("--no-release-prefix", action="store_true",
@@ -39,7 +42,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
 def decode_config(a: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         block_size=a.block_size, first_block_size=a.first_block_size, rule=a.rule,
-                        threshold=a.threshold, topk=a.topk, max_steps=a.max_steps,
+                        threshold=a.threshold, topk=a.topk, draft_threshold=a.draft_threshold, max_steps=a.max_steps,
                         release_prefix=not a.no_release_prefix)
 
 
@@ -55,9 +58,10 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                         "(default: the model's shipped head, prompt lookup if it has none)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="int8: dynamically quantised linear layers, ~3x faster forwards on CPU (needs AVX2; "
-                        "replies differ slightly from fp32); eval keeps its teacher fp32 (default: none)")
+    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="none",
+                   help="faster CPU linear layers whose rows stay independent (so verify stays lossless): fp16 "
+                        "weights (fbgemm; replies ~ fp32's, the voice service's default) or int8 weights with "
+                        "per-row int8 activations; eval keeps its teacher fp32 (default: none)")
 
 
 def cmd_generate(a) -> int:

@@ -56,7 +56,7 @@ class DecodeConfig:
     rule: str = "verify"  # verify (lossless, drafted blocks checked by the base) | threshold | topk (lossy)
     threshold: float = 0.9
     topk: int = 1
-    draft_threshold: float = 0.0  # verify: send only drafted tokens the drafter is at least this sure of
+    draft_threshold: float = 0.5  # verify: send only drafted tokens the drafter is at least this sure of
     max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
     release_prefix: bool = True  # hand out a block's finished left part before the block is done
     seed: int | None = None

@@ -190,9 +190,9 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
             raise ModelLoadError(f"cannot use draft head {drafter}: {err}") from err
     loaded.model.eval()
     loaded.weights = quantize_model(loaded.model, quantize)
-    if loaded.drafter is not None and loaded.weights == "int8":  # its weights are read every step too
-        from engine.quantize import swap_all_linears
-        swap_all_linears(loaded.drafter)
+    if loaded.drafter is not None:
+        from engine.quantize import quantize_like
+        quantize_like(loaded.drafter, loaded.weights)
     return loaded
 
 

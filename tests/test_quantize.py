@@ -20,7 +20,7 @@ CHATS = [
 
 
 def needs_int8():
-    why_not = q.int8_supported()
+    why_not = q.supported("int8")
     if why_not:
         pytest.skip(why_not)
 
@@ -67,6 +67,20 @@ def test_int8_tracks_fp32_on_the_real_model(pair):
     assert max(kls) < 0.2, kls
 
 
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (576, 49152)])
+def test_fp16_rows_do_not_depend_on_each_other(shape):
+    """fbgemm's fp16 linear: a row's output is bit for bit the same alone or among 1-16 rows."""
+    if q.supported("fp16"):
+        pytest.skip(q.supported("fp16"))
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(*shape))
+    q.fp16_linears(layer)
+    rows = torch.randn(16, shape[0]) * torch.logspace(-2, 2, 16)[:, None]
+    together = layer(rows)
+    for m in (1, 2, 5, 8):
+        assert all(torch.equal(layer(rows[i:i + m])[0], together[i]) for i in range(0, 16 - m))
+
+
 def test_int8_rows_do_not_depend_on_each_other():
     """A row's output is bit for bit the same alone or among other rows: what lets a verified draft
     row equal the AR row, and a batched reply equal the same reply alone."""
@@ -96,10 +110,11 @@ def test_int8_model_decodes_in_both_modes_and_in_batches(pair):
     assert outs[0][0].argmax() == outs[2][0].argmax()  # the same prompt twice in one batch: the same next token
 
 
-def test_without_int8_kernels_the_model_stays_fp32(monkeypatch):
-    monkeypatch.setattr(q, "int8_supported", lambda: "int8 kernels are unavailable on this CPU (test)")
+@pytest.mark.parametrize("how", ["int8", "fp16"])
+def test_without_the_kernels_the_model_stays_fp32(monkeypatch, how):
+    monkeypatch.setattr(q, "supported", lambda _: f"{how} kernels are unavailable on this CPU (test)")
     model = nn.Sequential(nn.Linear(4, 4))
-    assert q.quantize(model, "int8") == "fp32" and type(model[0]) is nn.Linear
+    assert q.quantize(model, how) == "fp32" and type(model[0]) is nn.Linear
     assert q.quantize(model, "none") == "fp32"
 
 

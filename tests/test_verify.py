@@ -148,22 +148,25 @@ PROMPTS = ["What is the capital of Spain?", "How do I make a cup of tea?", "Tell
            "hey what's up, any plans for the weekend?"]
 
 
-@pytest.fixture(scope="module", params=["none", "int8"])
+@pytest.fixture(scope="module", params=["none", "fp16", "int8"])
 def default_engine(request):
     assert DEFAULT_DRAFTER.exists(), "the default model ships a draft head"
     return Engine.load("default", quantize=request.param)
 
 
 def test_default_greedy_verify_equals_greedy_ar(default_engine):
+    """With the shipped settings and with every draft sent (draft_threshold 0): the AR replies."""
     assert isinstance(default_engine.loaded.drafter, DraftHead)
     tokens = forwards = 0
     for prompt in PROMPTS:
         replies = {}
-        for mode in ("ar", "diffusion"):
-            pieces = list(default_engine.generate_sync(chat(prompt), DecodeConfig(mode=mode, max_new_tokens=48),
-                                                       Conversation()))
-            replies[mode] = [t for p in pieces for t in p.token_ids]
-            if mode == "diffusion":
+        for name, cfg in (("ar", DecodeConfig(mode="ar", max_new_tokens=48)),
+                          ("verify", DecodeConfig(max_new_tokens=48)),
+                          ("verify, all drafts", DecodeConfig(max_new_tokens=48, draft_threshold=0.0))):
+            pieces = list(default_engine.generate_sync(chat(prompt), cfg, Conversation()))
+            replies[name] = [t for p in pieces for t in p.token_ids]
+            if name == "verify, all drafts":
                 tokens, forwards = tokens + pieces[-1].tokens, forwards + pieces[-1].forwards
-        assert replies["diffusion"] == replies["ar"], prompt
-    assert tokens / forwards > 1.3  # the head's drafts are accepted, so forwards are saved
+        assert replies["verify"] == replies["ar"] == replies["verify, all drafts"], prompt
+    # the head's drafts are accepted, so forwards are saved (prompt lookup gets ~1.0 on these prompts)
+    assert tokens / forwards > 1.25, tokens / forwards

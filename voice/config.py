@@ -37,10 +37,11 @@ class LmConfig:
     block_size: int = 0  # 0: the drafter's / model's
     first_block_size: int = 0  # 0: same as block_size (threshold/topk)
     threshold: float = 0.9
+    draft_threshold: float = 0.5  # verify: drafted tokens the draft head is less sure of are not sent
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
-    quantize: str = "int8"  # local: int8 linear layers with per-row scales (BENCHMARKS.md; fp32 where unsupported) | none
+    quantize: str = "fp16"  # local: fp16 | int8 | none linear layers (BENCHMARKS.md; fp32 where unsupported)
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
     retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
     probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)
@@ -52,8 +53,8 @@ class LmConfig:
             raise ValueError(f"lm.mode must be 'diffusion' or 'ar', not {self.mode!r}")
         if self.rule not in ("verify", "threshold", "topk"):
             raise ValueError(f"lm.rule must be 'verify', 'threshold' or 'topk', not {self.rule!r}")
-        if self.quantize not in ("none", "int8"):
-            raise ValueError(f"lm.quantize must be 'none' or 'int8', not {self.quantize!r}")
+        if self.quantize not in ("none", "fp16", "int8"):
+            raise ValueError(f"lm.quantize must be 'none', 'fp16' or 'int8', not {self.quantize!r}")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:
             raise ValueError("lm.retries, lm.retry_backoff_s and lm.probe_interval_s must not be negative")
 

@@ -45,7 +45,8 @@ class LocalLM:
         self.config = config
         self.decode = DecodeConfig(mode=config.mode, max_new_tokens=config.max_new_tokens,
                                    rule=config.rule, block_size=config.block_size,
-                                   first_block_size=config.first_block_size, threshold=config.threshold)
+                                   first_block_size=config.first_block_size, threshold=config.threshold,
+                                   draft_threshold=config.draft_threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize)
         self.engine.host_busy = WAITING.busy  # later blocks yield to speech recognition and synthesis

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
+import urllib.request
 
 import uvicorn
 
@@ -29,3 +32,20 @@ def serving(app, start_timeout_s: float = 60.0):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def healthz(srv) -> dict:
+    """The service's /healthz document."""
+    with urllib.request.urlopen(srv.http + "/healthz", timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def next_json(ws, pred=lambda m: True, timeout: float = 10.0) -> dict:
+    """The next JSON event on `ws` for which `pred` holds (binary frames skipped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.01))
+        if isinstance(msg, str):
+            ev = json.loads(msg)
+            if pred(ev):
+                return ev

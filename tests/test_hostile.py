@@ -20,13 +20,12 @@ import json
 import logging
 import sqlite3
 import time
-import urllib.request
 
 import pytest
 import websockets
 
 from fakes import FakeLM, LiveServer, StandInEngine, fake_stages, make_config, speech
-from liveserver import serving
+from liveserver import healthz, next_json, serving
 from strategies import INVITE, SDP
 from voice.auth import Auth, AuthError, RedactSecrets
 from voice.transports import rtp
@@ -71,21 +70,6 @@ def server(tmp_path_factory):
     with LiveServer(config, stages) as srv:
         srv.db = db
         yield srv
-
-
-def healthz(srv) -> dict:
-    with urllib.request.urlopen(srv.http + "/healthz", timeout=10) as r:
-        return json.loads(r.read())
-
-
-async def next_json(ws, pred=lambda m: True, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.01))
-        if isinstance(msg, str):
-            ev = json.loads(msg)
-            if pred(ev):
-                return ev
 
 
 async def still_serving(ws) -> None:

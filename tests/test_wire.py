@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from engine.redact import RedactSecrets, install_redaction, redact
 from engine.wire import MAX_DEPTH, REASONS, WireError, ascii_int, decode_json
 from fakes import SPEECH, Client, LiveServer, StandInEngine, fake_stages, make_config, speech
-from liveserver import serving
+from liveserver import healthz, next_json, serving
 from strategies import (BROKEN, ENGINE_BODIES, NATIVE_CONTROLS, NATIVE_STARTS, TWILIO_MESSAGES, hostile_json,
                         json_value, poison)
 from voice.audio import float_to_int16, read_wav, resample, ulaw_encode
@@ -223,21 +223,6 @@ def fronts(tmp_path_factory):
         finally:
             for lg in loggers:
                 lg.removeHandler(capture)
-
-
-def healthz(srv) -> dict:
-    with urllib.request.urlopen(srv.http + "/healthz", timeout=10) as r:
-        return json.loads(r.read())
-
-
-async def next_json(ws, pred=lambda m: True, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = await asyncio.wait_for(ws.recv(), max(deadline - time.monotonic(), 0.01))
-        if isinstance(msg, str):
-            ev = json.loads(msg)
-            if pred(ev):
-                return ev
 
 
 VALID_START = json.dumps({"type": "start", "sample_rate": 16000})

@@ -13,7 +13,6 @@ compare ratios within a run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings

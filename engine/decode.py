@@ -218,8 +218,9 @@ class Forward:
         else:
             visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
         rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
+        row_lengths = visible.tolist() if self.draft_causal and n_draft else None
         return Segment(torch.tensor(clean + draft, dtype=torch.long), pos, visibility_mask(visible, end),
-                       state.caches, rows, rowwise=self.draft_causal and n_draft > 0)
+                       state.caches, rows, row_lengths)
 
     def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
@@ -303,13 +304,12 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
 
     Yields a `Forward` per step (and is sent its logits) and a `Block` per step's commits."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    k_max = cfg.block_size or getattr(getattr(drafter, "args", None), "block", 4)
+    k_max = cfg.block_size or drafter.block
     pending, proposal = new_prompt, Proposal([])
     produced = forwards = 0
     while True:
-        proposal = proposal.until_unsure(cfg.draft_threshold)
-        k = max(0, min(len(proposal.ids), cfg.max_new_tokens - produced - 1))
-        drafted = Proposal(proposal.ids[:k], proposal.probs[:k] if proposal.probs is not None else None)
+        drafted = proposal.until_unsure(cfg.draft_threshold).first(cfg.max_new_tokens - produced - 1)
+        k = len(drafted.ids)
         last, draft_logits = yield Forward(state, pending, draft=drafted.ids, draft_causal=True)
         forwards += 1
         target = torch.cat([last[None], draft_logits]) if k else last[None]
@@ -422,10 +422,17 @@ def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cf
 
 def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
                        spec: DiffusionSpec, stop_ids: set[int], drafter=None) -> Iterator[Block]:
+    return drive(model, decoder_steps(state, new_prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))
+
+
+def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
+                  drafter=None, embed=None) -> Generator:
+    """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
+    if cfg.mode == "ar":
+        return ar_steps(state, new, cfg, stop_ids)
     if cfg.rule == "verify":
-        return drive(model, verify_steps(state, new_prompt, cfg, drafter or LookupDrafter(), model.embed_tokens,
-                                         stop_ids))
-    return drive(model, diffusion_steps(state, new_prompt, cfg, spec, stop_ids))
+        return verify_steps(state, new, cfg, drafter or LookupDrafter(), embed, stop_ids)
+    return diffusion_steps(state, new, cfg, spec, stop_ids)
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
@@ -436,12 +443,7 @@ def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: Diffusio
     if len(prompt) + cfg.max_new_tokens > state.capacity:
         raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
                               f"the context of {state.capacity}")
-    new = state.reuse_for(prompt)
-    if cfg.mode == "ar":
-        return ar_steps(state, new, cfg, stop_ids)
-    if cfg.rule == "verify":
-        return verify_steps(state, new, cfg, drafter or LookupDrafter(), embed, stop_ids)
-    return diffusion_steps(state, new, cfg, spec, stop_ids)
+    return decoder_steps(state, state.reuse_for(prompt), cfg, spec, stop_ids, drafter, embed)
 
 
 def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,

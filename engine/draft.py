@@ -35,14 +35,19 @@ class Proposal:
     probs: Tensor | None = None  # [len(ids), vocab] over the base vocabulary
     confidence: list[float] | None = None  # the drafter's own probability of each token (None: sure)
 
+    def first(self, n: int) -> "Proposal":
+        """The first `n` drafted tokens (none if n <= 0)."""
+        n = max(0, n)
+        return Proposal(self.ids[:n], self.probs[:n] if self.probs is not None else None,
+                        self.confidence[:n] if self.confidence is not None else None)
+
     def until_unsure(self, threshold: float) -> "Proposal":
         """The drafted prefix the drafter itself is at least `threshold` sure of: a draft row costs
         arithmetic, so rows likely to be rejected are not worth sending. Lossless either way (which
         rows are sent never depends on the base's answer)."""
         if self.confidence is None or threshold <= 0:
             return self
-        n = next((i for i, c in enumerate(self.confidence) if c < threshold), len(self.ids))
-        return Proposal(self.ids[:n], self.probs[:n] if self.probs is not None else None, self.confidence[:n])
+        return self.first(next((i for i, c in enumerate(self.confidence) if c < threshold), len(self.ids)))
 
 
 @dataclass
@@ -92,6 +97,11 @@ class DraftHead(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)
+
+    @property
+    def block(self) -> int:
+        """Tokens drafted per pass."""
+        return self.args.block
 
     def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor) -> Tensor:
         """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, block, draft_vocab]."""
@@ -156,6 +166,7 @@ class LookupDrafter:
     """Prompt lookup: propose what followed the most recent earlier occurrence of the last two tokens."""
 
     ngram = 2
+    block = 4
 
     def propose(self, embed, hidden, ids: list[int], k: int, temperature: float, generator) -> Proposal:
         n = self.ngram

@@ -104,12 +104,12 @@ class Attention(nn.Module):
                                        self.cache))
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
-               mask: Tensor, cache: KVCache | None, rowwise: bool = False) -> Tensor:
+               mask: Tensor, cache: KVCache | None, row_lengths: list[int] | None = None) -> Tensor:
         """Attention of one sequence's projected rows against its own cache (before o_proj).
 
-        `rowwise` (causal rows only): each row attends alone to exactly the cache slots it may see,
-        the very call an AR step for that position makes, so a verified row equals the AR row bit
-        for bit (a kernel's result may change with the number of query rows or masked slots)."""
+        `row_lengths` (causal rows only): row i attends alone to the first row_lengths[i] cache
+        slots, the very call an AR step for that position makes, so a verified row equals the AR
+        row bit for bit (a kernel's result may change with the number of query rows or masked slots)."""
         a = self.args
         b, t, _ = x.shape
         q = q.view(b, t, a.n_heads, a.head_dim)
@@ -122,10 +122,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(pos, k, v, mask.shape[-1])
         gqa = a.n_heads != a.n_kv_heads
-        if rowwise:
+        if row_lengths is not None:
             y = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n],
                                                           attn_mask=mask[i:i + 1, :n], enable_gqa=gqa)
-                           for i, n in enumerate(mask.sum(-1).tolist())], dim=2)
+                           for i, n in enumerate(row_lengths)], dim=2)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)
@@ -219,7 +219,7 @@ class Segment:
     mask: Tensor  # [T, S]
     caches: list[KVCache]
     logits_rows: Tensor  # rows of this segment whose logits are wanted
-    rowwise: bool = False  # causal rows attending one at a time (see `Attention.attend`)
+    row_lengths: list[int] | None = None  # causal rows attending one at a time (see `Attention.attend`)
 
 
 def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[Tensor, Tensor]]:
@@ -239,7 +239,7 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[
         for seg, n, (cos, sin) in zip(segments, sizes, ropes):
             rows = slice(start, start + n)
             outs.append(attn.attend(h[:, rows], q[:, rows], k[:, rows], v[:, rows], cos, sin, seg.pos, seg.mask,
-                                    seg.caches[i], seg.rowwise))
+                                    seg.caches[i], seg.row_lengths))
             start += n
         x = x + attn.o_proj(torch.cat(outs, dim=1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

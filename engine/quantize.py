@@ -53,22 +53,18 @@ class Int8RowLinear(nn.Module):
 def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -> None:
     """Replace the transformer's linear layers (`body`) and/or its LM head (`head`) with `make(linear)`."""
     if body:
-        for layer in model.layers:
-            for parent in (layer.self_attn, layer.mlp):
-                for name, child in list(parent.named_children()):
-                    if isinstance(child, nn.Linear):
-                        setattr(parent, name, make(child))
+        swap_all_linears(model.layers, make)
     if head and isinstance(model.lm_head, nn.Linear):
         model.lm_head = make(model.lm_head)
 
 
-def swap_all_linears(module: nn.Module) -> None:
-    """Every nn.Linear inside `module` (a draft head) becomes an `Int8RowLinear`."""
+def swap_all_linears(module: nn.Module, make) -> None:
+    """Every nn.Linear inside `module` becomes `make(linear)`."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8RowLinear(child))
+            setattr(module, name, make(child))
         else:
-            swap_all_linears(child)
+            swap_all_linears(child, make)
 
 
 def fp16_linears(module: nn.Module) -> None:
@@ -120,4 +116,4 @@ def quantize_like(drafter: nn.Module, weights: str) -> None:
     if weights == "fp16":
         fp16_linears(drafter)
     elif weights == "int8":
-        swap_all_linears(drafter)
+        swap_all_linears(drafter, Int8RowLinear)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.data import chat
-from engine.decode import CacheState, DecodeConfig, DiffusionSpec, Proposal, generate, verify_rule
+from engine.decode import CacheState, DecodeConfig, Proposal, generate, verify_rule
 from engine.draft import DraftHead, LookupDrafter
 from engine.loading import DEFAULT_DRAFTER, load
 from engine.stream import Conversation, Engine

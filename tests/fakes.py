@@ -28,7 +28,7 @@ from voice.limits import Admission
 from voice.lm import Block
 from voice.session import Stages, apologies
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
+SPEECH = Path(__file__).resolve().parent / "speech"  # real recordings (README there), in the repo
 FRAME = 640  # 20 ms of 16 kHz PCM16
 
 
@@ -310,3 +310,18 @@ class StandInEngine:
         from engine.stream import Piece
         for i, word in enumerate(["Hello", " there."]):
             yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)
+
+
+def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
+    """Write `src` (16-bit mono WAV) with `lead_s` / `tail_s` seconds of silence around it."""
+    with wave.open(str(src), "rb") as w:
+        rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
+        assert (width, channels) == (2, 1), f"{src} must be 16-bit mono"
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    out = np.concatenate([np.zeros(int(lead_s * rate), "<i2"), pcm, np.zeros(int(tail_s * rate), "<i2")])
+    with wave.open(str(dst), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(out.tobytes())
+    return dst

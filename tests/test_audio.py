@@ -1,4 +1,3 @@
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +13,8 @@ from voice.audio import (
     ulaw_decode,
     ulaw_encode,
 )
+from fakes import SPEECH
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 ALL_CODES = bytes(range(256))
 ALL_INT16 = np.arange(-32768, 32768, dtype=np.int16)
 # Reference values from the ITU-T G.711 reference implementation (as in CPython's audioop).

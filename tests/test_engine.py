@@ -22,7 +22,7 @@ import engine.stream as engine_stream
 from engine.stream import Conversation, Engine
 
 import tinyckpt
-from tinyckpt import MASK_ID, VOCAB
+from tinyckpt import MASK_ID
 
 ATOL = 1e-4
 

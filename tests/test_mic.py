@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SPEECH_DIR, padded_speech
+from fakes import SPEECH, padded_speech
 from voice.clients.mic import FRAME_BYTES, Console, Framer, MicClient, Player
 
 PULSE_CONFIG = """\
@@ -128,7 +128,7 @@ def test_list_devices(pulse):
 
 
 def test_conversation_over_pulseaudio(pulse, live_voice_server, tmp_path):
-    speech = padded_speech(SPEECH_DIR / "005.wav", tmp_path / "speech.wav", 0.5, 2.5)
+    speech = padded_speech(SPEECH / "005.wav", tmp_path / "speech.wav", 0.5, 2.5)
     recorded = tmp_path / "speaker.raw"
     url = live_voice_server.replace("http://", "ws://") + "/ws"
     with open(recorded, "wb") as rec_file:

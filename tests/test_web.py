@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SPEECH_DIR, padded_speech
+from fakes import SPEECH, padded_speech
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS, WEB = ROOT / "artifacts", ROOT / "web"
@@ -47,7 +47,7 @@ def browser(require_system, tmp_path_factory):
     exe = _chromium()
     require_system(exe, "Debian's chromium-headless-shell is not installed (apt-get install chromium-headless-shell)")
     # Chromium loops the capture file unless it ends in %noloop; the trailing silence lets the VAD end the turn.
-    wav = padded_speech(SPEECH_DIR / "005.wav", tmp_path_factory.mktemp("web") / "speech.wav", 1.0, 4.0)
+    wav = padded_speech(SPEECH / "005.wav", tmp_path_factory.mktemp("web") / "speech.wav", 1.0, 4.0)
     with playwright_api.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=exe, headless=True,
                                args=CHROMIUM_FLAGS + [f"--use-file-for-fake-audio-capture={wav}%noloop"])

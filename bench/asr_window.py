@@ -1,7 +1,7 @@
 """Whisper models and encoder windows: word error rate and decode time per `[asr] model` and
 `[asr] min_window_s`.
 
-Every real clip of ../shared/speech is decoded behind 0, 0.1, 0.2 and 0.3 s of silence (the
+Every real clip of tests/speech is decoded behind 0, 0.1, 0.2 and 0.3 s of silence (the
 session's VAD pre-roll varies like this) and before 0.16 or 0.24 s of silence (the speculative
 final is taken ~200 ms into the pause), once per window floor, in one process, one thread.
 A loop is a transcript in which a run of 2-4 words comes three times in a row; the service
@@ -22,7 +22,8 @@ import jiwer
 import numpy as np
 
 from common import REPO, machine, write_json
-from voice.asr import FULL_WINDOW_S, AsrConfig, Whisper, repeats_itself
+from voice.asr import Whisper, repeats_itself
+from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
 
@@ -63,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny.en", help="comma-separated `[asr] model` values")
     parser.add_argument("--windows", default="12,16,20,30", help="comma-separated window floors, seconds")
-    parser.add_argument("--audio", type=Path, default=REPO.parent / "shared" / "speech",
+    parser.add_argument("--audio", type=Path, default=REPO / "tests" / "speech",
                         help="folder of 16 kHz WAVs with transcripts.tsv")
     parser.add_argument("--json", type=Path, help="write the table here")
     args = parser.parse_args()

@@ -1,7 +1,7 @@
 """One client for every system under test: talk to it like a person with a microphone, time each turn.
 
-    .venv/bin/python bench/drive.py --url ws://127.0.0.1:8000/ws --audio ../shared/speech [--json out.json]
-    .venv/bin/python bench/drive.py --url ws://127.0.0.1:8765 --audio ../shared/speech   # the Pipecat pipeline
+    .venv/bin/python bench/drive.py --url ws://127.0.0.1:8000/ws --audio tests/speech [--json out.json]
+    .venv/bin/python bench/drive.py --url ws://127.0.0.1:8765 --audio tests/speech   # the Pipecat pipeline
 
 Why not `voice bench`: it ends a turn on our `latency` event, which only our service sends. This
 client needs nothing but our protocol's subset that both systems speak: a JSON `start` answered
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True, help="ws://127.0.0.1:8000/ws (ours) or ws://127.0.0.1:8765 (Pipecat)")
-    p.add_argument("--audio", default="../shared/speech", help="folder of WAVs (+ transcripts.tsv)")
+    p.add_argument("--audio", default="tests/speech", help="folder of WAVs (+ transcripts.tsv)")
     p.add_argument("--limit", type=int, default=0, help="only the first N clips")
     p.add_argument("--repeat", type=int, default=1, help="sessions in a row (each plays every clip once)")
     p.add_argument("--label", default="system", help="name in the output")

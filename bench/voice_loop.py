@@ -10,7 +10,7 @@ One command, one run. It starts, one after the other (so model loads do not comp
   pipecat    bench/pipecat_pipeline.py in bench/.venv-pipecat (LLM = that engine serve, diffusion)
   pipecat_ar the same pipeline asking engine serve for AR decoding (not in the default --systems)
 
-then drives each with the same clips (--audio, default ../shared/speech) through bench/drive.py,
+then drives each with the same clips (--audio, default tests/speech) through bench/drive.py,
 the same client for all: real-time streaming, voice-to-voice = first reply audio frame - end of
 speech in the file. First one warm-up session per system (first clip, not counted), then
 --repeat rounds; in each round every system gets one session (a fresh conversation) playing every
@@ -20,7 +20,7 @@ spread over all of them. Only one system is being talked to at a time; the other
 Threads: --threads (default 1) torch threads for our LM wherever it runs (lm.threads for the
 in-process engine, `engine serve --threads`). faster-whisper and Piper keep their defaults in
 both systems (CTranslate2 and onnxruntime choose), which are the same code paths in both.
---quantize (default int8, as shipped) applies to our LM wherever it runs, Pipecat's included.
+--quantize (default fp16, as shipped) applies to our LM wherever it runs, Pipecat's included.
 
 --ours-lm local (default) runs our service as shipped: the engine in-process, the conversation's
 KV cache kept between turns. --ours-lm serve points our service at the same `engine serve` as
@@ -148,12 +148,13 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma list of {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})")
-    p.add_argument("--audio", default=str((REPO / ".." / "shared" / "speech").resolve()), help="folder of WAVs")
+    p.add_argument("--audio", default=str(REPO / "tests" / "speech"), help="folder of WAVs")
     p.add_argument("--limit", type=int, default=0, help="only the first N clips (0: all)")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each plays every clip once per system (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for our LM (in-process or engine serve)")
-    p.add_argument("--quantize", choices=["none", "int8"], default="int8",
-                   help="our LM's linear layers, in our service and in the engine serve Pipecat uses (default int8)")
+    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="fp16",
+                   help="our LM's linear layers, in our service and in the engine serve Pipecat uses (default fp16, "
+                        "as shipped)")
     p.add_argument("--ours-lm", choices=["local", "serve"], default="local",
                    help="our service's LM: in-process engine (as shipped) or the shared engine serve")
     p.add_argument("--pipecat-turn", choices=["smart", "timeout"], default="smart",

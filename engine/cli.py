@@ -48,11 +48,12 @@ def decode_config(a: argparse.Namespace) -> DecodeConfig:
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="'default' (packaged SmolLM2 + our diffusion adapter), a .gguf file, a Hugging Face "
-                        "model folder, or a hub id such as JetLM/SDAR-1.7B-Chat (needs network)")
+                   help="'default' (packaged Qwen2.5-Coder-0.5B-Instruct), 'small' (packaged SmolLM2-135M-Instruct), "
+                        "'qwen2.5-1.5b' (the [qwen1_5b] extra), a .gguf file, a Hugging Face model folder, or a hub "
+                        "id such as JetLM/SDAR-1.7B-Chat (needs network)")
     p.add_argument("--adapter", default=None,
-                   help="a LoRA adapter from `engine adapt` to merge into --model, or 'default' for the shipped "
-                        "one; it changes the weights, so it is for the lossy --rule threshold/topk only")
+                   help="a LoRA adapter from `engine adapt` to merge into --model, or 'default' for the one shipped "
+                        "for 'small'; it changes the weights, so it is for the lossy --rule threshold/topk only")
     p.add_argument("--drafter", default=None,
                    help="a draft head from `engine draft` for --rule verify; '' = prompt lookup "
                         "(default: the model's shipped head, prompt lookup if it has none)")
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("adapt", help="train a block-diffusion LoRA adapter on an AR checkpoint",
                        description="Distil the AR teacher's replies to chitchat prompts, then train LoRA + a mask "
                                    "token embedding with the masked-block objective. Resumes from --out.")
-    p.add_argument("--base", default="default", help="AR checkpoint to adapt (default: packaged SmolLM2)")
+    p.add_argument("--base", default="small", help="AR checkpoint to adapt (default: packaged SmolLM2)")
     p.add_argument("--out", default="runs/adapt", help="run folder: distilled data, checkpoints, adapter")
     p.add_argument("--distill", type=int, default=800, help="number of prompts to distil teacher replies for")
     p.add_argument("--distill-batch", type=int, default=32)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("draft", help="train a draft head for lossless `verify` decoding of a base model",
                        description="Distil the base model's greedy replies, read its hidden states over them, and "
                                    "train a small block-drafting head on them. Resumes from --out.")
-    p.add_argument("--base", default="default", help="the model to draft for (default: packaged SmolLM2)")
+    p.add_argument("--base", default="default", help="the model to draft for (a --model value; default: 'default')")
     p.add_argument("--out", default="runs/draft", help="run folder: distilled data, checkpoints, drafter")
     p.add_argument("--chat-prompts", type=int, default=4500, help="chitchat turns to distil replies for")
     p.add_argument("--assistant-prompts", type=int, default=1500, help="templated assistant questions to distil")

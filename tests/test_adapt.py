@@ -95,7 +95,7 @@ def test_train_lowers_loss_and_adapter_round_trips(tmp_path, tie):
 
 
 def test_default_with_adapter_trained_on_the_real_base(tmp_path, monkeypatch):
-    """One training step on the packaged SmolLM2, then `load("default", adapter=...)`, offline."""
+    """One training step on the packaged SmolLM2, then `load("small", adapter=...)`, offline."""
     def no_network(repo_id):
         raise AssertionError(f"tried to download {repo_id}")
     monkeypatch.setattr(engine.loading, "_download", no_network)
@@ -118,8 +118,8 @@ def test_default_with_adapter_trained_on_the_real_base(tmp_path, monkeypatch):
     round_lora_to_fp16(base.model)
     want = logits_on(base.model, [causal, noisy])
 
-    loaded = load("default", adapter=tmp_path / "adapter.safetensors", max_seq_len=256)
-    assert loaded.name == "default" and loaded.spec == spec
+    loaded = load("small", adapter=tmp_path / "adapter.safetensors", max_seq_len=256)
+    assert loaded.name == "small" and loaded.spec == spec
     got = logits_on(loaded.model, [causal, noisy])
     for g, w, p in zip(got, want, plain):
         # 30 layers and logits up to ~30: merging W + BA reorders fp32 sums, ~1e-4 apart at the end

@@ -6,7 +6,8 @@ import jiwer
 import numpy as np
 import pytest
 
-from voice.asr import AsrConfig, StreamingTranscriber, Whisper, model_folder
+from voice.asr import StreamingTranscriber, Whisper, model_folder
+from voice.config import AsrConfig
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
 from fakes import SPEECH

@@ -80,8 +80,8 @@ def test_percentile_and_prompts(tmp_path):
 
 def test_bench_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    result = bench.run_bench("default", None, PROMPTS / "bench.jsonl", out, CFG, limit=2)
-    assert result["model"] == "default" and set(result["summary"]) == {"ar", "diffusion", "ratios"}
+    result = bench.run_bench("small", None, PROMPTS / "bench.jsonl", out, CFG, limit=2)
+    assert result["model"] == "small" and set(result["summary"]) == {"ar", "diffusion", "ratios"}
     printed = capsys.readouterr().out
     assert "[2/2]" in printed and "diff/AR" in printed
     data = json.loads(out.read_text())
@@ -105,7 +105,7 @@ def test_bench_smoke(tmp_path, capsys):
 
 def test_eval_smoke(tmp_path, capsys):
     out = tmp_path / "eval.json"
-    result = evaluate.run_eval("default", None, PROMPTS / "heldout.jsonl", out, CFG, limit=2)
+    result = evaluate.run_eval("small", None, PROMPTS / "heldout.jsonl", out, CFG, limit=2)
     printed = capsys.readouterr().out
     assert "[2/2]" in printed and "teacher NLL/token" in printed
     data = json.loads(out.read_text())
@@ -126,7 +126,7 @@ def test_answers_smoke(tmp_path, capsys):
     """Answer accuracy: every question asked in both modes on the same weights; greedy verify
     replies are the AR replies, so both modes are right on the same questions."""
     out = tmp_path / "answers.json"
-    result = evaluate.run_answers("default", None, PROMPTS / "answers_heldout.jsonl", out, CFG, limit=4)
+    result = evaluate.run_answers("small", None, PROMPTS / "answers_heldout.jsonl", out, CFG, limit=4)
     printed = capsys.readouterr().out
     assert "[4/4]" in printed and "accuracy" in printed
     s = json.loads(out.read_text())["summary"]
@@ -149,7 +149,7 @@ def test_answer_sets_are_well_formed_and_disjoint():
 
 def test_reply_nll_agrees_with_cached_decoding():
     """The cache-free scoring forward sees what the cached AR decoder saw: its greedy tokens are the argmax."""
-    engine = Engine.load("default", adapter="")
+    engine = Engine.load("small", adapter="")
     messages = evaluate.chat("Tell me a short joke.", evaluate.VOICE_SYSTEM_PROMPT)
     reply = [t for p in engine.generate_sync(messages, DecodeConfig(mode="ar", max_new_tokens=6)) for t in p.token_ids]
     prompt = engine.prompt_ids(messages)
@@ -167,7 +167,7 @@ def test_reply_nll_agrees_with_cached_decoding():
 
 def test_eval_with_adapter_scores_with_the_base(tmp_path, shared_engines):
     """With an adapter, the student has it merged and the teacher is the same checkpoint without it."""
-    base = Engine.load("default", adapter="")
+    base = Engine.load("small", adapter="")
     q = base.model.layers[0].self_attn.q_proj
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "tiny-adapter.safetensors"
@@ -175,10 +175,10 @@ def test_eval_with_adapter_scores_with_the_base(tmp_path, shared_engines):
                "layers.0.self_attn.q_proj.lora_b": torch.randn(q.out_features, 2, generator=g) * 0.05},
               str(path), metadata={"rank": "2", "alpha": "2.0", "info": "{}",
                                    "spec": json.dumps(asdict(replace(base.spec, trained=True)))})
-    result = evaluate.run_eval("default", str(path), PROMPTS / "heldout.jsonl", None, CFG, limit=1)
+    result = evaluate.run_eval("small", str(path), PROMPTS / "heldout.jsonl", None, CFG, limit=1)
     assert result["adapter"] == str(path)
-    assert {("default", ""), ("default", str(path))} <= set(shared_engines)
-    student = shared_engines[("default", str(path))]
+    assert {("small", ""), ("small", str(path))} <= set(shared_engines)
+    student = shared_engines[("small", str(path))]
     assert student is not base and student.spec.trained and not base.spec.trained
     assert not torch.equal(student.model.layers[0].self_attn.q_proj.weight, q.weight)
     s = result["summary"]

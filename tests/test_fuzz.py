@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from fakes import fake_stages, make_config
 from strategies import INVITE, SDP, json_scalar, json_value, sdp_texts, sip_datagrams, start_messages, twilio_messages
+from voice.audio import RATES
 from voice.config import SipConfig
 from voice.transports import native, rtp, sdp, twilio
 from voice.transports.sip import SipEndpoint
@@ -60,8 +61,8 @@ def test_parse_start_only_raises_protocol_errors(text):
                                 "bad_encoding", "bad_session"}
             return
     # accepted: exactly the documented shape, with integer rates from the list
-    assert type(start["in_rate"]) is int and start["in_rate"] in native.RATES
-    assert type(start["out_rate"]) is int and start["out_rate"] in native.RATES
+    assert type(start["in_rate"]) is int and start["in_rate"] in RATES
+    assert type(start["out_rate"]) is int and start["out_rate"] in RATES
     assert start["lm_mode"] in (None, "ar", "diffusion")
     assert start["system_prompt"] is None or isinstance(start["system_prompt"], str)
 

@@ -1,4 +1,4 @@
-"""`engine serve` end to end: the real default model behind uvicorn, driven by the official client."""
+"""`engine serve` end to end: the real small model behind uvicorn, driven by the official client."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def served():
-    engine = Engine.load("default")
+    engine = Engine.load("small")
     app = build_app(engine, DecodeConfig(max_new_tokens=MAX_TOKENS))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -64,7 +64,7 @@ def client(served):
 @pytest.fixture(scope="module")
 def greedy(client):
     """One non-streaming greedy diffusion reply, shared by the tests that compare against it."""
-    return client.chat.completions.create(model="default", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    return client.chat.completions.create(model="small", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
 
 
 def raw_request(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
@@ -79,15 +79,15 @@ def raw_request(port: int, method: str, path: str, body: bytes | None = None) ->
 
 def test_models_and_health(client, served):
     _, port = served
-    assert [m.id for m in client.models.list()] == ["default"]
-    assert client.models.retrieve("default").id == "default"
-    assert raw_request(port, "GET", "/healthz") == (200, {"status": "ok", "model": "default"})
+    assert [m.id for m in client.models.list()] == ["small"]
+    assert client.models.retrieve("small").id == "small"
+    assert raw_request(port, "GET", "/healthz") == (200, {"status": "ok", "model": "small"})
 
 
 def test_non_streaming(greedy, served):
     engine, _ = served
     assert greedy.object == "chat.completion"
-    assert greedy.model == "default"
+    assert greedy.model == "small"
     choice = greedy.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content.strip()
@@ -103,7 +103,7 @@ def test_non_streaming(greedy, served):
 
 
 def test_streaming_matches_non_streaming(client, greedy):
-    stream = client.chat.completions.create(model="default", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+    stream = client.chat.completions.create(model="small", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
@@ -120,7 +120,7 @@ def test_streaming_matches_non_streaming(client, greedy):
 
 
 def test_streaming_without_usage(client):
-    chunks = list(client.chat.completions.create(model="default", messages=chat("Hi!"), max_tokens=4, stream=True))
+    chunks = list(client.chat.completions.create(model="small", messages=chat("Hi!"), max_tokens=4, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert all(c.usage is None for c in chunks)
 
@@ -128,14 +128,14 @@ def test_streaming_without_usage(client):
 def test_concurrent_requests(client, greedy):
     """Two requests at once interleave on the engine's worker, each on its own cache, without mixing up."""
     def ask():
-        return client.chat.completions.create(model="default", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        return client.chat.completions.create(model="small", messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     with ThreadPoolExecutor(2) as pool:
         replies = [f.result() for f in [pool.submit(ask), pool.submit(ask)]]
     assert [r.choices[0].message.content for r in replies] == [greedy.choices[0].message.content] * 2
 
 
 def test_ar_mode(client):
-    reply = client.chat.completions.create(model="default", messages=PROMPT, max_completion_tokens=8, temperature=0,
+    reply = client.chat.completions.create(model="small", messages=PROMPT, max_completion_tokens=8, temperature=0,
                                            extra_body={"mode": "ar"})
     assert reply.choices[0].message.content.strip()
     stats = reply.model_extra["x_engine"]
@@ -144,7 +144,7 @@ def test_ar_mode(client):
 
 
 def test_diffusion_extras_and_seed(client):
-    kwargs = dict(model="default", messages=PROMPT, max_tokens=8, temperature=0.8, seed=7,
+    kwargs = dict(model="small", messages=PROMPT, max_tokens=8, temperature=0.8, seed=7,
                   extra_body={"mode": "diffusion", "block_size": 2, "first_block_size": 1, "threshold": 0.5})
     a = client.chat.completions.create(**kwargs)
     b = client.chat.completions.create(**kwargs)
@@ -171,7 +171,7 @@ def test_diffusion_extras_and_seed(client):
 ])
 def test_bad_requests(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="default", **kwargs)
+        client.chat.completions.create(model="small", **kwargs)
     assert err.value.status_code == 400
     assert err.value.type == "invalid_request_error"
     assert err.value.param == param
@@ -179,7 +179,7 @@ def test_bad_requests(client, kwargs, param):
 
 def test_missing_messages(served):
     _, port = served
-    status, body = raw_request(port, "POST", "/v1/chat/completions", json.dumps({"model": "default"}).encode())
+    status, body = raw_request(port, "POST", "/v1/chat/completions", json.dumps({"model": "small"}).encode())
     assert status == 400
     assert body["error"]["code"] == "missing_required_parameter" and body["error"]["param"] == "messages"
 
@@ -195,16 +195,16 @@ def test_unknown_model(client):
 @pytest.mark.parametrize("stream", [False, True])
 def test_prompt_too_long(client, stream):
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="default", messages=chat("hello " * 2500), stream=stream)
+        client.chat.completions.create(model="small", messages=chat("hello " * 2500), stream=stream)
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as err:  # fits alone, not with the completion budget
-        client.chat.completions.create(model="default", messages=PROMPT, max_tokens=2040)
+        client.chat.completions.create(model="small", messages=PROMPT, max_tokens=2040)
     assert err.value.code == "context_length_exceeded"
 
 
 def test_malformed_json_and_routes(served):
     _, port = served
-    for body in (b'{"model": "default", "messages": [', b"\xff\xfe", b"[1, 2]", b""):
+    for body in (b'{"model": "small", "messages": [', b"\xff\xfe", b"[1, 2]", b""):
         status, reply = raw_request(port, "POST", "/v1/chat/completions", body)
         assert status == 400, body
         assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["code"] == "invalid_json"
@@ -242,7 +242,7 @@ def test_disconnect_cancels_generation(served, stream, caplog):
     caplog.set_level(logging.INFO, logger="engine.server")
     calls, handle = count_forwards(engine)
     try:
-        body = json.dumps({"model": "default", "messages": PROMPT, "max_tokens": 1500, "stream": stream,
+        body = json.dumps({"model": "small", "messages": PROMPT, "max_tokens": 1500, "stream": stream,
                            "mode": "ar", "temperature": 0.7, "seed": 1}).encode()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
@@ -271,6 +271,6 @@ def test_disconnect_cancels_generation(served, stream, caplog):
 
 
 def test_still_serves_after_errors(client):
-    reply = client.chat.completions.create(model="default", messages=chat("Hello!"), max_tokens=4)
+    reply = client.chat.completions.create(model="small", messages=chat("Hello!"), max_tokens=4)
     assert reply.choices[0].message.content
     assert reply.usage.completion_tokens <= 4

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import uvicorn
 
-from voice.asr import AsrConfig, StreamingTranscriber
+from voice.asr import StreamingTranscriber
+from voice.config import AsrConfig
 from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_dbfs, ulaw_encode
 from voice.config import Config
 from voice.server import build_app

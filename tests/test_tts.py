@@ -6,10 +6,11 @@ import time
 import numpy as np
 import pytest
 
-from voice.asr import AsrConfig, StreamingTranscriber, Whisper
+from voice.asr import StreamingTranscriber, Whisper
+from voice.config import AsrConfig, TtsConfig
 from voice.audio import resample, rms_dbfs
 from voice.priority import MAX_DEFER_S, Waiting
-from voice.tts import PhraseSplitter, Synthesizer, TtsConfig, UrgentFirst, load_voice
+from voice.tts import PhraseSplitter, Synthesizer, UrgentFirst, load_voice
 
 REPLY = (
     "Sure! The oven should be at 180.5 degrees, e.g. fan assisted; wait ten minutes.\n"

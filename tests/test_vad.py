@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from voice.audio import float_to_pcm16, read_wav
-from voice.vad import Endpointer, SpeechStarted, SpeechStopped, VadConfig
+from voice.config import VadConfig
+from voice.vad import Endpointer, SpeechStarted, SpeechStopped
 from fakes import SPEECH
 
 RATE = 16000

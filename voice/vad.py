@@ -11,28 +11,9 @@ from dataclasses import dataclass
 
 import webrtcvad
 
+from voice.config import VadConfig
+
 SUPPORTED_RATES = (8000, 16000, 32000, 48000)
-
-
-@dataclass
-class VadConfig:
-    aggressiveness: int = 2  # 0 (keeps most audio as speech) .. 3 (strictest)
-    frame_ms: int = 20  # webrtcvad accepts 10, 20 or 30 ms frames
-    start_ms: int = 60  # consecutive voiced audio that declares speech started
-    hangover_ms: int = 400  # consecutive unvoiced audio after speech that declares it stopped
-    warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
-
-    def __post_init__(self) -> None:
-        if self.aggressiveness not in (0, 1, 2, 3):
-            raise ValueError(f"vad aggressiveness must be 0..3, got {self.aggressiveness}")
-        if self.frame_ms not in (10, 20, 30):
-            raise ValueError(f"vad frame_ms must be 10, 20 or 30, got {self.frame_ms}")
-        if self.start_ms <= 0:
-            raise ValueError(f"vad start_ms must be positive, got {self.start_ms}")
-        if self.hangover_ms <= 0:
-            raise ValueError(f"vad hangover_ms must be positive, got {self.hangover_ms}")
-        if self.warmup_ms < 0:
-            raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
 
 
 @dataclass(frozen=True)

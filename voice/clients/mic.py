@@ -13,13 +13,12 @@ import json
 import signal
 import sys
 import threading
-import time
 
 import numpy as np
 import soxr
 import websockets
 
-from voice.transports.native import RATES
+from voice.audio import RATES
 
 RATE = 16000  # what we stream to the server
 FRAME_MS = 20

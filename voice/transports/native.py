@@ -18,11 +18,12 @@ import re
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.wire import WireError, decode_json
+from voice.audio import RATES
 from voice.auth import Auth, AuthError
 from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, TtsAudio
 from voice.limits import LimitError
-from voice.session import RATES, Session, Stages
+from voice.session import Session, Stages
 
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)

@@ -21,7 +21,10 @@ VOICE_SYSTEM_PROMPT = ("You are a friendly voice assistant. Answer in one or two
 
 def chitchat_prompts(split: str, heldout_percent: int = 5) -> list[str]:
     """Opening user turns of chitchat conversations (3-30 words), for `train` or `heldout`."""
-    import chitchat_dataset
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise SystemExit("chitchat prompts need the [train] extra: pip install 'diffusion-voice[train]'") from None
     prompts = []
     for conv_id, conv in chitchat_dataset.Dataset().items():
         in_heldout = int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % 100 < heldout_percent

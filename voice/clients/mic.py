@@ -30,6 +30,8 @@ EVENTS = {"ready", "speech_started", "speech_stopped", "transcript", "reply", "r
 def _sounddevice():
     try:
         import sounddevice
+    except ImportError:
+        raise SystemExit("voice mic needs the [mic] extra: pip install 'diffusion-voice[mic]'") from None
     except OSError as err:  # the Python package is there but the PortAudio library is not
         raise SystemExit(f"voice mic needs the PortAudio library (e.g. apt-get install libportaudio2): {err}")
     return sounddevice

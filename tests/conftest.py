@@ -40,7 +40,7 @@ def live_voice_server():
 
     config = Config()
     config.lm.max_new_tokens = 24
-    with serving(build_app(config, Stages(config))) as port:
+    with serving(build_app(config, Stages.load(config))) as port:
         yield f"http://127.0.0.1:{port}"
 
 

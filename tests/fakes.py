@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import wave
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,9 @@ import websockets
 
 from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
-from voice.latency import Metrics
-from voice.limits import Admission
 from voice.lm import Block
-from voice.session import Stages, apologies
+from voice.scheduler import Scheduler
+from voice.session import Stages
 
 SPEECH = Path(__file__).resolve().parent / "speech"  # real recordings (README there), in the repo
 FRAME = 640  # 20 ms of 16 kHz PCM16
@@ -37,6 +37,7 @@ class FakeWhisper:
 
     def __init__(self, text: str = "eight of spades"):
         self.text, self.fail, self.delay_s = text, None, 0.0
+        self.worker, self.speaking = Scheduler().worker("asr"), weakref.WeakSet()  # as Whisper's
 
     def transcribe(self, audio, prefix=""):
         if self.delay_s:
@@ -95,20 +96,9 @@ class FakeSynth:
         return self._render(text, out_rate)
 
 
-def fake_stages(config: Config | None = None) -> Stages:
-    config = config or Config()
-    stages = Stages.__new__(Stages)
-    stages.config = config
-    stages.whisper = FakeWhisper()
-    stages.synthesizer = FakeSynth()
-    stages.lm = FakeLM()
-    stages.metrics = Metrics()
-    stages.apology = apologies(stages.synthesizer, config.faults.apology)
-    stages.admission = Admission(config.limits, stages.metrics)
-    stages.records = None
-    stages.live = set()
-    stages.faults = {}
-    return stages
+def fake_stages(config: Config | None = None, whisper=None, synthesizer=None, lm=None) -> Stages:
+    """Stages of instant stand-ins (or the parts given), for tests of everything around the models."""
+    return Stages(config or Config(), whisper or FakeWhisper(), synthesizer or FakeSynth(), lm or FakeLM())
 
 
 def make_config(**sections) -> Config:

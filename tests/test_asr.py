@@ -1,5 +1,4 @@
 import asyncio
-import gc
 from pathlib import Path
 
 import jiwer
@@ -10,7 +9,7 @@ from voice.asr import StreamingTranscriber, Whisper, model_folder
 from voice.config import AsrConfig
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
-from fakes import SPEECH
+from fakes import SPEECH, FakeWhisper
 
 CHUNK = 1600  # 100 ms at 16 kHz
 
@@ -66,10 +65,11 @@ def test_partials_grow_as_prefixes_per_utterance(model):
     assert "forever" in final_2.lower() and "spades" not in final_2.lower()
 
 
-class ScriptedModel:
+class ScriptedModel(FakeWhisper):
     """Stands in for Whisper: returns the given hypotheses in turn and records each call."""
 
     def __init__(self, *hypotheses: str) -> None:
+        super().__init__()
         self._hypotheses = iter(hypotheses)
         self.calls: list[dict] = []
 
@@ -103,12 +103,11 @@ def test_no_decode_before_partial_interval():
 
 
 def test_partials_slow_down_while_others_talk_at_the_same_time():
-    """With two utterances under way each transcriber needs twice the audio between partials,
-    so partial decodes do not multiply with the number of sessions."""
-    gc.collect()  # utterances that earlier tests left open
+    """With two utterances under way on the shared model each transcriber needs twice the audio
+    between partials, so partial decodes do not multiply with the number of sessions."""
     model = ScriptedModel("ten of clubs", "ten of clubs")
     mine = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
-    other = StreamingTranscriber(ScriptedModel(), AsrConfig(partial_interval_ms=100))
+    other = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
     other.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
     mine.insert_audio_chunk(np.zeros(int(1.5 * 1600), dtype=np.float32))  # 150 ms: enough alone, not for two
     assert asyncio.run(mine.process_iter()) is None and model.calls == []

@@ -65,8 +65,7 @@ class StrictLM(FakeLM):
 def server(tmp_path_factory):
     db = tmp_path_factory.mktemp("records") / "records.sqlite3"
     config = make_config(records={"path": str(db)})
-    stages = fake_stages(config)
-    stages.lm = StrictLM()
+    stages = fake_stages(config, lm=StrictLM())
     with LiveServer(config, stages) as srv:
         srv.db = db
         yield srv

@@ -81,6 +81,7 @@ class FaultyChat:
 class FaultyWhisper:
     def __init__(self, real):
         self.real = real
+        self.worker, self.speaking = real.worker, real.speaking  # the real one's queue
 
     def transcribe(self, audio, prefix=""):
         if Faults.mode == "asr_raise":
@@ -138,7 +139,7 @@ def service(tmp_path_factory):
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
     config.sip.port = free_udp_port()
     config.sip.rtp_port_min, config.sip.rtp_port_max = 42000, 42099
-    stages = Stages(config)
+    stages = Stages.load(config)
     stages.lm, stages.whisper, stages.synthesizer = (FaultyLM(stages.lm), FaultyWhisper(stages.whisper),
                                                      FaultySynth(stages.synthesizer))
     app = build_app(config, stages)

@@ -48,8 +48,7 @@ def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
     config = make_config(lm={"backend": "openai", "url": f"http://127.0.0.1:{lm_port}/v1", "model": "stand-in",
                              "retries": 2, "retry_backoff_s": 0.05, "probe_interval_s": 0.3})
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
-    stages = fake_stages(config)
-    stages.lm = RemoteLM(config.lm)
+    stages = fake_stages(config, lm=RemoteLM(config.lm))
     lm_server = None
     with LiveServer(config, stages) as srv:
         down = wait_for(lambda: (h := health(srv))["status"] == "degraded" and h, 10, "healthz never degraded")

@@ -117,7 +117,7 @@ def service():
     config.sip.media_timeout_s = MEDIA_TIMEOUT_S
     config.sip.rtp_port_min = free_even_udp_ports(40)
     config.sip.rtp_port_max = config.sip.rtp_port_min + 39
-    stages = Stages(config)
+    stages = Stages.load(config)
     app = build_app(config, stages)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -12,7 +12,6 @@ import pytest
 
 from fakes import FakeLM, FakeSynth, FakeWhisper, fake_stages, make_config, speech
 from voice.events import ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
-from voice.priority import WAITING
 from voice.session import Session
 
 FRAME = 640  # 20 ms of 16 kHz PCM16
@@ -44,10 +43,8 @@ class TimedLM(FakeLM):
         return chat
 
 
-def stages_for(speculative: bool):
-    stages = fake_stages(make_config(session={"speculative_reply": speculative}))
-    stages.whisper, stages.lm = LengthWhisper(), TimedLM()
-    return stages
+def stages_for(speculative: bool, synthesizer=None):
+    return fake_stages(make_config(session={"speculative_reply": speculative}), LengthWhisper(), synthesizer, TimedLM())
 
 
 async def push(session: Session, pcm: bytes, realtime: bool = False) -> None:
@@ -150,28 +147,29 @@ class WaitingProbe(FakeSynth):
     def __init__(self):
         super().__init__()
         self.waiting: list[bool] = []
+        self.scheduler = None  # the stages' scheduler, set by the test
 
     async def synthesize(self, text: str, out_rate: int, urgent=lambda: False):
-        self.waiting.append(WAITING.busy())
+        self.waiting.append(self.scheduler.busy())
         return await super().synthesize(text, out_rate, urgent)
 
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_the_session_waits_from_end_of_speech_to_its_first_audio(speculative):
-    """Other sessions' background work yields while this one is listed in WAITING: from its
+    """Other sessions' background work yields while this one is listed as waiting: from its
     (speculative) final transcript until its first phrase is synthesised, and no longer."""
-    stages = stages_for(speculative)
-    stages.synthesizer = WaitingProbe()
+    stages = stages_for(speculative, WaitingProbe())
+    stages.synthesizer.scheduler = stages.scheduler
 
     async def scenario():
         s = Session(stages, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         await push(s, speech("001.wav"))
-        during_speech = WAITING.busy()
+        during_speech = stages.scheduler.busy()
         await push(s, silence(1000), realtime=True)
         await until_reply_done(seen)
-        after_reply = WAITING.busy()
+        after_reply = stages.scheduler.busy()
         reader.cancel()
         await s.close()
         return during_speech, after_reply

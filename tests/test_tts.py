@@ -9,8 +9,8 @@ import pytest
 from voice.asr import StreamingTranscriber, Whisper
 from voice.config import AsrConfig, TtsConfig
 from voice.audio import resample, rms_dbfs
-from voice.priority import MAX_DEFER_S, Waiting
-from voice.tts import PhraseSplitter, Synthesizer, UrgentFirst, load_voice
+from voice.scheduler import MAX_DEFER_S, Scheduler
+from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 REPLY = (
     "Sure! The oven should be at 180.5 degrees, e.g. fan assisted; wait ten minutes.\n"
@@ -159,15 +159,15 @@ def always() -> bool:
 def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
     """A reply's first phrase jumps the synthesis queue, and so does a phrase whose reply runs out
     of audio while it waits; a phrase dropped by barge-in is skipped."""
-    worker = UrgentFirst()
+    worker = Scheduler().worker("tts")
     gate, order, runs_dry = threading.Event(), [], threading.Event()
-    worker.submit(never, gate.wait)  # keeps the thread busy while the queue fills
-    later = [worker.submit(never, order.append, f"later{i}") for i in range(3)]
-    dropped = worker.submit(never, order.append, "dropped")
-    first = worker.submit(always, order.append, "first")
-    running_out = worker.submit(runs_dry.is_set, order.append, "running out")
+    worker.submit(gate.wait, urgent=never)  # keeps the thread busy while the queue fills
+    later = [worker.submit(order.append, f"later{i}", urgent=never) for i in range(3)]
+    dropped = worker.submit(order.append, "dropped", urgent=never)
+    first = worker.submit(order.append, "first", urgent=always)
+    running_out = worker.submit(order.append, "running out", urgent=runs_dry.is_set)
     assert dropped.cancel()
-    failing = worker.submit(never, lambda: 1 / 0)
+    failing = worker.submit(lambda: 1 / 0, urgent=never)
     runs_dry.set()
     gate.set()
     for job in later + [first, running_out]:
@@ -178,20 +178,36 @@ def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
 
 def test_later_phrases_wait_briefly_while_someone_waits_in_silence():
     """While a user waits for their first audio, other replies' later phrases hold back (not forever)."""
-    waiting = Waiting()
-    worker = UrgentFirst(defer=waiting.defer)
+    scheduler = Scheduler()
+    worker = scheduler.worker("tts")
     order: list[str] = []
-    waiting.start("a session")
+    scheduler.start_waiting("a session")
     submitted = time.monotonic()
-    later = worker.submit(never, order.append, "later")
+    later = worker.submit(order.append, "later", urgent=never)
     time.sleep(MAX_DEFER_S / 3)
     assert order == []
-    worker.submit(always, order.append, "first").result(timeout=10)
+    worker.submit(order.append, "first", urgent=always).result(timeout=10)
     later.result(timeout=10)
     assert order == ["first", "later"]
     assert MAX_DEFER_S <= time.monotonic() - submitted < MAX_DEFER_S + 1.0  # held, then let through
-    waiting.stop("a session")
+    scheduler.stop_waiting("a session")
     started = time.monotonic()
-    worker.submit(never, order.append, "now").result(timeout=10)
+    worker.submit(order.append, "now", urgent=never).result(timeout=10)
     assert time.monotonic() - started < MAX_DEFER_S
+
+
+def test_held_jobs_go_as_soon_as_the_last_waiting_session_has_its_audio():
+    """No polling: the worker sleeps on a condition, and the end of the wait wakes it."""
+    scheduler = Scheduler(max_defer_s=30.0)
+    worker = scheduler.worker("tts")
+    scheduler.start_waiting("a")
+    scheduler.start_waiting("b")
+    held = worker.submit(time.monotonic, urgent=never)
+    time.sleep(0.2)
+    scheduler.stop_waiting("a")
+    time.sleep(0.2)
+    assert not held.done()  # "b" still waits
+    released = time.monotonic()
+    scheduler.stop_waiting("b")
+    assert held.result(timeout=5) - released < 0.1
 

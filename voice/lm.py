@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from voice.config import LmConfig
-from voice.priority import WAITING
+from voice.scheduler import Scheduler
 
 log = logging.getLogger("voice.lm")
 
@@ -35,7 +35,7 @@ class Block:
 class LocalLM:
     """The in-process diffusion engine, shared by all sessions."""
 
-    def __init__(self, config: LmConfig):
+    def __init__(self, config: LmConfig, scheduler: Scheduler | None = None):
         import torch
 
         from engine.decode import DecodeConfig
@@ -49,7 +49,8 @@ class LocalLM:
                                    draft_threshold=config.draft_threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize)
-        self.engine.host_busy = WAITING.busy  # later blocks yield to speech recognition and synthesis
+        if scheduler is not None:  # later blocks yield to the speech recognition and synthesis someone waits for
+            self.engine.host_busy = scheduler.busy
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
@@ -150,5 +151,5 @@ class RemoteChat:
             await stream.close()
 
 
-def load_lm(config: LmConfig) -> LocalLM | RemoteLM:
-    return LocalLM(config) if config.backend == "local" else RemoteLM(config)
+def load_lm(config: LmConfig, scheduler: Scheduler | None = None) -> LocalLM | RemoteLM:
+    return LocalLM(config, scheduler) if config.backend == "local" else RemoteLM(config)

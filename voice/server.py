@@ -69,7 +69,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if state["stages"] is None:
-            state["stages"] = Stages(config)
+            state["stages"] = Stages.load(config)
         stages = state["stages"]
         if config.records.path and stages.records is None:
             try:

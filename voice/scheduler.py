@@ -1,0 +1,147 @@
+"""Who goes first on the shared CPU: the work a silent user is waiting for.
+
+From the moment a user stops talking until the first phrase of their reply is synthesised,
+they hear nothing, and that gap is the latency we sell. Later work for a reply that is
+already playing has the audio queued before it as slack, until that runs low; partial
+transcripts are best effort.
+
+One `Scheduler` per service (`voice.session.Stages` owns it and hands it to every stage):
+sessions tell it when they start and stop waiting in silence, and each stage runs its jobs on
+one `Worker` thread of it, urgent jobs first. A job nobody waits for is held back while anyone
+waits, each for at most `max_defer_s`, so it is delayed, never starved. Workers sleep on a
+condition: a new job, the last waiting session's first audio, or a held job's deadline wakes
+them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+# How long a background job may be held back. A reply's first phrase is at least four words,
+# more than a second of audio, so holding its later phrases this long costs no gap.
+MAX_DEFER_S = 0.3
+# A playing reply's work is urgent again once less audio than this is left to play: the LM
+# needs several forwards for the next phrase's text, synthesis one call for its audio.
+LM_HORIZON_S = 2.0
+TTS_HORIZON_S = 1.0
+
+
+def always() -> bool:
+    return True
+
+
+@dataclass
+class _Job:
+    since: float  # monotonic time it was submitted
+    urgent: Callable[[], bool]  # asked each time the worker picks its next job
+    future: Future
+    fn: Callable
+    args: tuple = field(default=())
+
+
+class Scheduler:
+    def __init__(self, max_defer_s: float = MAX_DEFER_S) -> None:
+        self.max_defer_s = max_defer_s
+        self._lock = threading.Lock()
+        self._waiting: set[object] = set()
+        self._workers: list[Worker] = []
+
+    def start_waiting(self, who: object) -> None:
+        """`who` (a session) waits in silence for its reply's first audio."""
+        with self._lock:
+            self._waiting.add(who)
+
+    def stop_waiting(self, who: object) -> None:
+        with self._lock:
+            was_waiting = bool(self._waiting)
+            self._waiting.discard(who)
+            released = was_waiting and not self._waiting
+        if released:  # held-back jobs may go now
+            for worker in self._workers:
+                worker.wake()
+
+    def busy(self) -> bool:
+        """Is anyone waiting in silence?"""
+        return bool(self._waiting)
+
+    def hold_s(self, since: float) -> float:
+        """How much longer a job nobody waits for, ready since `since`, should be held (0: run it)."""
+        if not self.busy():
+            return 0.0
+        return max(self.max_defer_s - (time.monotonic() - since), 0.0)
+
+    def worker(self, name: str) -> Worker:
+        """A new job thread for one stage (started on its first job)."""
+        worker = Worker(self, name)
+        with self._lock:
+            self._workers.append(worker)
+        return worker
+
+
+class Worker:
+    """One thread that runs a stage's jobs for every session, so sessions take turns on the
+    cores instead of slowing each other down. `urgent()` is asked each time the thread picks a
+    job: urgent jobs go first (oldest first), the others by arrival, held while anyone waits."""
+
+    def __init__(self, scheduler: Scheduler, name: str) -> None:
+        self.scheduler, self.name = scheduler, name
+        self._jobs: list[_Job] = []
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = 0
+
+    @property
+    def busy(self) -> bool:
+        """A job is running or queued."""
+        return bool(self._running or self._jobs)
+
+    def submit(self, fn: Callable, *args, urgent: Callable[[], bool] = always) -> Future:
+        future: Future = Future()
+        with self._ready:
+            self._jobs.append(_Job(time.monotonic(), urgent, future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        return future
+
+    def wake(self) -> None:
+        with self._ready:
+            self._ready.notify()
+
+    def _next(self) -> _Job:
+        with self._ready:
+            while True:
+                self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # dropped by barge-in
+                if not self._jobs:
+                    self._ready.wait()
+                    continue
+                job = next((job for job in self._jobs if job.urgent()), None)
+                hold = 0.0 if job else self.scheduler.hold_s(self._jobs[0].since)
+                if job is None and hold == 0.0:
+                    job = self._jobs[0]
+                if job is not None:
+                    self._jobs.remove(job)
+                    self._running += 1
+                    return job
+                self._ready.wait(hold)
+
+    def _run(self) -> None:
+        while True:
+            job = self._next()
+            if not job.future.set_running_or_notify_cancel():  # cancelled between pick and start
+                self._running -= 1
+                continue
+            try:
+                result, error = job.fn(*job.args), None
+            except BaseException as err:  # noqa: BLE001 - handed to whoever awaits the future
+                result, error = None, err
+            self._running -= 1  # before the result: its awaiter may look at `busy` at once
+            if error is None:
+                job.future.set_result(result)
+            else:
+                job.future.set_exception(error)

@@ -1,5 +1,9 @@
 """One conversation: audio in -> VAD -> ASR -> LM -> TTS -> audio out, with barge-in and history.
 
+    transport --push_audio--> TurnTaker (VAD, ASR, speculation)   voice/turns.py
+              --final transcript--> ReplyRunner (LM -> TTS)       voice/reply.py
+              <--outbox-- events; audio_sent --> Playback ledger  voice/playback.py
+
 Transports feed `push_audio` and drain `outbox`; they report what reached the wire with
 `audio_sent`, which is how the session knows what the user actually heard. The session
 knows nothing about wire formats, and the latency tracker only watches its events.
@@ -23,27 +27,22 @@ import itertools
 import logging
 import secrets
 import time
-from collections import deque
-from dataclasses import dataclass, field
-
-import numpy as np
-import soxr
 
 from voice import records as rec
-from voice import vad
-from voice.asr import SAMPLE_RATE, StreamingTranscriber, Whisper
-from voice.audio import RATES, float_to_int16, float_to_pcm16, pcm16_to_float, resample
+from voice.asr import Whisper
+from voice.audio import RATES, float_to_int16, resample
 from voice.config import Config
-from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, ReplyText, SpeechStarted,
-                          SpeechStopped, Transcript, TtsAudio)
+from voice.events import (AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, SpeechStarted, SpeechStopped,
+                          Transcript, TtsAudio)
 from voice.latency import LatencyTracker, Metrics
 from voice.limits import Admission
 from voice.lm import load_lm
-from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Scheduler
-from voice.tts import PhraseSplitter, Synthesizer, load_voice
+from voice.reply import Reply, ReplyRunner, StageFailure
+from voice.scheduler import Scheduler
+from voice.tts import Synthesizer, load_voice
+from voice.turns import TurnHooks, TurnTaker
 
 log = logging.getLogger("voice.session")
-PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)
@@ -92,23 +91,6 @@ def apologies(synthesizer: Synthesizer, text: str) -> dict[int, bytes]:
             for rate in RATES}
 
 
-class StageFailure(Exception):
-    """A stage failed or overran its timeout: the turn ends with `code` and an apology."""
-
-    def __init__(self, code: str, message: str, stage: str, kind: str):
-        super().__init__(message)
-        self.code, self.message, self.stage, self.kind = code, message, stage, kind
-
-
-def client_caused(err: BaseException) -> bool:
-    """Did the LM fail because of what this client sent, rather than being broken? A conversation
-    too long for its context (engine ContextOverflow), text it cannot encode, or a remote LM
-    answering 400/413/422. Such a failure ends the turn like any other but is no service fault."""
-    if isinstance(err, UnicodeError) or any(c.__name__ == "ContextOverflow" for c in type(err).__mro__):
-        return True
-    return getattr(err, "status_code", None) in (400, 413, 422)
-
-
 class Outbox(asyncio.Queue):
     """The session's outgoing events; keeps a tally of the reply audio it holds."""
 
@@ -128,59 +110,6 @@ class Outbox(asyncio.Queue):
         return item
 
 
-@dataclass
-class _Reply:
-    """The reply being spoken: what has been sent, so barge-in can tell what was heard."""
-
-    turn: int
-    text: str = ""
-    task: asyncio.Task | None = None
-    # (text, start, seconds) per phrase on the wire; the client plays each one when it arrives
-    # or when the previous one ends, whichever is later
-    phrases: list[tuple[str, float, float]] = field(default_factory=list)
-    pending: int = 0  # phrases handed to the transport but not on the wire yet
-    playback_start: float | None = None
-    finished: bool = False
-    emitted: int = 0  # phrases handed to the transport
-    apology_at: int | None = None  # phrases from this index on are the apology, not the reply
-    failure: StageFailure | None = None
-    # Set once the user's turn is over and the final transcript is out. A speculative reply
-    # (started during the VAD hangover) is generated and synthesised before that, but nothing
-    # of it reaches the client, the history or the records until then.
-    released: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def playback_end(self) -> float | None:
-        if not self.phrases:
-            return None
-        _, start, seconds = self.phrases[-1]
-        return start + seconds
-
-    def sent(self, text: str, now: float, seconds: float) -> None:
-        end = self.playback_end()
-        self.phrases.append((text, now if end is None else max(end, now), seconds))
-
-    def runs_dry(self, now: float, horizon_s: float) -> bool:
-        """Is the audio on the wire about to run out (less than `horizon_s` left to play)?"""
-        end = self.playback_end()
-        return end is not None and end - now < horizon_s
-
-    def playing(self, now: float) -> bool:
-        end = self.playback_end()
-        return end is not None and now < end
-
-    def heard(self, now: float) -> str:
-        """Text the user heard by `now`, assuming each phrase plays in real time."""
-        words: list[str] = []
-        for text, start, seconds in self.phrases[:self.apology_at]:
-            parts = text.split()
-            if now >= start + seconds:
-                words += parts
-            else:
-                words += parts[: int(len(parts) * max(now - start, 0) / seconds)]
-                break
-        return " ".join(words)
-
-
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
@@ -194,23 +123,17 @@ class Session:
         self.lm_mode = lm_mode
         self.outbox: Outbox = Outbox()
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
-        self.endpointer = vad.Endpointer(cfg.vad, SAMPLE_RATE)
-        self.transcriber = StreamingTranscriber(stages.whisper, cfg.asr)
-        self.chat = stages.lm.chat()
-        self.resampler = soxr.ResampleStream(in_rate, SAMPLE_RATE, 1, dtype="float32") if in_rate != SAMPLE_RATE else None
+        self.turns = TurnTaker(cfg, stages.whisper, in_rate, TurnHooks(
+            self._speech_started, self._speech_stopped, self._partial, self._final, self._drop_speculation,
+            self._utterance_too_long), self.id)
+        self.replies = ReplyRunner(cfg, stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
+                                   stages.apology.get(out_rate), self.emit, self._first_audio, self._fault,
+                                   self.is_current, self.id)
         self.history: list[dict] = []
-        self.turn = 0
-        self.audio_s = 0.0  # seconds of 16 kHz audio received
-        self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
-        self.pre_roll: deque[np.ndarray] = deque()
-        self.partial_task: asyncio.Task | None = None
-        self.turn_ended: asyncio.Event | None = None  # of a final decoded speculatively during the hangover
-        self.final_task: asyncio.Task | None = None
-        self.reply: _Reply | None = None
+        self.reply: Reply | None = None
         self.reply_tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
-        self.utterance_start_s = 0.0  # audio time the current utterance started
         self.turn_meta: dict[int, dict] = {}  # turn -> started (unix time), transcript, errors: for the records
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
         self.end_reason = ""  # the error code that ended it
@@ -293,10 +216,14 @@ class Session:
         self.emit(Error(self.turn, time.monotonic(), code, message))
 
     @property
+    def turn(self) -> int:
+        return self.turns.turn
+
+    @property
     def busy(self) -> bool:
         """A turn is in flight: the user is speaking, or their turn is not done yet."""
-        tasks = (self.final_task, self.reply.task if self.reply else None)
-        return self.endpointer.in_speech or any(t is not None and not t.done() for t in tasks)
+        reply_task = self.reply.task if self.reply else None
+        return self.turns.in_turn or (reply_task is not None and not reply_task.done())
 
     async def _watch(self) -> None:
         """Session-wide limits: total duration and audio idleness."""
@@ -310,130 +237,44 @@ class Session:
             elif lim.idle_timeout_s and now - self.last_audio > lim.idle_timeout_s:
                 self.terminate("idle_timeout", f"no audio for {lim.idle_timeout_s:g} s")
 
-    # --- audio in ------------------------------------------------------------------------------
+    # --- the pipeline ---------------------------------------------------------------------------
 
     async def push_audio(self, pcm16: bytes) -> None:
-        """PCM16LE mono at the session's input rate, any length."""
-        now = time.monotonic()
-        self.last_audio = now
-        audio = pcm16_to_float(pcm16)
-        if self.resampler is not None:
-            audio = self.resampler.resample_chunk(audio)
-        if not len(audio):
-            return
-        self.audio_s += len(audio) / SAMPLE_RATE
-        self.arrivals.append((self.audio_s, now))
-        for ev in self.endpointer.push(float_to_pcm16(audio)):
-            if isinstance(ev, vad.SpeechStarted):
-                self._speech_started(now)
-            else:
-                self._speech_stopped(ev, now)
-        if self.endpointer.in_speech:
-            self.transcriber.insert_audio_chunk(audio)
-            limit = self.config.limits.max_utterance_s
-            if limit and self.audio_s - self.utterance_start_s > limit:
-                self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
-                                                 "it is ignored until you pause")
-                self._speech_stopped(self.endpointer.force_stop(), now)
-            else:
-                self._listen(self.endpointer.silence_ms)
-        else:
-            self.pre_roll.append(audio)
-            while sum(len(a) for a in self.pre_roll) > PRE_ROLL_S * SAMPLE_RATE:
-                self.pre_roll.popleft()
+        """PCM16LE mono at the session's input rate, any length: on to VAD and ASR."""
+        self.last_audio = now = time.monotonic()
+        self.turns.push(pcm16, now)
 
-    def _listen(self, silence_ms: int) -> None:
-        """Partials while the user talks; a speculative final once they have been quiet a while."""
-        early_ms = self.config.asr.early_final_ms
-        if early_ms and silence_ms >= early_ms:
-            if self.turn_ended is None:
-                self.turn_ended = asyncio.Event()
-                self.stages.scheduler.start_waiting(self)
-                self.final_task = asyncio.create_task(
-                    self._finalise(self.turn, self.transcriber.snapshot(), self.turn_ended))
-            return
-        if self.turn_ended is not None:  # they spoke again: the speculation is stale
-            self._drop_speculation()
-        if silence_ms == 0 and (self.partial_task is None or self.partial_task.done()):
-            self.partial_task = asyncio.create_task(self._partial(self.turn))
-
-    def _drop_speculation(self) -> None:
-        self.turn_ended = None
-        self.stages.scheduler.stop_waiting(self)
-        self.final_task.cancel()
-        if self.reply is not None and not self.reply.released.is_set():
-            self.reply.task.cancel()
-            self.reply = None
-
-    def _speech_started(self, now: float) -> None:
+    def _speech_started(self, turn: int, now: float) -> None:
         self.barge_in(now)
-        self.turn += 1
-        self.utterance_start_s = self.audio_s
-        self.turn_meta[self.turn] = {"started": time.time()}
-        self.transcriber.reset()
-        for chunk in self.pre_roll:
-            self.transcriber.insert_audio_chunk(chunk)
-        self.pre_roll.clear()
-        self.emit(SpeechStarted(self.turn, now))
+        self.turn_meta[turn] = {"started": time.time()}
+        self.emit(SpeechStarted(turn, now))
 
-    def _speech_stopped(self, ev: vad.SpeechStopped, now: float) -> None:
-        # The audio that was just pushed is still part of the utterance's tail; that's fine.
-        speech_end = self._arrival_of(ev.speech_end_s)
-        self.emit(SpeechStopped(self.turn, now, speech_end))
-        if self.partial_task is not None:
-            self.partial_task.cancel()
-        ended, self.turn_ended = self.turn_ended, None
-        if ended is None:
-            ended = asyncio.Event()
-            self.stages.scheduler.start_waiting(self)
-            self.final_task = asyncio.create_task(self._finalise(self.turn, self.transcriber.finish(), ended))
-        else:
-            self.transcriber.reset()
-        ended.set()
+    def _speech_stopped(self, turn: int, now: float, speech_end: float) -> None:
+        self.emit(SpeechStopped(turn, now, speech_end))
 
-    def _arrival_of(self, audio_time: float) -> float:
-        """When the sample at `audio_time` reached us (the client streams in real time)."""
-        for end, arrived in self.arrivals:
-            if end >= audio_time:
-                return arrived  # the chunk that carried it
-        return time.monotonic()
+    def _partial(self, turn: int, text: str) -> None:
+        self.emit(Transcript(turn, time.monotonic(), text, False))
 
-    async def _partial(self, turn: int) -> None:
-        try:
-            text = await self.transcriber.process_iter()
-        except asyncio.CancelledError:
-            return
-        except Exception as err:  # partials are optional: the final transcript will tell
-            log.warning("session=%s turn=%d partial transcript failed: %s", self.id, turn, err)
-            return
-        if text and turn == self.turn and self.endpointer.in_speech:
-            self.emit(Transcript(turn, time.monotonic(), text, False))
+    def _final(self, turn: int, transcript, ended: asyncio.Event) -> asyncio.Task:
+        self.stages.scheduler.start_waiting(self)  # from here until the first audio, this user hears nothing
+        return asyncio.create_task(self._finalise(turn, transcript, ended))
 
-    async def _finalise(self, turn: int, transcript: asyncio.Future, ended: asyncio.Event) -> None:
+    async def _finalise(self, turn: int, transcript, ended: asyncio.Event) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
         set yet) the reply starts as soon as the transcript is known, held back until `ended`."""
-        timeout = self.config.faults.asr_timeout_s
         try:
-            text = (await asyncio.wait_for(transcript, timeout)).strip()
-        except asyncio.TimeoutError:
-            failure = StageFailure("asr_timeout", f"speech recognition took longer than {timeout:g} s", "asr",
-                                   "timeout")
-        except Exception as err:  # the ASR failing must not take the session down
-            log.exception("session=%s asr failed", self.id)
-            failure = StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error")
-        else:
-            failure = None
-        if failure is not None:
+            text = await self._transcript(transcript)
+        except StageFailure as failure:
             await ended.wait()
             if turn != self.turn:  # the user spoke again meanwhile: just note it
                 self._fault(failure)
                 self._record_unreplied(turn, "", "asr_failed")
                 return
-            reply = self.reply = _Reply(turn, task=asyncio.current_task())
+            reply = self.reply = Reply(turn, task=asyncio.current_task())
             reply.released.set()
-            self._fail(reply, failure)
+            self.replies.fail(reply, failure)
             try:
-                await self._played(reply)
+                await reply.playback.played()
             finally:
                 await self._reply_done(reply, "", "asr_failed")
             return
@@ -442,8 +283,7 @@ class Session:
             return
         reply = None
         if text and (self.config.session.speculative_reply or ended.is_set()):
-            reply = self.reply = _Reply(turn)
-            reply.task = self._spawn(self._respond(reply, text))
+            reply = self._start_reply(turn, text)
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
             self._record_unreplied(turn, text, "superseded")
@@ -451,12 +291,48 @@ class Session:
         self.emit(Transcript(turn, time.monotonic(), text, True))
         self.turn_meta.setdefault(turn, {})["transcript"] = text
         if text and reply is None:
-            reply = self.reply = _Reply(turn)
-            reply.task = self._spawn(self._respond(reply, text))
+            reply = self._start_reply(turn, text)
         if reply is not None:
             reply.released.set()
         else:
             self._record_unreplied(turn, "", "no_speech")
+
+    async def _transcript(self, transcript) -> str:
+        timeout = self.config.faults.asr_timeout_s
+        try:
+            return (await asyncio.wait_for(transcript, timeout)).strip()
+        except asyncio.TimeoutError:
+            raise StageFailure("asr_timeout", f"speech recognition took longer than {timeout:g} s", "asr",
+                               "timeout") from None
+        except Exception as err:  # the ASR failing must not take the session down
+            log.exception("session=%s asr failed", self.id)
+            raise StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error") from err
+
+    def _start_reply(self, turn: int, user_text: str) -> Reply:
+        reply = self.reply = Reply(turn)
+        reply.task = self._spawn(self._respond(reply, user_text))
+        return reply
+
+    async def _respond(self, reply: Reply, user_text: str) -> None:
+        try:
+            await self.replies.run(reply, self._messages(user_text))
+        finally:
+            if reply.released.is_set():  # else a speculation that was dropped: it never happened
+                await self._reply_done(reply, user_text, "ok" if reply.finished else
+                                       "failed" if reply.failure else "interrupted")
+
+    def _drop_speculation(self) -> None:
+        self.stages.scheduler.stop_waiting(self)
+        if self.reply is not None and not self.reply.released.is_set():
+            self.reply.task.cancel()
+            self.reply = None
+
+    def _utterance_too_long(self, limit: float) -> None:
+        self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
+                                         "it is ignored until you pause")
+
+    def _first_audio(self) -> None:
+        self.stages.scheduler.stop_waiting(self)  # nothing of ours is urgent any more
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -472,112 +348,12 @@ class Session:
         self._record(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), status, transcript, "", "",
                                    False, False, None, meta.get("errors", [])))
 
-    # --- reply -----------------------------------------------------------------------------
+    # --- replies and history -----------------------------------------------------------------
 
     def _messages(self, user_text: str) -> list[dict]:
         keep = self.history if self.config.lm.history_turns else []
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + keep + [{"role": "user", "content": user_text}]
-
-    async def _respond(self, reply: _Reply, user_text: str) -> None:
-        messages = self._messages(user_text)
-        phrases: asyncio.Queue[str | None] = asyncio.Queue()
-        speaker = asyncio.create_task(self._speak(reply, phrases))
-        try:
-            try:
-                await self._generate(reply, messages, phrases, speaker)
-                phrases.put_nowait(None)
-                await speaker
-            except StageFailure as failure:
-                speaker.cancel()
-                await reply.released.wait()
-                self._fail(reply, failure)
-            except Exception as err:  # a bug of ours: the same treatment as a failing stage
-                speaker.cancel()
-                log.exception("session=%s turn=%d reply failed", self.id, reply.turn)
-                await reply.released.wait()
-                self._fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
-            await reply.released.wait()
-            await self._played(reply)  # until then a barge-in still interrupts it
-            reply.finished = reply.failure is None
-        except asyncio.CancelledError:
-            speaker.cancel()
-            raise
-        finally:
-            if reply.released.is_set():  # else a speculation that was dropped: it never happened
-                await self._reply_done(reply, user_text, "ok" if reply.finished else
-                                       "failed" if reply.failure else "interrupted")
-
-    async def _generate(self, reply: _Reply, messages: list[dict], phrases: asyncio.Queue,
-                        speaker: asyncio.Task) -> None:
-        """LM blocks -> reply events and phrases for the speaker, each block under its timeout."""
-        faults, limit = self.config.faults, self.config.limits.max_reply_chars
-        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
-        phrased = False
-        blocks = self.chat.reply(messages, self.lm_mode,
-                                 urgent=lambda: not phrased or reply.runs_dry(time.monotonic(), LM_HORIZON_S))
-        block_no = 0
-        try:
-            while True:
-                timeout = faults.lm_first_block_timeout_s if block_no == 0 else faults.lm_block_timeout_s
-                try:
-                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    which = "first block" if block_no == 0 else f"block {block_no + 1}"
-                    raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s "
-                                                        f"for its {which}", "lm", "timeout") from None
-                except (StageFailure, asyncio.CancelledError):
-                    raise
-                except Exception as err:
-                    if client_caused(err):  # this conversation, not the service: no fault in /healthz
-                        log.warning("session=%s turn=%d LM refused this conversation: %r", self.id, reply.turn, err)
-                        raise StageFailure("reply_failed", f"the language model could not take this conversation: "
-                                                           f"{err}"[:300], "lm", "client") from err
-                    log.warning("session=%s turn=%d LM failed: %r", self.id, reply.turn, err)
-                    raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
-                if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
-                    raise speaker.exception()  # TTS failed: no point in generating more
-                block_no += 1
-                reply.text += block.text
-                for phrase in splitter.push(block.text):
-                    phrases.put_nowait(phrase)
-                    phrased = True
-                await reply.released.wait()
-                self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
-                if len(reply.text) >= limit:
-                    log.warning("session=%s turn=%d reply cut at %d characters", self.id, reply.turn, limit)
-                    break
-        finally:
-            try:
-                await asyncio.wait_for(blocks.aclose(), 5.0)
-            except (Exception, asyncio.TimeoutError) as err:
-                log.warning("session=%s turn=%d closing the LM stream failed: %r", self.id, reply.turn, err)
-        rest = splitter.flush()
-        if rest:
-            phrases.put_nowait(rest)
-
-    async def _speak(self, reply: _Reply, phrases: asyncio.Queue) -> None:
-        timeout = self.config.faults.tts_timeout_s
-        while (phrase := await phrases.get()) is not None:
-            try:
-                synthesis = self.stages.synthesizer.synthesize(phrase, self.out_rate, urgent=lambda: (
-                    not reply.emitted or reply.runs_dry(time.monotonic(), TTS_HORIZON_S)))
-                pcm = await asyncio.wait_for(synthesis, timeout)
-            except asyncio.TimeoutError:
-                raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
-                                   "timeout") from None
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                log.warning("session=%s turn=%d TTS failed: %r", self.id, reply.turn, err)
-                raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
-            self.stages.scheduler.stop_waiting(self)  # the first audio is ready: nothing of ours is urgent any more
-            await reply.released.wait()
-            if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
-                reply.pending += 1
-                reply.emitted += 1
 
     def _fault(self, failure: StageFailure) -> None:
         if failure.kind == "client":  # caused by this client's input: not a fault of the service
@@ -585,25 +361,11 @@ class Session:
         self.stages.metrics.stage_faults.labels(failure.stage, failure.kind).inc()
         self.stages.faults[failure.stage] = (time.monotonic(), failure.kind)
 
-    def _fail(self, reply: _Reply, failure: StageFailure) -> None:
-        """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
-        self.stages.scheduler.stop_waiting(self)
-        self._fault(failure)
-        reply.failure = failure
-        reply.apology_at = reply.emitted
-        pcm = self.stages.apology.get(self.out_rate)
-        apology = bool(pcm) and self.is_current(reply.turn)
-        self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
-        if apology and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm, self.out_rate,
-                                          self.config.faults.apology), track=False):
-            reply.pending += 1
-            reply.emitted += 1
-
-    async def _reply_done(self, reply: _Reply, user_text: str, status: str) -> None:
+    async def _reply_done(self, reply: Reply, user_text: str, status: str) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
         self.stages.scheduler.stop_waiting(self)
         now = time.monotonic()
-        heard = reply.text.strip() if reply.finished else reply.heard(now)
+        heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
         if user_text:
             self.history += [{"role": "user", "content": user_text}]
             if heard:
@@ -620,6 +382,7 @@ class Session:
         finally:
             self._held = None
         meta = self.turn_meta.pop(reply.turn, {})
+        playback = reply.playback
         if self.records is not None:
             latency = next((e.to_wire() for e in held if isinstance(e, LatencyReport)), None)
             if latency is not None:
@@ -627,24 +390,13 @@ class Session:
                 latency.pop("turn", None)
             ok = await self.records.write(rec.turn_done(
                 self.uid, reply.turn, meta.get("started"), time.time(), status, user_text, reply.text.strip(),
-                heard, not reply.finished, reply.apology_at is not None and reply.emitted > reply.apology_at,
+                heard, not reply.finished, playback.apology_at is not None and playback.emitted > playback.apology_at,
                 latency, meta.get("errors", [])))
             if not ok:
                 self.error("record_failed", "this turn could not be written to the call records")
         for ev in held:
             if not self.closed:
                 self.outbox.put_nowait(ev)
-
-    async def _played(self, reply: _Reply) -> None:
-        """Wait until the transport has sent every phrase and the client has played them."""
-        while True:
-            now = time.monotonic()
-            if reply.pending:
-                await asyncio.sleep(0.02)
-            elif reply.playing(now):
-                await asyncio.sleep(reply.playback_end() - now)
-            else:
-                return
 
     def barge_in(self, now: float) -> None:
         """User speech while a reply is pending or playing: stop it and drop queued audio."""
@@ -653,7 +405,7 @@ class Session:
             return
         if reply.task is not None and not reply.task.done():
             reply.task.cancel()
-        elif not reply.playing(now):
+        elif not reply.playback.playing(now):
             return
         self.stages.metrics.barge_ins.inc()
         log.info("session=%s turn=%d barge-in", self.id, reply.turn)
@@ -665,13 +417,11 @@ class Session:
         reply = self.reply
         if reply is None or reply.turn != turn:
             return
-        now = time.monotonic()
-        apology = reply.apology_at is not None and len(reply.phrases) >= reply.apology_at
-        if reply.playback_start is None and not apology:
-            reply.playback_start = now
+        now, playback = time.monotonic(), reply.playback
+        if playback.started is None and not playback.apology_started():
+            playback.started = now
             self.emit(AudioSent(turn, now), wire=False)
-        reply.pending -= 1
-        reply.sent(text, now, seconds)
+        playback.sent(text, now, seconds)
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
@@ -682,9 +432,8 @@ class Session:
             return
         self.closed = True
         self.stages.scheduler.stop_waiting(self)
-        self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         cancelled = []
-        for task in (self.partial_task, self.final_task, self.reply.task if self.reply else None, self.watchdog,
+        for task in (*self.turns.close(), self.reply.task if self.reply else None, self.watchdog,
                      *self.reply_tasks):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()

@@ -1,0 +1,178 @@
+"""One reply: LM blocks -> phrases -> synthesis -> reply events, each stage under its timeout.
+
+The LM streams blocks; a PhraseSplitter cuts them into phrases that a second task synthesises
+while later blocks are still being decoded. A speculative reply (started on the transcript
+taken during the VAD hangover) runs the same way, but nothing of it reaches the client until
+`reply.released` is set (the user's turn really ended). A stage that fails or overruns its
+timeout (`[faults]`) ends the reply with an `error` and the cached apology
+(docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from voice.config import Config
+from voice.events import Error, ReplyText, TtsAudio
+from voice.playback import Playback
+from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
+from voice.tts import PhraseSplitter
+
+log = logging.getLogger("voice.reply")
+
+
+class StageFailure(Exception):
+    """A stage failed or overran its timeout: the turn ends with `code` and an apology."""
+
+    def __init__(self, code: str, message: str, stage: str, kind: str):
+        super().__init__(message)
+        self.code, self.message, self.stage, self.kind = code, message, stage, kind
+
+
+def client_caused(err: BaseException) -> bool:
+    """Did the LM fail because of what this client sent, rather than being broken? A conversation
+    too long for its context (engine ContextOverflow), text it cannot encode, or a remote LM
+    answering 400/413/422. Such a failure ends the turn like any other but is no service fault."""
+    if isinstance(err, UnicodeError) or any(c.__name__ == "ContextOverflow" for c in type(err).__mro__):
+        return True
+    return getattr(err, "status_code", None) in (400, 413, 422)
+
+
+@dataclass
+class Reply:
+    turn: int
+    text: str = ""
+    task: asyncio.Task | None = None
+    playback: Playback = field(default_factory=Playback)
+    finished: bool = False
+    failure: StageFailure | None = None
+    # Set once the user's turn is over and the final transcript is out: until then nothing of a
+    # speculative reply reaches the client, the history or the records.
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ReplyRunner:
+    """Runs a session's replies. Its hooks into the session are the narrow ones it needs:
+    `emit` an event, `first_audio` (nobody waits in silence any more), `fault` (count a stage
+    fault), `is_current` (a barge-in has not cleared this turn)."""
+
+    def __init__(self, config: Config, chat, synthesizer, out_rate: int, lm_mode: str | None, apology: bytes | None,
+                 emit: Callable[..., bool], first_audio: Callable[[], None], fault: Callable[[StageFailure], None],
+                 is_current: Callable[[int], bool], name: str):
+        self.config, self.chat, self.synthesizer, self.out_rate, self.lm_mode = config, chat, synthesizer, out_rate, lm_mode
+        self.apology = apology
+        self.emit, self.first_audio, self.fault, self.is_current = emit, first_audio, fault, is_current
+        self.name = name  # the session, for logs
+
+    async def run(self, reply: Reply, messages: list[dict]) -> None:
+        """The whole reply, until the client has played it (a barge-in cancels this task)."""
+        phrases: asyncio.Queue[str | None] = asyncio.Queue()
+        speaker = asyncio.create_task(self._speak(reply, phrases))
+        try:
+            try:
+                await self._generate(reply, messages, phrases, speaker)
+                phrases.put_nowait(None)
+                await speaker
+            except StageFailure as failure:
+                speaker.cancel()
+                await reply.released.wait()
+                self.fail(reply, failure)
+            except Exception as err:  # a bug of ours: the same treatment as a failing stage
+                speaker.cancel()
+                log.exception("session=%s turn=%d reply failed", self.name, reply.turn)
+                await reply.released.wait()
+                self.fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
+            await reply.released.wait()
+            await reply.playback.played()  # until then a barge-in still interrupts it
+            reply.finished = reply.failure is None
+        except asyncio.CancelledError:
+            speaker.cancel()
+            raise
+
+    async def _generate(self, reply: Reply, messages: list[dict], phrases: asyncio.Queue,
+                        speaker: asyncio.Task) -> None:
+        """LM blocks -> reply events and phrases for the speaker, each block under its timeout."""
+        faults, limit = self.config.faults, self.config.limits.max_reply_chars
+        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
+        phrased = False
+        blocks = self.chat.reply(messages, self.lm_mode, urgent=lambda: (
+            not phrased or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)))
+        block_no = 0
+        try:
+            while True:
+                timeout = faults.lm_first_block_timeout_s if block_no == 0 else faults.lm_block_timeout_s
+                try:
+                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    which = "first block" if block_no == 0 else f"block {block_no + 1}"
+                    raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s "
+                                                        f"for its {which}", "lm", "timeout") from None
+                except (StageFailure, asyncio.CancelledError):
+                    raise
+                except Exception as err:
+                    if client_caused(err):  # this conversation, not the service: no fault in /healthz
+                        log.warning("session=%s turn=%d LM refused this conversation: %r", self.name, reply.turn, err)
+                        raise StageFailure("reply_failed", f"the language model could not take this conversation: "
+                                                           f"{err}"[:300], "lm", "client") from err
+                    log.warning("session=%s turn=%d LM failed: %r", self.name, reply.turn, err)
+                    raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
+                if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
+                    raise speaker.exception()  # TTS failed: no point in generating more
+                block_no += 1
+                reply.text += block.text
+                for phrase in splitter.push(block.text):
+                    phrases.put_nowait(phrase)
+                    phrased = True
+                await reply.released.wait()
+                self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
+                if len(reply.text) >= limit:
+                    log.warning("session=%s turn=%d reply cut at %d characters", self.name, reply.turn, limit)
+                    break
+        finally:
+            try:
+                await asyncio.wait_for(blocks.aclose(), 5.0)
+            except (Exception, asyncio.TimeoutError) as err:
+                log.warning("session=%s turn=%d closing the LM stream failed: %r", self.name, reply.turn, err)
+        rest = splitter.flush()
+        if rest:
+            phrases.put_nowait(rest)
+
+    async def _speak(self, reply: Reply, phrases: asyncio.Queue) -> None:
+        timeout = self.config.faults.tts_timeout_s
+        playback = reply.playback
+        while (phrase := await phrases.get()) is not None:
+            try:
+                synthesis = self.synthesizer.synthesize(phrase, self.out_rate, urgent=lambda: (
+                    not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+                pcm = await asyncio.wait_for(synthesis, timeout)
+            except asyncio.TimeoutError:
+                raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
+                                   "timeout") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("session=%s turn=%d TTS failed: %r", self.name, reply.turn, err)
+                raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
+            self.first_audio()
+            await reply.released.wait()
+            if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
+                playback.handed_over()
+
+    def fail(self, reply: Reply, failure: StageFailure) -> None:
+        """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
+        self.first_audio()
+        self.fault(failure)
+        reply.failure = failure
+        reply.playback.apology_at = reply.playback.emitted
+        apology = bool(self.apology) and self.is_current(reply.turn)
+        self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
+        if apology and self.emit(TtsAudio(reply.turn, time.monotonic(), self.apology, self.out_rate,
+                                          self.config.faults.apology), track=False):
+            reply.playback.handed_over()
+

@@ -528,3 +528,37 @@ def test_zz_no_secret_reaches_any_log_line(capfd):
     FUZZ["secrets in logs"] = {"found": len(found)}
     assert not found, [line for line in captured.splitlines() if any(s in line for s in found)][:10]
     print("\nhostile inputs per front:", json.dumps(FUZZ, indent=1))
+
+
+# --- the one event codec: to_wire / from_wire ------------------------------------------------------
+
+def test_every_event_reads_back_as_itself():
+    from voice.events import (Clear, Error, LatencyReport, Ready, ReplyDone, ReplyText, SpeechStarted, SpeechStopped,
+                              Transcript, TtsAudio, WIRE_TYPES, from_wire)
+    events = [Ready(0, 0.0, session_id="s7", sample_rate=24000), SpeechStarted(3, 0.0), SpeechStopped(3, 0.0),
+              Transcript(3, 0.0, "ten of clubs", True), ReplyText(3, 0.0, "Sure", 1, 2, 3),
+              TtsAudio(3, 0.0, b"", 16000, "Sure."), ReplyDone(3, 0.0, "Sure.", "Sure", True), Clear(3, 0.0),
+              LatencyReport(3, 0.0, {"asr": 1.5}, {"first_audio": 600.0}, ["asr"], 612.0),
+              Error(3, 0.0, "asr_timeout", "slow", "asr", True), Error(0, 0.0, "bad_frame", "odd length")]
+    assert {type(e) for e in events} == set(WIRE_TYPES.values())
+    for ev in events:
+        assert from_wire(ev.to_wire()) == ev
+
+
+@pytest.mark.parametrize("body, complaint", [
+    ({"type": "surprise"}, "not an event"), (["a list"], "not an event"), ({"turn": 1}, "not an event"),
+    ({"type": "transcript", "turn": 1}, "without text, final"),
+    ({"type": "transcript", "turn": 1, "text": 5, "final": True}, "text should be str"),
+    ({"type": "reply_done", "turn": "1", "text": "", "heard": "", "interrupted": False}, "turn should be an int"),
+    ({"type": "latency", "turn": 1, "stages_ms": [], "marks_ms": {}, "over_budget": [], "voice_to_voice_ms": None},
+     "stages_ms should be dict"),
+])
+def test_malformed_events_are_refused_by_name(body, complaint):
+    from voice.events import from_wire
+    with pytest.raises(ValueError, match=complaint):
+        from_wire(body)
+
+
+def test_fields_a_newer_server_adds_are_ignored():
+    from voice.events import Clear, from_wire
+    assert from_wire({"type": "clear", "turn": 2, "reason": "barge-in"}) == Clear(2, 0.0)

@@ -1,11 +1,13 @@
 """Typed events of one conversation (small dataclasses, Wyoming-style).
 
 The session emits them; transports turn them into bytes on the wire and the latency tracker
-watches them. `to_wire` is the native protocol's JSON shape (see PROTOCOL.md).
+watches them. `to_wire` is the native protocol's JSON shape (see PROTOCOL.md) and `from_wire`
+reads it back: the one codec of the server and every client (mic, bench, soak).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 PROTOCOL_VERSION = 1
@@ -17,10 +19,26 @@ class Event:
     t: float  # time.monotonic() when it happened
 
     type = "event"
+    optional = ()  # fields the wire may leave out (from_wire gives them their defaults)
 
     def to_wire(self) -> dict:
         body = {k: v for k, v in asdict(self).items() if k != "t"}
         return {"type": self.type, **body}
+
+
+@dataclass
+class Ready(Event):
+    """The server accepted `start` (turn 0); audio may flow."""
+
+    version: int = PROTOCOL_VERSION
+    session_id: str = ""
+    sample_rate: int = 16000  # of the reply audio
+    encoding: str = "pcm_s16le"
+    type = "ready"
+
+    def to_wire(self) -> dict:
+        return {"type": self.type, "version": self.version, "session_id": self.session_id,
+                "sample_rate": self.sample_rate, "encoding": self.encoding}
 
 
 @dataclass
@@ -32,6 +50,7 @@ class SpeechStarted(Event):
 class SpeechStopped(Event):
     speech_end: float = 0.0  # monotonic time the user actually stopped (detection minus hangover)
     type = "speech_stopped"
+    optional = ("speech_end",)  # the server's clock: not sent
 
     def to_wire(self) -> dict:
         return {"type": self.type, "turn": self.turn}
@@ -61,6 +80,7 @@ class TtsAudio(Event):
     rate: int = 16000
     text: str = ""
     type = "tts_audio"
+    optional = ("pcm", "rate")  # the PCM follows as binary frames at the session's rate
 
     @property
     def seconds(self) -> float:
@@ -108,6 +128,7 @@ class Error(Event):
     stage: str = ""  # asr | lm | tts for a stage failure or timeout
     apology: bool = False  # the spoken apology follows (binary frames of this turn)
     type = "error"
+    optional = ("stage", "apology")
 
     def to_wire(self) -> dict:
         body = {"type": self.type, "turn": self.turn, "code": self.code, "message": self.message}
@@ -116,3 +137,36 @@ class Error(Event):
         if self.apology:
             body["apology"] = True
         return body
+
+
+WIRE_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
+    Ready, SpeechStarted, SpeechStopped, Transcript, ReplyText, TtsAudio, ReplyDone, Clear, LatencyReport, Error)}
+
+
+def from_wire(body: object, t: float = 0.0) -> Event:
+    """The event a JSON message of the native protocol stands for (`t`: when it arrived). Unknown
+    fields are ignored (a newer server may add some); ValueError on an unknown type, a missing
+    field (other than an event's `optional` ones) or a field of the wrong type. A `tts_audio`
+    comes back without its PCM (that is a binary frame)."""
+    if not isinstance(body, dict) or body.get("type") not in WIRE_TYPES:
+        kind = body.get("type") if isinstance(body, dict) else type(body).__name__
+        raise ValueError(f"not an event of this protocol: {kind!r}")
+    cls = WIRE_TYPES[body["type"]]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [name for name in fields if name not in body and name != "t" and name not in cls.optional
+               and not (cls is Ready and name == "turn")]
+    if missing:
+        raise ValueError(f"{body['type']} event without {', '.join(missing)}")
+    values = {"turn": body.get("turn", 0), "t": t}
+    for name, value in body.items():
+        f = fields.get(name)
+        if f is None or name in ("t", "turn"):
+            continue  # e.g. tts_audio's "bytes"; newer servers may add fields
+        expected = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list,
+                    "float | None": (int, float, type(None)), "bytes": bytes}.get(str(f.type))
+        if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
+            raise ValueError(f"{body['type']}.{name} should be {f.type}, got {type(value).__name__}")
+        values[name] = value
+    if not isinstance(values["turn"], int) or isinstance(values["turn"], bool):
+        raise ValueError(f"{body['type']}.turn should be an int")
+    return cls(**values)

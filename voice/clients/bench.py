@@ -21,6 +21,7 @@ import numpy as np
 import websockets
 
 from voice.audio import float_to_pcm16, read_wav, resample
+from voice.events import Error, LatencyReport, Ready, ReplyDone, Transcript, from_wire
 
 FRAME_MS = 20
 _ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
@@ -101,19 +102,18 @@ async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float =
                 player.play(now, len(msg) / 2 / rate)
                 turn.gap_ms = player.gap_s * 1000
                 continue
-            ev = json.loads(msg)
-            kind = ev.get("type")
-            if kind == "transcript" and ev.get("final"):
-                turn.transcript = ev["text"]
-                if not ev["text"]:
+            ev = from_wire(json.loads(msg))
+            if isinstance(ev, Transcript) and ev.final:
+                turn.transcript = ev.text
+                if not ev.text:
                     done.set()
-            elif kind == "reply_done":
-                turn.reply = ev["text"]
-            elif kind == "latency":
-                turn.stages_ms, turn.over_budget = ev["stages_ms"], ev["over_budget"]
+            elif isinstance(ev, ReplyDone):
+                turn.reply = ev.text
+            elif isinstance(ev, LatencyReport):
+                turn.stages_ms, turn.over_budget = ev.stages_ms, ev.over_budget
                 done.set()
-            elif kind == "error":
-                turn.error = f"{ev.get('code')}: {ev.get('message')}"
+            elif isinstance(ev, Error):
+                turn.error = f"{ev.code}: {ev.message}"
 
     receiver = asyncio.create_task(receive())
     start = time.perf_counter()
@@ -157,8 +157,8 @@ async def run_session(url: str, files: list[Path], refs: dict[str, str], rate: i
         start["session"] = {"lm_mode": lm_mode}
     async with websockets.connect(url, max_size=None) as ws:
         await ws.send(json.dumps(start))
-        ready = json.loads(await ws.recv())
-        if ready.get("type") != "ready":
+        ready = from_wire(json.loads(await ws.recv()))
+        if not isinstance(ready, Ready):
             raise RuntimeError(f"server refused the session: {ready}")
         for path in files:
             turn = await run_turn(ws, path, refs.get(path.name, ""), rate)

@@ -19,12 +19,12 @@ import soxr
 import websockets
 
 from voice.audio import RATES
+from voice.events import (WIRE_TYPES, Clear, Error, Event, LatencyReport, Ready, ReplyDone, SpeechStarted,
+                          SpeechStopped, Transcript, from_wire)
 
 RATE = 16000  # what we stream to the server
 FRAME_MS = 20
 FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
-EVENTS = {"ready", "speech_started", "speech_stopped", "transcript", "reply", "reply_done", "clear", "latency",
-          "error"}
 
 
 def _sounddevice():
@@ -237,57 +237,60 @@ class MicClient:
 
     def _event(self, text: str) -> None:
         try:
-            ev = json.loads(text)
+            ev = from_wire(json.loads(text))
         except json.JSONDecodeError:
             self.console.line(f"error: the server sent malformed JSON (ignored): {text[:60]!r}")
             return
-        kind = ev.get("type") if isinstance(ev, dict) else None
-        if kind not in EVENTS:
-            self.console.line(f"error: unknown event {kind!r} from the server (ignored)")
+        except ValueError as err:
+            body = json.loads(text)
+            kind = body.get("type") if isinstance(body, dict) else None
+            if kind in WIRE_TYPES:
+                self.console.line(f"error: malformed {kind} event (ignored): {err}")
+            else:
+                self.console.line(f"error: unknown event {kind!r} from the server (ignored)")
             return
         try:
-            self._handle(kind, ev)
-        except (KeyError, TypeError, ValueError) as err:
-            self.console.line(f"error: malformed {kind} event (ignored): {err!r}")
+            self._handle(ev)
+        except (TypeError, ValueError) as err:  # e.g. a latency figure that is not a number
+            self.console.line(f"error: malformed {ev.type} event (ignored): {err!r}")
 
-    def _handle(self, kind: str, ev: dict) -> None:
-        if kind == "ready":
+    def _handle(self, ev: Event) -> None:
+        if isinstance(ev, Ready):
             self.state = "listening"
-        elif kind == "speech_started":
+        elif isinstance(ev, SpeechStarted):
             self.state, self.partial = "hearing you", ""
-        elif kind == "speech_stopped":
+        elif isinstance(ev, SpeechStopped):
             self.state = "thinking"
-        elif kind == "transcript":
-            if not ev["final"]:
-                self.partial = ev["text"]
+        elif isinstance(ev, Transcript):
+            if not ev.final:
+                self.partial = ev.text
                 return
             self.partial = ""
-            if ev["text"]:
-                self.console.line(f"you: {ev['text']}")
+            if ev.text:
+                self.console.line(f"you: {ev.text}")
                 self.reply_open, self.turn_reported = True, False
                 self.turn_played_from = self.player.played + self.player.pending
             else:
                 self.state = "listening"
                 self.console.line("(didn't catch that)")
-        elif kind == "reply":
-            pass  # the full text arrives with reply_done; the status line shows progress
-        elif kind == "reply_done":
+        elif isinstance(ev, ReplyDone):
             self.reply_open = False
-            text = " ".join(ev["text"].split())  # one line, even when the LM wrote several
-            if ev["interrupted"]:
-                text += f"  [interrupted; heard: {' '.join(ev['heard'].split())!r}]"
+            text = " ".join(ev.text.split())  # one line, even when the LM wrote several
+            if ev.interrupted:
+                text += f"  [interrupted; heard: {' '.join(ev.heard.split())!r}]"
             self.console.line(f"bot: {text}")
-        elif kind == "clear":
+        elif isinstance(ev, Clear):
             dropped = self.player.clear()
             self.console.line(f"(interrupted: dropped {dropped} bytes of queued reply audio)")
-        elif kind == "latency":
-            self.last_v2v = ev.get("voice_to_voice_ms")
-            stages = " ".join(f"{k}={v:.0f}" for k, v in ev["stages_ms"].items() if k != "voice_to_voice")
-            over = f"  over budget: {', '.join(ev['over_budget'])}" if ev["over_budget"] else ""
+        elif isinstance(ev, LatencyReport):
+            self.last_v2v = ev.voice_to_voice_ms
+            stages = " ".join(f"{k}={v:.0f}" for k, v in ev.stages_ms.items() if k != "voice_to_voice")
+            over = f"  over budget: {', '.join(ev.over_budget)}" if ev.over_budget else ""
             v2v = f"{self.last_v2v:.0f} ms" if self.last_v2v is not None else "-"
-            self.console.line(f"turn {ev['turn']}: voice-to-voice {v2v} ({stages} ms){over}")
-        elif kind == "error":
-            self.console.line(f"server error: {ev.get('code')}: {ev.get('message')}")
+            self.console.line(f"turn {ev.turn}: voice-to-voice {v2v} ({stages} ms){over}")
+        elif isinstance(ev, Error):
+            self.console.line(f"server error: {ev.code}: {ev.message}")
+        # reply deltas: the full text arrives with reply_done; the status line shows progress
 
     async def _status(self) -> None:
         while True:

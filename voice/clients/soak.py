@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from voice.audio import float_to_pcm16, read_wav, resample
+from voice.events import Error, Event, LatencyReport, Ready, Transcript, from_wire
 
 MAX_SESSIONS = 64
 MAX_MINUTES = 24 * 60
@@ -104,7 +105,10 @@ async def _session(index: int, url: str, clips: list[bytes], rate: int, deadline
         try:
             async for msg in ws:
                 if isinstance(msg, str):
-                    events.put_nowait(json.loads(msg))
+                    try:
+                        events.put_nowait(from_wire(json.loads(msg)))
+                    except ValueError as err:  # JSONDecodeError included: count it, keep reading
+                        stats.errors[f"bad event: {err}"[:80]] += 1
         except websockets.ConnectionClosed:
             pass
         finally:
@@ -122,13 +126,13 @@ async def _session(index: int, url: str, clips: list[bytes], rate: int, deadline
             sent += 1
             await asyncio.sleep(max(0.0, t0 + sent * FRAME_MS / 1000 - time.monotonic()))
 
-    async def next_event(until: float) -> dict | None:
+    async def next_event(until: float) -> Event:
         ev = await asyncio.wait_for(events.get(), max(until - time.monotonic(), 0.01))
         if ev is None:
             raise ConnectionError("the server closed the connection")
-        if ev.get("type") == "error":
-            stats.errors[ev.get("code", "?")] += 1
-            if ev.get("apology"):
+        if isinstance(ev, Error):
+            stats.errors[ev.code] += 1
+            if ev.apology:
                 stats.apologies += 1
         return ev
 
@@ -138,7 +142,7 @@ async def _session(index: int, url: str, clips: list[bytes], rate: int, deadline
         await ws.send(json.dumps({"type": "start", "version": 1, "sample_rate": rate, "output_sample_rate": rate,
                                   "encoding": "pcm_s16le"}))
         ready = await next_event(time.monotonic() + 30)
-        if ready.get("type") != "ready":
+        if not isinstance(ready, Ready):
             raise ConnectionError(f"no ready: {ready}")
         sender = asyncio.create_task(mic())
         n = index
@@ -152,13 +156,12 @@ async def _session(index: int, url: str, clips: list[bytes], rate: int, deadline
             try:
                 while outcome is None:
                     ev = await next_event(until)
-                    kind = ev.get("type")
-                    if kind == "transcript" and ev.get("final") and not ev.get("text"):
+                    if isinstance(ev, Transcript) and ev.final and not ev.text:
                         outcome = "no_reply"
-                    elif kind == "latency":
+                    elif isinstance(ev, LatencyReport):
                         outcome = "done"
-                        if ev.get("voice_to_voice_ms") is not None:
-                            stats.latencies.append((time.monotonic(), ev["voice_to_voice_ms"]))
+                        if ev.voice_to_voice_ms is not None:
+                            stats.latencies.append((time.monotonic(), ev.voice_to_voice_ms))
             except asyncio.TimeoutError:
                 stats.lost_turns += 1
                 await asyncio.sleep(PAUSE_S)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -21,7 +22,7 @@ from engine.wire import WireError, decode_json
 from voice.audio import RATES
 from voice.auth import Auth, AuthError
 from voice.config import SessionConfig
-from voice.events import PROTOCOL_VERSION, TtsAudio
+from voice.events import PROTOCOL_VERSION, Ready, TtsAudio
 from voice.limits import LimitError
 from voice.session import Session, Stages
 
@@ -155,8 +156,7 @@ async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
     tasks: list[asyncio.Task] = []
     reason = "disconnect"
     try:  # the session is counted as open from here: close it whatever happens
-        await ws.send_json({"type": "ready", "version": PROTOCOL_VERSION, "session_id": session.id,
-                            "sample_rate": start["out_rate"], "encoding": "pcm_s16le"})
+        await ws.send_json(Ready(0, time.monotonic(), session_id=session.id, sample_rate=start["out_rate"]).to_wire())
         sender = asyncio.create_task(_send_events(ws, session))
         receiver = asyncio.create_task(_receive(ws, session))
         ending = asyncio.create_task(session.ending.wait())

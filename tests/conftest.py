@@ -5,6 +5,10 @@ it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs ev
 
 `live_voice_server`: the real voice service (all models) behind uvicorn on a free port, loaded
 once per test session and shared by the client tests (test_web.py, test_mic.py).
+
+Markers (README, "Tests"): `slow` = the module loads real models (an LM, Whisper, Piper);
+`live` = it also drives a real peer or system tool (Chromium, PulseAudio, sipp/baresip). The
+fast subset, `./dev test -m "not slow and not live"`, covers the pipeline around fake models.
 """
 
 from __future__ import annotations
@@ -12,6 +16,20 @@ from __future__ import annotations
 import os
 
 import pytest
+
+
+SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_reliability",
+        "test_serve_memory", "test_server", "test_service", "test_tts", "test_twilio", "test_verify"}
+LIVE = {"test_mic", "test_sip", "test_web"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW | LIVE:
+            item.add_marker(pytest.mark.slow)
+        if module in LIVE:
+            item.add_marker(pytest.mark.live)
 
 
 def _require_system(ok: object, reason: str) -> None:

@@ -10,30 +10,34 @@ import time
 from pathlib import Path
 
 from engine.decode import COMMIT_RULES, DecodeConfig
+from engine.quantize import CHOICES, DEFAULT_QUANTIZE
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
+    """Every default is DecodeConfig's (declared once, in engine.decode)."""
+    d = DecodeConfig()
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", choices=["diffusion", "ar"], default="diffusion",
+    g.add_argument("--mode", choices=["diffusion", "ar"], default=d.mode,
                    help="block diffusion (default) or the autoregressive baseline on the same weights")
-    g.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit in tokens (default 96)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--block-size", type=int, default=0,
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help=f"reply length limit in tokens (default {d.max_new_tokens})")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
+    g.add_argument("--block-size", type=int, default=d.block_size,
                    help="verify: tokens drafted per forward (default: the drafter's); threshold/topk: tokens per "
                         "mask block (default: the checkpoint's)")
-    g.add_argument("--first-block-size", type=int, default=0,
+    g.add_argument("--first-block-size", type=int, default=d.first_block_size,
                    help="a smaller first block gets the first words out sooner (default: same as --block-size)")
-    g.add_argument("--rule", choices=sorted(COMMIT_RULES), default="verify",
+    g.add_argument("--rule", choices=sorted(COMMIT_RULES), default=d.rule,
                    help="commit rule: 'verify' (default, lossless) commits the drafted tokens the base model agrees "
                         "with plus its own next one, so replies are the AR replies; the lossy mask-denoising rules "
                         "need a diffusion-trained model (e.g. --adapter default): 'threshold' commits every position "
                         "at least --threshold sure (and the surest one), 'topk' the --topk surest per step")
-    g.add_argument("--threshold", type=float, default=0.9, help="confidence threshold for --rule threshold")
-    g.add_argument("--topk", type=int, default=1, help="positions committed per step for --rule topk")
-    g.add_argument("--draft-threshold", type=float, default=0.5,
+    g.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold for --rule threshold")
+    g.add_argument("--topk", type=int, default=d.topk, help="positions committed per step for --rule topk")
+    g.add_argument("--draft-threshold", type=float, default=d.draft_threshold,
                    help="verify: send only the drafted tokens the drafter is at least this sure of (each draft row "
                         "costs arithmetic; 0 = always the whole block; lossless either way)")
-    g.add_argument("--max-steps", type=int, default=0, help="denoising steps per block before committing the rest "
+    g.add_argument("--max-steps", type=int, default=d.max_steps, help="denoising steps per block before committing the rest "
                                                            "(default: block size)")
     g.add_argument("--no-release-prefix", action="store_true",
                    help="hold a block until all of it is committed instead of releasing its finished left part")
@@ -59,10 +63,10 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                         "(default: the model's shipped head, prompt lookup if it has none)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
-    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="none",
+    p.add_argument("--quantize", choices=CHOICES, default=DEFAULT_QUANTIZE,
                    help="faster CPU linear layers whose rows stay independent (so verify stays lossless): fp16 "
-                        "weights (fbgemm; replies ~ fp32's, the voice service's default) or int8 weights with "
-                        "per-row int8 activations; eval keeps its teacher fp32 (default: none)")
+                        "weights (fbgemm; replies ~ fp32's) or int8 weights with per-row int8 activations, or none "
+                        f"(fp32); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, as the voice service)")
 
 
 def cmd_generate(a) -> int:

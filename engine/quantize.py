@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 log = logging.getLogger("engine.quantize")
 CHOICES = ("none", "fp16", "int8")
+DEFAULT_QUANTIZE = "fp16"  # measured fastest at the same answers (BENCHMARKS.md); voice.config.LmConfig agrees
 
 
 class Int8RowLinear(nn.Module):

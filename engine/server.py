@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP server: `/v1/models`, `/v1/chat/completions` (plain and SSE), `/healthz`.
 
-Every request is a fresh conversation (the API is stateless) on a KV cache the engine lends
-from its pool and takes back when the request ends, and generation runs through
-`Engine.stream`, so the event loop only awaits committed pieces and stays responsive.
+The API is stateless, but conversations are not: a request whose messages, all but the last,
+are an earlier request's messages plus the reply it got continues that request's KV cache
+(`PrefixCaches`), so a remote voice service prefills only the new turn; any other request gets
+a cache the engine lends from its pool. Generation runs through `Engine.stream`, so the event
+loop only awaits committed pieces and stays responsive.
 With `stream: true` each committed piece becomes one `chat.completion.chunk`. A client that
 disconnects cancels its generation at the next piece boundary, streaming or not.
 
@@ -35,6 +37,7 @@ import math
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -49,7 +52,7 @@ from starlette.routing import Route
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.keys import ConfigError, load_keys
 from engine.redact import install_redaction
-from engine.stream import Engine, Piece
+from engine.stream import Conversation, Engine, Piece
 from engine.wire import WireError, ascii_int, decode_json
 
 log = logging.getLogger("engine.server")
@@ -259,10 +262,43 @@ def _sse(obj: Any) -> bytes:
 
 # --- app -------------------------------------------------------------------------------------
 
+class PrefixCaches:
+    """Conversations kept between requests, keyed by the messages their cache covers (the prompt
+    and the reply). Least recently used first out, at most `size`; a taken conversation belongs
+    to its request alone until it is kept again. Correctness never depends on a hit: the engine
+    reuses only the cached tokens that equal the new prompt's. An evicted or unfinished
+    conversation is simply let go: the engine's scheduler may still be closing it, so its cache is
+    not recycled from here."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: OrderedDict[str, Conversation] = OrderedDict()
+        self.hits = 0
+
+    @staticmethod
+    def key(messages: list[dict]) -> str:
+        canonical = json.dumps([[m["role"], m["content"].strip()] for m in messages], ensure_ascii=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def take(self, messages: list[dict]) -> Conversation:
+        """The conversation that ended where `messages` continue (all but the last), or a new one."""
+        conversation = self._kept.pop(self.key(messages[:-1]), None)
+        self.hits += conversation is not None
+        return conversation or Conversation()
+
+    def keep(self, messages: list[dict], reply: str, conversation: Conversation) -> None:
+        self._kept[self.key([*messages, {"role": "assistant", "content": reply}])] = conversation
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+
 def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] | None = None,
-              max_input_chars: int = MAX_INPUT_CHARS, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
-    """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them."""
+              max_input_chars: int = MAX_INPUT_CHARS, max_body_bytes: int = MAX_BODY_BYTES,
+              kept_conversations: int = 8) -> Starlette:
+    """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them.
+    `kept_conversations`: KV caches kept for conversations that may continue (PrefixCaches)."""
     install_redaction((api_keys or {}).values())  # no key in any log line (engine.redact)
+    caches = PrefixCaches(kept_conversations)
     model_id = engine.name
     created = int(time.time())
     context = engine.max_seq_len
@@ -313,11 +349,25 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                            f"{cfg.max_new_tokens} in the completion).", "messages", "context_length_exceeded")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         now = int(time.time())
-        pieces = engine.stream(messages, cfg, conversation=None)  # a one-off: on a pooled cache, given back
+        conversation = caches.take(messages)
+        pieces = _kept_after(engine.stream(messages, cfg, conversation=conversation), messages, conversation)
         if opts["stream"]:
             return EventStream(_chunks(rid, now, pieces, cfg, opts, len(prompt), info),
                                on_cancel=lambda: info.update(finish="cancelled"))
         return await _complete(request, rid, now, pieces, cfg, len(prompt), info)
+
+    async def _kept_after(pieces, messages: list[dict], conversation: Conversation):
+        """The pieces; then the conversation is kept for a continuation (unless it was cut short)."""
+        text, finished = [], False
+        try:
+            async with contextlib.aclosing(pieces) as stream:
+                async for piece in stream:
+                    text.append(piece.text)
+                    finished = piece.finish_reason is not None
+                    yield piece
+        finally:
+            if finished:
+                caches.keep(messages, "".join(text), conversation)
 
     async def _complete(request: Request, rid: str, now: int, pieces, cfg: DecodeConfig, prompt_tokens: int,
                         info: dict) -> Response:

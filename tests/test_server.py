@@ -274,3 +274,31 @@ def test_still_serves_after_errors(client):
     reply = client.chat.completions.create(model="small", messages=chat("Hello!"), max_tokens=4)
     assert reply.choices[0].message.content
     assert reply.usage.completion_tokens <= 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continued_conversation_prefills_only_its_new_turn(client, stream):
+    """The API is stateless, but the second turn (first turn + its reply + a new question) reuses
+    the first turn's cache: prefilled tokens are the new part, not the whole prompt."""
+    first = [{"role": "system", "content": f"Be brief ({stream})."}, {"role": "user", "content": "Name a fruit."}]
+
+    def ask(messages):
+        if not stream:
+            r = client.chat.completions.create(model="small", messages=messages, max_tokens=8, temperature=0)
+            return r.choices[0].message.content, r.usage.prompt_tokens, r.model_extra["x_engine"]["prefilled_tokens"]
+        text, stats, usage = "", None, None
+        for chunk in client.chat.completions.create(model="small", messages=messages, max_tokens=8, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                stats = (chunk.model_extra or {}).get("x_engine") or stats
+            usage = chunk.usage or usage
+        return text, usage.prompt_tokens, stats["prefilled_tokens"]
+
+    reply, prompt1, prefilled1 = ask(first)
+    assert prefilled1 == prompt1  # nothing of it was cached
+    second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a vegetable?"}]
+    _, prompt2, prefilled2 = ask(second)
+    assert prompt2 > prompt1 + 5 and prefilled2 < prompt2 - prompt1 + 4  # ~ the new turn's tokens only
+    _, prompt3, prefilled3 = ask(first[:1] + [{"role": "user", "content": "Name a colour."}])
+    assert prefilled3 == prompt3  # a different conversation starts afresh

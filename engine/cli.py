@@ -139,6 +139,7 @@ def cmd_adapt(a) -> int:
 def cmd_draft(a) -> int:
     import torch
     from engine import data, train_draft
+    from engine.draft import load_head, save_head
     from engine.loading import load
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,12 @@ def cmd_draft(a) -> int:
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
                                        seed=a.seed)
-    print(json.dumps(train_draft.train(base, corpus, cfg, out, device)))
+    result = train_draft.train(base, corpus, cfg, out, device)
+    if a.ship:  # the file a release carries: fp16 (half the size; the head's drafts are the same to ~1e-3)
+        head = load_head(out / "drafter.safetensors", base.model.args.dim, base.model.args.vocab_size)
+        save_head(a.ship, head, result, dtype=torch.float16)
+        result["shipped"] = a.ship
+    print(json.dumps(result))
     return 0
 
 
@@ -217,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                        description="Distil the base model's greedy replies, read its hidden states over them, and "
                                    "train a small block-drafting head on them. Resumes from --out.")
     p.add_argument("--base", default="default", help="the model to draft for (a --model value; default: 'default')")
+    p.add_argument("--ship", default="", help="also write the trained head here in fp16 (e.g. "
+                                             "engine/weights/qwen2.5-0.5b-drafter.safetensors)")
     p.add_argument("--out", default="runs/draft", help="run folder: distilled data, checkpoints, drafter")
     p.add_argument("--chat-prompts", type=int, default=4500, help="chitchat turns to distil replies for")
     p.add_argument("--assistant-prompts", type=int, default=1500, help="templated assistant questions to distil")

@@ -138,10 +138,12 @@ class DraftHead(nn.Module):
         return Proposal(vocab[picks].tolist(), full, q.gather(-1, picks[:, None]).squeeze(-1).tolist())
 
 
-def save_head(path: str | Path, head: DraftHead, info: dict | None = None) -> None:
+def save_head(path: str | Path, head: DraftHead, info: dict | None = None, dtype: torch.dtype | None = None) -> None:
+    """`dtype`: store the float tensors in it (fp16 halves a shipped head; loading casts back)."""
     from safetensors.torch import save_file
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
+             for k, v in head.state_dict().items()}
     save_file(state, str(path), metadata={"args": json.dumps(asdict(head.args)), "info": json.dumps(info or {})})
 
 

@@ -173,3 +173,19 @@ def test_default_greedy_verify_equals_greedy_ar(default_engine):
         assert replies["verify"] == replies["ar"] == replies["verify, all drafts"], prompt
     # the head's drafts are accepted, so forwards are saved (prompt lookup gets ~1.0 on these prompts)
     assert tokens / forwards > 1.25, tokens / forwards
+
+
+def test_a_head_shipped_in_fp16_loads_and_drafts_like_the_original(tmp_path):
+    """`engine draft --ship` stores the head in fp16; loading casts it back to fp32 parameters."""
+    from engine.draft import DraftArgs, load_head, save_head
+    torch.manual_seed(0)
+    head = DraftHead(DraftArgs(dim=32, vocab_size=100, draft_vocab=20, n_heads=4, hidden_dim=64),
+                     torch.arange(20)).eval()
+    save_head(tmp_path / "head.safetensors", head, {"steps": 1}, dtype=torch.float16)
+    assert (tmp_path / "head.safetensors").stat().st_size < 0.6 * sum(p.numel() * 4 for p in head.parameters())
+    back = load_head(tmp_path / "head.safetensors", 32, 100)
+    assert all(p.dtype == torch.float32 for p in back.parameters())
+    embed, hidden, ids = torch.nn.Embedding(100, 32), torch.randn(6, 32), [1, 5, 7, 9, 11, 13, 2]
+    with torch.no_grad():
+        a, b = (h.propose(embed, hidden, ids, 4, 0.0, None) for h in (head, back))
+    assert a.ids == b.ids

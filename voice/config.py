@@ -107,7 +107,7 @@ class TtsConfig:
     voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
     length_scale: float = 1.0  # > 1 speaks slower
     min_chars: int = 12  # shorter phrases wait for more text unless flushed
-    first_words: int = 4  # the reply's first phrase may end after this many words (0: wait for punctuation)
+    first_words: int = 3  # the reply's first phrase may end after this many words (0: wait for punctuation)
 
     def __post_init__(self) -> None:
         if self.length_scale <= 0:

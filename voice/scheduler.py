@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-# How long a background job may be held back. A reply's first phrase is at least four words,
-# more than a second of audio, so holding its later phrases this long costs no gap.
+# How long a background job may be held back. A reply's first phrase is at least three words,
+# about a second of audio, so holding its later phrases this long costs no gap.
 MAX_DEFER_S = 0.3
 # A playing reply's work is urgent again once less audio than this is left to play: the LM
 # needs several forwards for the next phrase's text, synthesis one call for its audio.

@@ -267,11 +267,10 @@ class PrefixCaches:
     and the reply). Least recently used first out, at most `size`; a taken conversation belongs
     to its request alone until it is kept again. Correctness never depends on a hit: the engine
     reuses only the cached tokens that equal the new prompt's. An evicted or unfinished
-    conversation is simply let go: the engine's scheduler may still be closing it, so its cache is
-    not recycled from here."""
+    conversation is abandoned: its cache goes back to the engine's pool."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, engine: Engine, size: int):
+        self.engine, self.size = engine, size
         self._kept: OrderedDict[str, Conversation] = OrderedDict()
         self.hits = 0
 
@@ -287,9 +286,12 @@ class PrefixCaches:
         return conversation or Conversation()
 
     def keep(self, messages: list[dict], reply: str, conversation: Conversation) -> None:
-        self._kept[self.key([*messages, {"role": "assistant", "content": reply}])] = conversation
+        key = self.key([*messages, {"role": "assistant", "content": reply}])
+        if key in self._kept:  # the same exchange again: the newer cache replaces the older
+            self.engine.abandon(self._kept.pop(key))
+        self._kept[key] = conversation
         while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+            self.engine.abandon(self._kept.popitem(last=False)[1])
 
 
 def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] | None = None,
@@ -298,7 +300,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
     """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them.
     `kept_conversations`: KV caches kept for conversations that may continue (PrefixCaches)."""
     install_redaction((api_keys or {}).values())  # no key in any log line (engine.redact)
-    caches = PrefixCaches(kept_conversations)
+    caches = PrefixCaches(engine, kept_conversations)
     model_id = engine.name
     created = int(time.time())
     context = engine.max_seq_len
@@ -368,6 +370,8 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
         finally:
             if finished:
                 caches.keep(messages, "".join(text), conversation)
+            else:
+                engine.abandon(conversation)
 
     async def _complete(request: Request, rid: str, now: int, pieces, cfg: DecodeConfig, prompt_tokens: int,
                         info: dict) -> Response:

@@ -61,6 +61,7 @@ class Conversation:
 
     state: CacheState | None = None
     active: object | None = None  # the reply being generated; a new turn closes it first
+    abandoned: bool = False  # nobody will continue it: its cache goes back to the pool (Engine.abandon)
 
 
 class _Reply:
@@ -130,6 +131,7 @@ class Engine:
         self.pool_size = max_batch if pool_size is None else pool_size
         self._pool: list[CacheState] = []  # idle, cleared caches (any thread may take or give back)
         self._pool_lock = threading.Lock()
+        self._leave_lock = threading.Lock()  # a request leaving vs its conversation being abandoned
         # The host says when someone is waiting on the CPU for its other work (a voice service:
         # speech recognition, synthesis); replies nobody is waiting for then sit out a while.
         self.host_busy: Callable[[], bool] = lambda: False
@@ -167,6 +169,14 @@ class Engine:
             if self._pool:
                 return self._pool.pop()
         return CacheState.new(self.model, self.max_seq_len)
+
+    def abandon(self, conversation: Conversation) -> None:
+        """Nobody will continue `conversation` (any thread): its cache goes back to the pool now if
+        no request runs on it, else when that request leaves."""
+        with self._leave_lock:
+            conversation.abandoned = True
+            if conversation.active is None:
+                self._give_back(conversation)
 
     def _give_back(self, conversation: Conversation) -> None:
         """Take `conversation`'s cache for the pool, cleared (dropped if the pool is full)."""
@@ -326,8 +336,9 @@ class Engine:
     def _leave(self, request: _Request) -> None:
         """The request is over (finished, failed or cancelled): its conversation lets go of it (else
         the two keep each other, and the cache, alive until a full garbage collection), and an
-        engine-made conversation's cache goes back to the pool."""
-        if request.conversation.active is request:
-            request.conversation.active = None
-        if request.owned:
-            self._give_back(request.conversation)
+        engine-made or abandoned conversation's cache goes back to the pool."""
+        with self._leave_lock:
+            if request.conversation.active is request:
+                request.conversation.active = None
+            if request.owned or request.conversation.abandoned:
+                self._give_back(request.conversation)

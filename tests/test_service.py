@@ -270,7 +270,7 @@ def test_barge_in_interrupts_reply_and_next_turn_proceeds(service):
             await c.start(session={"lm_mode": "ar"})
             c.listen(speed=1.0)  # real time: "still playing" is judged against the wall clock
             c.say(clip("001.wav"))
-            await c.wait_for(is_audio)
+            first_audio = await c.wait_for(is_audio)
             c.say(clip("goforward.wav"))  # the user talks over the reply at once
             clear = await c.wait_for(event("clear"), since=first_audio)
             interrupted = await c.wait_for(event("reply_done", turn=1))

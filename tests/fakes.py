@@ -301,6 +301,9 @@ class StandInEngine:
         for i, word in enumerate(["Hello", " there."]):
             yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)
 
+    def abandon(self, conversation):
+        """Nothing to give back: the stand-in keeps no caches."""
+
 
 def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
     """Write `src` (16-bit mono WAV) with `lead_s` / `tail_s` seconds of silence around it."""

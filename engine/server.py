@@ -272,7 +272,6 @@ class PrefixCaches:
     def __init__(self, engine: Engine, size: int):
         self.engine, self.size = engine, size
         self._kept: OrderedDict[str, Conversation] = OrderedDict()
-        self.hits = 0
 
     @staticmethod
     def key(messages: list[dict]) -> str:
@@ -281,9 +280,7 @@ class PrefixCaches:
 
     def take(self, messages: list[dict]) -> Conversation:
         """The conversation that ended where `messages` continue (all but the last), or a new one."""
-        conversation = self._kept.pop(self.key(messages[:-1]), None)
-        self.hits += conversation is not None
-        return conversation or Conversation()
+        return self._kept.pop(self.key(messages[:-1]), None) or Conversation()
 
     def keep(self, messages: list[dict], reply: str, conversation: Conversation) -> None:
         key = self.key([*messages, {"role": "assistant", "content": reply}])

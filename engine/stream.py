@@ -11,8 +11,9 @@ its own KV cache, so a new turn only prefills what is new. Cancelling a stream (
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
 
-A request made without a conversation (the HTTP server's, one per request) runs on a cache
-borrowed from the engine's pool and gives it back, cleared, when it finishes or is cancelled:
+A request made without a conversation (a one-off) runs on a cache borrowed from the engine's
+pool and gives it back, cleared, when it finishes or is cancelled, and so does a conversation
+the caller abandons (`engine serve`'s, when nobody continues it):
 steady-state serving allocates no new ~100 MB caches. (Allocating one per request let glibc's
 heap keep growing with freed, still-resident caches: RSS rose by hundreds of MB per 100
 requests. bench/serve_soak.py measures it.)
@@ -109,7 +110,6 @@ class _Request:
     forward: Forward | None = None  # the next forward, waiting for its round
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
     cancelled: bool = False
-    owned: bool = False  # the engine made `conversation`: its cache goes back to the pool at the end
 
     def waited_for(self) -> bool:
         """Is someone waiting in silence for this request's next piece?"""
@@ -202,7 +202,7 @@ class Engine:
                       conversation: Conversation | None = None, **overrides) -> Iterator[Piece]:
         """Pieces of the reply to `messages`, decoded in the calling thread."""
         cfg = replace(cfg or self.defaults, **overrides)
-        owned, conversation = conversation is None, conversation or Conversation()
+        conversation = conversation or Conversation(abandoned=True)  # a one-off: nobody continues it
         steps, reply = self._begin(messages, cfg, conversation, time.perf_counter())
         blocks = drive(self.model, steps)
         conversation.active = blocks
@@ -213,7 +213,7 @@ class Engine:
             blocks.close()
             if conversation.active is blocks:
                 conversation.active = None
-            if owned:
+            if conversation.abandoned:
                 self._give_back(conversation)
 
     # --- many requests, batched by the scheduler thread ---------------------------------------
@@ -233,8 +233,8 @@ class Engine:
             except RuntimeError:  # the caller's event loop is gone; nobody is listening
                 pass
 
-        request = _Request(messages, replace(cfg or self.defaults, **overrides), conversation or Conversation(),
-                           deliver, urgent, owned=conversation is None)
+        request = _Request(messages, replace(cfg or self.defaults, **overrides),
+                           conversation or Conversation(abandoned=True), deliver, urgent)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -336,9 +336,10 @@ class Engine:
     def _leave(self, request: _Request) -> None:
         """The request is over (finished, failed or cancelled): its conversation lets go of it (else
         the two keep each other, and the cache, alive until a full garbage collection), and an
-        engine-made or abandoned conversation's cache goes back to the pool."""
+        abandoned conversation's cache (a one-off's, or one Engine.abandon was called for) goes back
+        to the pool."""
         with self._leave_lock:
             if request.conversation.active is request:
                 request.conversation.active = None
-            if request.owned or request.conversation.abandoned:
+            if request.conversation.abandoned:
                 self._give_back(request.conversation)

@@ -52,12 +52,11 @@ class Stages:
     """The models and the service-wide state every session shares (each stage queues its own work).
     Built from its parts, so tests can pass fakes; `Stages.load(config)` loads the real models."""
 
-    def __init__(self, config: Config, whisper, synthesizer, lm, scheduler: Scheduler | None = None,
-                 metrics: Metrics | None = None):
+    def __init__(self, config: Config, whisper, synthesizer, lm, scheduler: Scheduler | None = None):
         self.config = config
         self.whisper, self.synthesizer, self.lm = whisper, synthesizer, lm
         self.scheduler = scheduler or Scheduler()
-        self.metrics = metrics or Metrics()
+        self.metrics = Metrics()
         self.apology = apologies(synthesizer, config.faults.apology)
         self.admission = Admission(config.limits, self.metrics)
         self.records: rec.Records | None = None  # the app opens them (voice.server)

@@ -237,12 +237,13 @@ class MicClient:
 
     def _event(self, text: str) -> None:
         try:
-            ev = from_wire(json.loads(text))
+            body = json.loads(text)
         except json.JSONDecodeError:
             self.console.line(f"error: the server sent malformed JSON (ignored): {text[:60]!r}")
             return
+        try:
+            ev = from_wire(body)
         except ValueError as err:
-            body = json.loads(text)
             kind = body.get("type") if isinstance(body, dict) else None
             if kind in WIRE_TYPES:
                 self.console.line(f"error: malformed {kind} event (ignored): {err}")

@@ -149,7 +149,7 @@ def test_concurrent_sessions_share_the_model(model):
 
 
 @pytest.mark.parametrize(
-    "fields", [{"beam_size": 0}, {"partial_interval_ms": 0}, {"min_window_s": 0.5}, {"min_window_s": 31}]
+    "fields", [{"beam_size": 0}, {"partial_interval_ms": 0}, {"min_window_s": 0.5}, {"min_window_s": 31}, {"model": ""}]
 )
 def test_config_rejects_bad_values(fields):
     with pytest.raises(ValueError):

@@ -53,6 +53,8 @@ class AsrConfig:
     min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
 
     def __post_init__(self) -> None:
+        if not self.model.strip():
+            raise ValueError("asr model must name one: tiny.en, base, a CTranslate2 folder or a size name")
         if self.beam_size < 1:
             raise ValueError(f"asr beam_size must be at least 1, got {self.beam_size}")
         if self.early_final_ms < 0:

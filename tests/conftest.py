@@ -53,7 +53,7 @@ def live_voice_server():
 
     from voice.config import Config
     from voice.server import build_app
-    from voice.session import Stages
+    from voice.stages import Stages
     from liveserver import serving
 
     config = Config()

@@ -1,7 +1,7 @@
 """Stand-ins for the models, and a live server around them, for tests that are about the service's
 plumbing (auth, limits, records, shutdown, fuzzing) rather than about speech.
 
-`fake_stages(config)` is a real `voice.session.Stages` (metrics, admission, records, apology
+`fake_stages(config)` is a real `voice.stages.Stages` (metrics, admission, records, apology
 cache) whose models are replaced: webrtcvad still runs on the audio (so real speech clips make
 real turns), the "ASR" returns a fixed transcript, the "LM" a scripted reply, and the "TTS" a
 tone 60 ms per character. `LiveServer` runs `build_app` under uvicorn in a thread on a free
@@ -26,7 +26,7 @@ from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
 from voice.lm import Block
 from voice.scheduler import Scheduler
-from voice.session import Stages
+from voice.stages import Stages
 
 SPEECH = Path(__file__).resolve().parent / "speech"  # real recordings (README there), in the repo
 FRAME = 640  # 20 ms of 16 kHz PCM16

@@ -33,7 +33,7 @@ from strategies import INVITE, sip_datagrams, start_messages, twilio_messages
 from voice.audio import pcm16_to_float, rms_dbfs
 from voice.config import Config
 from voice.server import build_app
-from voice.session import Stages
+from voice.stages import Stages
 
 RATE = 16000
 FRAME = 640

@@ -24,7 +24,7 @@ from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_
 from voice.config import Config
 from voice.latency import STAGES
 from voice.server import build_app
-from voice.session import Stages
+from voice.stages import Stages
 from fakes import SPEECH
 
 RATE = 16000

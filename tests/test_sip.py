@@ -32,7 +32,7 @@ from voice.config import AsrConfig
 from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_dbfs, ulaw_encode
 from voice.config import Config
 from voice.server import build_app
-from voice.session import Stages
+from voice.stages import Stages
 from voice.transports import rtp, sdp
 from voice.transports.telephony import calls
 from fakes import SPEECH

@@ -24,7 +24,7 @@ import websockets
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode, float_to_int16
 from voice.config import Config
 from voice.server import build_app
-from voice.session import Stages
+from voice.stages import Stages
 from voice.transports.telephony import calls
 from fakes import SPEECH
 

@@ -1,4 +1,5 @@
-"""Admission control: how many sessions may run, in all and per API key, and whether we are draining.
+"""Limits: how many sessions may run, in all and per API key, and whether we are draining
+(admission); how long one session may last and stay silent (`watch_session`).
 
 Every transport asks for a `Ticket` before it opens a session (a websocket right after it is
 authenticated, a SIP call at its INVITE) and releases it when the connection ends.
@@ -6,8 +7,10 @@ authenticated, a SIP call at its INVITE) and releases it when the connection end
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+import time
 
 from voice.config import LimitsConfig
 
@@ -70,3 +73,17 @@ class Admission:
         if self.metrics is not None:
             self.metrics.refused.labels(reason).inc()
         log.warning("session refused: %s (%d open)", reason, self.total)
+
+
+async def watch_session(session) -> None:
+    """A session's own limits, checked while it lasts: its total duration and audio idleness.
+    Past either, the session is `terminate`d (the transport then closes the connection)."""
+    lim = session.config.limits
+    period = min([1.0] + [x / 4 for x in (lim.max_session_s, lim.idle_timeout_s) if x])
+    while not session.closed and not session.ending.is_set():
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        if lim.max_session_s and now - session.opened > lim.max_session_s:
+            session.terminate("session_too_long", f"sessions are limited to {lim.max_session_s:g} s")
+        elif lim.idle_timeout_s and now - session.last_audio > lim.idle_timeout_s:
+            session.terminate("idle_timeout", f"no audio for {lim.idle_timeout_s:g} s")

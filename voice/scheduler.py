@@ -5,7 +5,7 @@ they hear nothing, and that gap is the latency we sell. Later work for a reply t
 already playing has the audio queued before it as slack, until that runs low; partial
 transcripts are best effort.
 
-One `Scheduler` per service (`voice.session.Stages` owns it and hands it to every stage):
+One `Scheduler` per service (`voice.stages.Stages` owns it and hands it to every stage):
 sessions tell it when they start and stop waiting in silence, and each stage runs its jobs on
 one `Worker` thread of it, urgent jobs first. A job nobody waits for is held back while anyone
 waits, each for at most `max_defer_s`, so it is delayed, never starved. Workers sleep on a

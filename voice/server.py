@@ -29,7 +29,7 @@ from starlette.websockets import WebSocket
 from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
 from voice.config import Config
 from voice.records import Records
-from voice.session import Stages
+from voice.stages import Stages
 from voice.transports import native, twilio
 
 log = logging.getLogger("voice.server")

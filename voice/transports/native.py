@@ -24,7 +24,8 @@ from voice.auth import Auth, AuthError
 from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, Ready, TtsAudio
 from voice.limits import LimitError
-from voice.session import Session, Stages
+from voice.session import Session
+from voice.stages import Stages
 
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)

@@ -18,7 +18,8 @@ import numpy as np
 
 from voice.config import SipConfig
 from voice.limits import LimitError, Ticket
-from voice.session import Session, Stages
+from voice.session import Session
+from voice.stages import Stages
 from voice.transports import rtp, sdp
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)

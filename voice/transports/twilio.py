@@ -24,7 +24,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
-from voice.session import Session, Stages
+from voice.session import Session
+from voice.stages import Stages
 from voice.transports.telephony import RATE, CallRecord, Outbound, calls, count_drop
 
 log = logging.getLogger("voice.twilio")

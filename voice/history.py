@@ -1,0 +1,29 @@
+"""What the LM sees of a conversation: the system prompt, recent turns, and the new question."""
+
+from __future__ import annotations
+
+
+class History:
+    """The turns the user finished, each with what they actually heard of the reply (a barge-in
+    cuts it). Old turns are forgotten half a window at a time, not one per turn: a window that
+    slides every turn changes the prompt's start, and the LM would prefill the whole conversation
+    again. `turns = 0` keeps none."""
+
+    def __init__(self, system_prompt: str, turns: int):
+        self.system_prompt, self.turns = system_prompt, turns
+        self.said: list[dict] = []
+
+    def __iter__(self):
+        return iter(self.said)
+
+    def messages(self, user_text: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + (self.said if self.turns else []) + [{"role": "user", "content": user_text}]
+
+    def add(self, user_text: str, heard: str) -> None:
+        self.said.append({"role": "user", "content": user_text})
+        if heard:
+            self.said.append({"role": "assistant", "content": heard})
+        window = 2 * max(self.turns, 1)
+        if len(self.said) > window:
+            del self.said[:len(self.said) - window // 2]

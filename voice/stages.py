@@ -1,0 +1,70 @@
+"""The models and the service-wide state every session shares.
+
+Built from its parts, so tests can pass fakes; `Stages.load(config)` loads the real models. Each
+stage queues its own work on a worker of the one `voice.scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from voice import records as rec
+from voice.asr import Whisper
+from voice.audio import RATES, float_to_int16, resample
+from voice.config import Config
+from voice.latency import Metrics
+from voice.limits import Admission
+from voice.lm import load_lm
+from voice.reply import StageFailure
+from voice.scheduler import Scheduler
+from voice.tts import Synthesizer, load_voice
+
+log = logging.getLogger("voice.session")
+FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
+
+
+class Stages:
+    def __init__(self, config: Config, whisper, synthesizer, lm, scheduler: Scheduler | None = None):
+        self.config = config
+        self.whisper, self.synthesizer, self.lm = whisper, synthesizer, lm
+        self.scheduler = scheduler or Scheduler()
+        self.metrics = Metrics()
+        self.apology = apologies(synthesizer, config.faults.apology)
+        self.admission = Admission(config.limits, self.metrics)
+        self.records: rec.Records | None = None  # the app opens them (voice.server)
+        self.live: set = set()  # open sessions
+        self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
+
+    @classmethod
+    def load(cls, config: Config) -> "Stages":
+        t = time.perf_counter()
+        scheduler = Scheduler()
+        stages = cls(config, Whisper(config.asr, scheduler.worker("asr")),
+                     Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts")),
+                     load_lm(config.lm, scheduler), scheduler)
+        weights = stages.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
+        log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
+                 config.lm.backend, config.lm.model, weights, config.lm.mode)
+        return stages
+
+    def fault(self, failure: StageFailure) -> None:
+        """Note a stage's failure for /healthz and /metrics (unless this client's input caused it)."""
+        if failure.kind == "client":
+            return
+        self.metrics.stage_faults.labels(failure.stage, failure.kind).inc()
+        self.faults[failure.stage] = (time.monotonic(), failure.kind)
+
+    def recent_faults(self, window_s: float = FAULT_WINDOW_S) -> dict[str, str]:
+        now = time.monotonic()
+        return {stage: what for stage, (t, what) in self.faults.items() if now - t < window_s}
+
+
+def apologies(synthesizer: Synthesizer, text: str) -> dict[int, bytes]:
+    """The apology as PCM16 at every rate a client may ask for: synthesised once, resampled per rate."""
+    if not text.strip():
+        return {}
+    pcm = synthesizer._render(text, synthesizer.voice_rate)
+    audio = pcm.astype("float32") / 32768.0
+    return {rate: float_to_int16(resample(audio, synthesizer.voice_rate, rate)).astype("<i2").tobytes()
+            for rate in RATES}

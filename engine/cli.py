@@ -71,7 +71,7 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(a) -> int:
     from engine.stream import Engine
-    engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize, drafter=a.drafter)
+    engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize, drafter=a.drafter, device=a.device)
     cfg = decode_config(a)
     messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": a.prompt}]
     start = time.perf_counter()
@@ -88,7 +88,7 @@ def cmd_generate(a) -> int:
 
 def cmd_serve(a) -> int:
     from engine.server import serve
-    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter)
+    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter, a.device)
     return 0
 
 
@@ -140,11 +140,11 @@ def cmd_draft(a) -> int:
     import torch
     from engine import data, train_draft
     from engine.draft import load_head, save_head
-    from engine.loading import load
+    from engine.loading import load, pick_device
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    base = load(a.base, adapter="", drafter="", device=device)
+    device = pick_device(a.device)
+    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32)  # fp32 targets, as on CPU
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
     data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch)
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="reply to one prompt, streaming committed blocks to stdout")
     add_model_option(p)
     add_decode_options(p)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (bf16 weights) | auto (cuda when there is one)")
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
     p.set_defaults(func=cmd_generate)
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/models, /v1/chat/completions)")
     add_model_option(p)
     add_decode_options(p)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (bf16 weights) | auto (cuda when there is one)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.set_defaults(func=cmd_serve)

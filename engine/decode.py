@@ -94,8 +94,7 @@ class CacheState:
 
     @classmethod
     def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
-        model.setup_cache(1, max_seq_len)
-        caches = model.caches()
+        caches = model.new_caches(1, max_seq_len)
         return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim, device=caches[0].k.device))
 
     @property
@@ -207,20 +206,21 @@ class Forward:
         end = start + n_clean + n_draft
         if end > state.capacity:
             raise ContextOverflow(f"conversation needs {end} tokens but the context holds {state.capacity}")
-        pos = torch.arange(start, end)
+        device = state.caches[0].k.device  # the model's: everything a forward reads lives there
+        pos = torch.arange(start, end, device=device)
         if self.context == "bidirectional":
-            visible = torch.full((n_clean + n_draft,), end)
+            visible = torch.full((n_clean + n_draft,), end, device=device)
         elif self.context == "block_causal" and self.clean_is_block:
-            visible = torch.full((n_clean + n_draft,), end)
+            visible = torch.full((n_clean + n_draft,), end, device=device)
             visible[:n_clean] = start + n_clean
         elif self.draft_causal:
             visible = pos + 1
         else:
-            visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end)])
-        rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft)
-        row_lengths = visible.tolist() if self.draft_causal and n_draft else None
-        return Segment(torch.tensor(clean + draft, dtype=torch.long), pos, visibility_mask(visible, end),
-                       state.caches, rows, row_lengths)
+            visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end, device=device)])
+        rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft, device=device)
+        row_lengths = list(range(start + 1, end + 1)) if self.draft_causal and n_draft else None
+        return Segment(torch.tensor(clean + draft, dtype=torch.long, device=device), pos,
+                       visibility_mask(visible, end), state.caches, rows, row_lengths)
 
     def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
@@ -230,7 +230,7 @@ class Forward:
         if self.context == "block_causal" and self.clean_is_block and n_clean > 1:
             state.blocks.append((len(state.ids), len(state.ids) + n_clean))
         state.ids.extend(self.clean)
-        logits = logits.float()
+        logits = logits.float().cpu()  # the commit rules run on the CPU, beside the sampler's generator
         return (logits[0] if n_clean else None), (logits[1 if n_clean else 0:] if self.draft else None)
 
 
@@ -388,7 +388,7 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     """
     n, width = len(prompts), max(len(p) for p in prompts)
     device = model.embed_tokens.weight.device
-    model.setup_cache(n, width + max_new_tokens)
+    caches = model.new_caches(n, width + max_new_tokens)
     tokens = torch.zeros(n, width, dtype=torch.long)
     valid = torch.ones(n, width + max_new_tokens, dtype=torch.bool)
     for i, p in enumerate(prompts):
@@ -398,7 +398,7 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     pos = torch.arange(width, device=device)
     mask = (visibility_mask(pos + 1, width)[None] & valid[:, None, :width]
             | torch.eye(width, dtype=torch.bool, device=device))
-    logits = model(tokens, pos, mask[:, None], slice(-1, None))[:, -1].float()
+    logits = model(tokens, pos, mask[:, None], slice(-1, None), caches)[:, -1].float()
     replies: list[list[int]] = [[] for _ in prompts]
     alive = torch.ones(n, dtype=torch.bool)
     for step in range(max_new_tokens):
@@ -410,8 +410,7 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
             break
         p = width + step
         logits = model(token[:, None], torch.tensor([p], device=device), valid[:, None, None, : p + 1],
-                       slice(None))[:, -1].float()
-    model.use_caches([None] * len(model.layers))
+                       slice(None), caches)[:, -1].float()
     return replies
 
 

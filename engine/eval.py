@@ -60,7 +60,6 @@ def reply_nll(model: Transformer, prompt_ids: list[int], reply_ids: list[int]) -
         return 0.0
     ids = prompt_ids + reply_ids
     t, p = len(ids), len(prompt_ids)
-    model.use_caches([None] * len(model.layers))  # a plain forward over the whole sequence
     pos = torch.arange(t)
     logits = model(torch.tensor([ids]), pos, visibility_mask(pos + 1, t), slice(p - 1, t - 1))[0].float()
     logp = logits.log_softmax(-1).gather(-1, torch.tensor(reply_ids)[:, None]).squeeze(-1)

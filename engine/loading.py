@@ -94,12 +94,37 @@ def shipped_drafter(name: str) -> Path | None:
     return path if path and path.exists() else None
 
 
-def load(name: str = "default", max_seq_len: int = 2048, dtype=torch.float32, device="cpu",
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def pick_device(device: str) -> str:
+    """`cpu`, `cuda`, or `auto` (CUDA when PyTorch sees a GPU): the device the model will run on."""
+    if device not in DEVICES:
+        raise ModelLoadError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' asked for, but PyTorch sees no CUDA GPU (a CPU-only torch wheel, "
+                             "or no driver); use 'cpu' or 'auto'")
+    return device
+
+
+def weights_dtype(device: str) -> torch.dtype:
+    """fp32 on CPU (engine.quantize makes it faster there); bf16 on a GPU that has it, else fp16."""
+    if device == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu",
          adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
-    """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id). `adapter`: a LoRA file to
+    """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id) onto `device` (see
+    `pick_device`) in `dtype` (default: `weights_dtype(device)`). `adapter`: a LoRA file to
     merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
     head file, "" for prompt lookup, None for the model's shipped head. `quantize`
-    (engine.quantize) applies last."""
+    (engine.quantize, CPU only) applies last."""
+    device = pick_device(device)
+    dtype = dtype or weights_dtype(device)
     model = ALIASES.get(name, name)
     if adapter == "default":
         if model != "smollm2-135m":

@@ -97,11 +97,11 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.norm_eps)
             self.k_norm = RMSNorm(hd, args.norm_eps)
-        self.cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor,
+                cache: KVCache | None) -> Tensor:
         return self.o_proj(self.attend(x, self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, pos, mask,
-                                       self.cache))
+                                       cache))
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
                mask: Tensor, cache: KVCache | None, row_lengths: list[int] | None = None) -> Tensor:
@@ -150,8 +150,9 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor,
+                cache: KVCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -169,24 +170,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def setup_cache(self, batch: int = 1, max_seq_len: int | None = None) -> None:
-        """Give every layer a fresh preallocated cache (one per conversation in `engine.stream`)."""
+    def new_caches(self, batch: int = 1, max_seq_len: int | None = None) -> list[KVCache]:
+        """A fresh preallocated cache per layer (one set per conversation in `engine.stream`)."""
         a = self.args
         n = max_seq_len or a.max_seq_len
-        for layer in self.layers:
-            layer.self_attn.cache = KVCache(batch, a.n_kv_heads, n, a.head_dim, self.embed_tokens.weight.dtype,
-                                            self.embed_tokens.weight.device)
-
-    def caches(self) -> list[KVCache | None]:
-        return [layer.self_attn.cache for layer in self.layers]
-
-    def use_caches(self, caches: list[KVCache | None]) -> None:
-        for layer, cache in zip(self.layers, caches):
-            layer.self_attn.cache = cache
+        w = self.embed_tokens.weight
+        return [KVCache(batch, a.n_kv_heads, n, a.head_dim, w.dtype, w.device) for _ in self.layers]
 
     def forward(self, tokens: Tensor | None = None, pos: Tensor | None = None, mask: Tensor | None = None,
-                logits_rows: Tensor | slice = slice(None), *, segments: list[Segment] | None = None):
-        """tokens [B, T] at positions `pos` [T]; `mask` [T, S] (True = may attend) over cache slots 0..S-1.
+                logits_rows: Tensor | slice = slice(None), caches: list[KVCache] | None = None, *,
+                segments: list[Segment] | None = None):
+        """tokens [B, T] at positions `pos` [T]; `mask` [T, S] (True = may attend) over `caches`' slots 0..S-1.
 
         With `segments`, several sequences run in one pass against their own caches instead
         (see `forward_segments`); going through here keeps forward hooks seeing every pass.
@@ -198,15 +192,15 @@ class Transformer(nn.Module):
         """
         if segments is not None:
             return forward_segments(self, segments)
-        return self.lm_head(self.norm(self.hidden(tokens, pos, mask)[:, logits_rows]))
+        return self.lm_head(self.norm(self.hidden(tokens, pos, mask, caches)[:, logits_rows]))
 
-    def hidden(self, tokens: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+    def hidden(self, tokens: Tensor, pos: Tensor, mask: Tensor, caches: list[KVCache] | None = None) -> Tensor:
         """The last layer's output for every row, before the final norm (what a draft head reads)."""
         cos = self.rope_cos[pos][None, None]
         sin = self.rope_sin[pos][None, None]
         x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, pos, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, pos, mask, caches[i] if caches is not None else None)
         return x
 
 
@@ -243,7 +237,7 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[
             start += n
         x = x + attn.o_proj(torch.cat(outs, dim=1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    offsets = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     rows = torch.cat([s.logits_rows + o for s, o in zip(segments, offsets)])
     logits = model.lm_head(model.norm(x[:, rows]))[0]
     return list(zip(logits.split([len(s.logits_rows) for s in segments]), x[0].split(sizes)))

@@ -95,12 +95,13 @@ def quantize(model: nn.Module, how: str) -> str:
     """Quantise `model` in place as `how` says (none | fp16 | int8); returns what it now runs in."""
     if how not in CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(CHOICES)}, not {how!r}")
+    weight = next(model.parameters())
+    as_loaded = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype))
     if how == "none":
-        return "fp32"
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        log.info("%s linear layers are for CPU; the model on %s stays as it is", how, device)
-        return "fp32"
+        return as_loaded
+    if weight.device.type != "cpu":
+        log.info("%s linear layers are for CPU; the model on %s stays in %s", how, weight.device, as_loaded)
+        return as_loaded
     why_not = supported(how)
     if why_not:
         log.warning("%s requested but %s: running fp32", how, why_not)

@@ -559,7 +559,7 @@ class RequestLog:
 
 
 def serve(model: str, adapter: str | None, host: str, port: int, defaults: DecodeConfig, quantize: str = "none",
-          drafter: str | None = None) -> None:
+          drafter: str | None = None, device: str = "cpu") -> None:
     """Load `model` and serve it until interrupted."""
     import uvicorn
 
@@ -577,7 +577,8 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
                 raise SystemExit(f"engine serve: ${var} must be a positive integer")
             limits[name] = int(value)
     try:
-        engine = Engine.load(model, adapter=adapter, defaults=defaults, quantize=quantize, drafter=drafter)
+        engine = Engine.load(model, adapter=adapter, defaults=defaults, quantize=quantize, drafter=drafter,
+                             device=device)
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,

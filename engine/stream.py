@@ -3,10 +3,11 @@
 One scheduler thread owns the model. Every round it advances each active request to its
 next forward (a denoising step, or an AR token) and runs up to `max_batch` of them as one
 batched pass, so concurrent conversations share block-denoising steps instead of queueing
-behind each other (continuous batching at block-step granularity). Urgent replies go first:
-those that have not delivered a piece yet, and those whose caller says it still waits for
-more (`urgent`: a voice service waits for a whole first phrase), while a reply already
-flowing has slack (MAX_DEFER_S, `host_busy`). Each conversation keeps
+behind each other (continuous batching at block-step granularity). Each round the requests of
+the highest priority go first (`priority()`, asked per round: a reply that has not delivered a
+piece yet is WAITED); the others sit out, each forward at most `max_defer_s`, so they are
+delayed, never starved; a BACKGROUND request sits out even alone. What deserves which priority
+is the caller's policy (voice/lm.py has the voice service's). Each conversation keeps
 its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
@@ -34,9 +35,8 @@ from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
 
-# How long a reply nobody is waiting for may sit out rounds for urgent ones or a busy host.
-# Its caller is still speaking or showing what came before, so a short pause costs no time.
-MAX_DEFER_S = 0.3
+# Request priorities (`priority()`): the highest present runs; the others sit out for a while.
+BACKGROUND, NORMAL, WAITED = 0, 1, 2
 
 
 @dataclass
@@ -102,7 +102,7 @@ class _Request:
     cfg: DecodeConfig
     conversation: Conversation
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
-    urgent: Callable[[], bool] | None = None  # the caller still waits in silence for more of it
+    priority: Callable[[], int] | None = None  # asked each round once the first piece is out (default NORMAL)
     start: float = field(default_factory=time.perf_counter)
     steps: Generator | None = None
     reply: _Reply | None = None
@@ -111,20 +111,22 @@ class _Request:
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
     cancelled: bool = False
 
-    def waited_for(self) -> bool:
-        """Is someone waiting in silence for this request's next piece?"""
-        return self.reply.first is None or (self.urgent is not None and self.urgent())
+    def level(self) -> int:
+        if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
+            return WAITED
+        return NORMAL if self.priority is None else self.priority()
 
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None,
-                 max_batch: int = 8, pool_size: int | None = None):
-        """`pool_size`: idle KV caches kept for requests without a conversation (default `max_batch`)."""
+                 max_batch: int = 8, pool_size: int | None = None, max_defer_s: float = 0.3):
+        """`pool_size`: idle KV caches kept for requests without a conversation (default `max_batch`).
+        `max_defer_s`: how long a lower-priority forward may sit out rounds."""
         self.loaded = loaded
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
         self.defaults = defaults or DecodeConfig()
-        self.max_batch = max_batch
+        self.max_batch, self.max_defer_s = max_batch, max_defer_s
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
@@ -132,16 +134,13 @@ class Engine:
         self._pool: list[CacheState] = []  # idle, cleared caches (any thread may take or give back)
         self._pool_lock = threading.Lock()
         self._leave_lock = threading.Lock()  # a request leaving vs its conversation being abandoned
-        # The host says when someone is waiting on the CPU for its other work (a voice service:
-        # speech recognition, synthesis); replies nobody is waiting for then sit out a while.
-        self.host_busy: Callable[[], bool] = lambda: False
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
              defaults: DecodeConfig | None = None, max_batch: int = 8, quantize: str = "none",
-             drafter: str | None = None) -> "Engine":
-        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter, quantize=quantize, drafter=drafter),
-                   max_seq_len, defaults, max_batch)
+             drafter: str | None = None, device: str = "cpu") -> "Engine":
+        return cls(load(name, max_seq_len=max_seq_len, adapter=adapter, quantize=quantize, drafter=drafter,
+                        device=device), max_seq_len, defaults, max_batch)
 
     @property
     def name(self) -> str:
@@ -219,11 +218,11 @@ class Engine:
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                     conversation: Conversation | None = None, urgent: Callable[[], bool] | None = None,
+                     conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
                      **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
-        piece, and while `urgent()` says so, the request goes ahead of replies already flowing.
-        Without a `conversation` the request is a one-off on a pooled cache."""
+        piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
+        the request is a one-off on a pooled cache."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -234,7 +233,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides),
-                           conversation or Conversation(abandoned=True), deliver, urgent)
+                           conversation or Conversation(abandoned=True), deliver, priority)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -289,14 +288,12 @@ class Engine:
         return active
 
     def _this_round(self, ready: list[_Request]) -> list[_Request]:
-        """Urgent requests first: the others sit out while one is urgent, or while the host says
-        someone is waiting on the CPU for its other work; each forward at most MAX_DEFER_S."""
-        urgent = [request for request in ready if request.waited_for()]
-        if not urgent and not self.host_busy():
-            return ready
-        now = time.monotonic()
-        return urgent + [request for request in ready
-                         if request not in urgent and now - request.ready_since >= MAX_DEFER_S]
+        """The requests of the highest priority present (unless that is BACKGROUND), and those
+        that have sat out `max_defer_s`."""
+        levels = [request.level() for request in ready]
+        top, now = max(levels, default=NORMAL), time.monotonic()
+        return [request for request, level in zip(ready, levels)
+                if level == top > BACKGROUND or now - request.ready_since >= self.max_defer_s]
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation

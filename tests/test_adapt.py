@@ -57,7 +57,6 @@ def probe_batches(examples, cfg: AdaptConfig):
 
 
 def logits_on(model, batches) -> list[torch.Tensor]:
-    model.use_caches([None] * len(model.layers))
     with torch.no_grad():
         return [model(*b)[0] for b in batches]
 

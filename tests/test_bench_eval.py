@@ -154,7 +154,6 @@ def test_reply_nll_agrees_with_cached_decoding():
     reply = [t for p in engine.generate_sync(messages, DecodeConfig(mode="ar", max_new_tokens=6)) for t in p.token_ids]
     prompt = engine.prompt_ids(messages)
     ids, n = prompt + reply, len(prompt)
-    engine.model.use_caches([None] * len(engine.model.layers))
     pos = torch.arange(len(ids))
     with torch.inference_mode():
         logits = engine.model(torch.tensor([ids]), pos, visibility_mask(pos + 1, len(ids)), slice(n - 1, len(ids) - 1))

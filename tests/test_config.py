@@ -13,6 +13,45 @@ def test_gpu_profile_overrides_only_what_it_names():
     gpu = load_config(CONFIG_DIR / "gpu.toml")
     assert gpu.budget.voice_to_voice < Config().budget.voice_to_voice
     assert gpu.tts == Config().tts
+    assert gpu.lm.device == "cuda" and gpu.asr.device == "cuda"
+
+
+def test_the_lm_device_choice(monkeypatch):
+    """`[lm] device`: auto takes CUDA only when PyTorch sees it; cuda without one is a clear error
+    before anything loads; a GPU gets bf16 weights (fp16 where bf16 is missing), the CPU fp32."""
+    import torch
+
+    from engine.loading import ModelLoadError, pick_device, weights_dtype
+    from voice.config import LmConfig
+    from voice.lm import LocalLM
+    with pytest.raises(ValueError, match="lm.device"):
+        LmConfig(device="tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == "cpu" and pick_device("cpu") == "cpu"
+    with pytest.raises(ModelLoadError, match="no CUDA GPU"):
+        LocalLM(LmConfig(device="cuda", model="no-such-model-is-loaded", threads=0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device("auto") == "cuda" and pick_device("cuda") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert weights_dtype("cuda") == torch.bfloat16 and weights_dtype("cpu") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert weights_dtype("cuda") == torch.float16
+
+
+def test_a_forward_is_built_on_the_cache_device():
+    """Decoding feeds a model on any device: a forward's tokens, positions and mask are made where
+    its conversation's cache lives (the meta device stands in for a GPU here)."""
+    import torch
+
+    from engine.decode import CacheState, Forward
+    from engine.model import KVCache
+    caches = [KVCache(1, 2, 32, 8, torch.bfloat16, torch.device("meta")) for _ in range(2)]
+    state = CacheState(caches, None, [1, 2, 3])
+    for draft_causal in (False, True):
+        segment = Forward(state, [4, 5], False, [6, 7, 8], "causal", draft_causal).segment()
+        assert {t.device.type for t in (segment.tokens, segment.pos, segment.mask, segment.logits_rows)} == {"meta"}
+        assert segment.mask.shape == (5, 8)
+    assert Forward(state, [4, 5], False, [6, 7, 8], "causal", True).segment().row_lengths == [4, 5, 6, 7, 8]
 
 
 def test_unknown_options_are_named(tmp_path: Path):

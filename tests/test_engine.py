@@ -18,8 +18,7 @@ from engine.decode import (CacheState, ContextOverflow, DecodeConfig, DiffusionS
                            generate_ar_batch, generate_diffusion, run)
 from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
-import engine.stream as engine_stream
-from engine.stream import Conversation, Engine
+from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine
 
 import tinyckpt
 from tinyckpt import MASK_ID
@@ -32,7 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Our forward without a KV cache under the plain causal mask: [T, V]."""
-    model.use_caches([None] * len(model.layers))
     t = tokens.shape[-1]
     with torch.no_grad():
         return model(tokens.view(1, -1), torch.arange(t), visibility_mask(torch.arange(t) + 1, t))[0]
@@ -191,7 +189,6 @@ class Reference:
             clean_visible = list(range(start + 1, start + n + 1))
         tokens = self.tokens + clean + draft
         visible = self.visible + clean_visible + [end] * len(draft)
-        self.model.use_caches([None] * len(self.model.layers))
         with torch.no_grad():
             logits = self.model(torch.tensor([tokens]), torch.arange(end),
                                 visibility_mask(torch.tensor(visible), end))[0].float()
@@ -247,7 +244,6 @@ def sequential_unmasking(model, prompt: list[int], spec: DiffusionSpec, max_new:
             start = len(ref.tokens)
             tokens = ref.tokens + block
             visible = ref.visible + [start + size] * size  # the block sees the prefix and all of itself
-            model.use_caches([None] * len(model.layers))
             with torch.no_grad():
                 logits = model(torch.tensor([tokens]), torch.arange(len(tokens)),
                                visibility_mask(torch.tensor(visible), len(tokens)))[0].float()
@@ -502,11 +498,10 @@ def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
 
 
 @pytest.mark.parametrize("wanted", [1, 3])
-def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, monkeypatch, wanted):
-    """Someone waits in silence for a reply's first piece (and, when its caller says `urgent`,
-    for more: a whole first phrase); a reply already flowing has slack and sits out meanwhile."""
-    monkeypatch.setattr(engine_stream, "MAX_DEFER_S", 60.0)
-    engine = Engine(smol, max_seq_len=512, max_batch=4)
+def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
+    """Someone waits in silence for a reply's first piece (and, while its caller says WAITED, for
+    more: a whole first phrase); a reply already flowing has slack and sits out meanwhile."""
+    engine = Engine(smol, max_seq_len=512, max_batch=4, max_defer_s=60.0)
     flowing_cfg = DecodeConfig(mode="ar", max_new_tokens=40)  # a piece per forward
     newcomer_cfg = DecodeConfig(rule="topk", topk=1, max_new_tokens=8)  # one token per forward
     # the question whose pieces take the most forwards (diffusion may settle later words first)
@@ -527,7 +522,7 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, monkeypatch, wante
 
         async def newcomer():
             pieces = []
-            async for piece in engine.stream(newcomer_chat, newcomer_cfg, urgent=lambda: len(pieces) < wanted):
+            async for piece in engine.stream(newcomer_chat, newcomer_cfg, priority=lambda: WAITED if len(pieces) < wanted else NORMAL):
                 events.append("newcomer")
                 pieces.append(piece)
             return pieces
@@ -547,18 +542,17 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, monkeypatch, wante
     assert events.count("flowing") == 40  # and then the flowing reply finished
 
 
-def test_a_flowing_reply_yields_to_the_host_but_is_never_starved(smol, monkeypatch):
-    """While the host is busy (someone waits for speech recognition or synthesis), a reply past its
-    first piece sits out rounds, each forward at most MAX_DEFER_S, and still finishes unchanged."""
-    monkeypatch.setattr(engine_stream, "MAX_DEFER_S", 0.2)
-    engine = Engine(smol, max_seq_len=512)
+def test_a_background_reply_sits_out_but_is_never_starved(smol):
+    """A BACKGROUND reply (the voice service's while someone waits for speech recognition or
+    synthesis) sits out rounds past its first piece, each forward at most `max_defer_s`, even alone,
+    and still finishes unchanged."""
+    engine = Engine(smol, max_seq_len=512, max_defer_s=0.2)
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     expected = reply_ids(engine.generate_sync(FIRST, cfg))
-    engine.host_busy = lambda: True
 
     async def main():
         arrivals = []
-        async for piece in engine.stream(FIRST, cfg):
+        async for piece in engine.stream(FIRST, cfg, priority=lambda: BACKGROUND):
             arrivals.append((time.monotonic(), piece))
         return arrivals
 

@@ -138,7 +138,6 @@ def test_logits_match_transformers(ours, hf):
     ids = hf_chat_ids(tok, CHATS[0])[:40]
     t = len(ids)
     m = ours.model
-    m.use_caches([None] * len(m.layers))
     with torch.no_grad():
         got = m(torch.tensor([ids]), torch.arange(t), visibility_mask(torch.arange(t) + 1, t))[0]
         want = model(torch.tensor([ids])).logits[0]

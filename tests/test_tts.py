@@ -211,3 +211,23 @@ def test_held_jobs_go_as_soon_as_the_last_waiting_session_has_its_audio():
     scheduler.stop_waiting("b")
     assert held.result(timeout=5) - released < 0.1
 
+
+
+def test_a_local_reply_is_waited_for_while_urgent_and_yields_while_anyone_waits():
+    """The voice service's policy for the engine's per-request priority (voice/lm.py)."""
+    from types import SimpleNamespace
+
+    from engine.stream import BACKGROUND, NORMAL, WAITED
+    from voice.lm import LocalChat
+    scheduler = Scheduler()
+    chat = LocalChat(SimpleNamespace(scheduler=scheduler))
+    urgent = threading.Event()
+    priority = chat.priority(urgent.is_set)
+    assert priority() == NORMAL
+    scheduler.start_waiting("another session")
+    assert priority() == BACKGROUND
+    urgent.set()
+    assert priority() == WAITED
+    scheduler.stop_waiting("another session")
+    urgent.clear()
+    assert priority() == NORMAL and chat.priority(None)() == NORMAL

@@ -85,6 +85,7 @@ class LmConfig:
     draft_threshold: float = 0.5  # verify: drafted tokens the draft head is less sure of are not sent
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
+    device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
     quantize: str = "fp16"  # local: fp16 | int8 | none linear layers (BENCHMARKS.md; fp32 where unsupported)
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
@@ -98,6 +99,8 @@ class LmConfig:
             raise ValueError(f"lm.mode must be 'diffusion' or 'ar', not {self.mode!r}")
         if self.rule not in ("verify", "threshold", "topk"):
             raise ValueError(f"lm.rule must be 'verify', 'threshold' or 'topk', not {self.rule!r}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"lm.device must be 'cpu', 'cuda' or 'auto', not {self.device!r}")
         if self.quantize not in ("none", "fp16", "int8"):
             raise ValueError(f"lm.quantize must be 'none', 'fp16' or 'int8', not {self.quantize!r}")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:

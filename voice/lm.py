@@ -2,7 +2,7 @@
 
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
 (barge-in) cancels generation; `urgent()` says while the user still waits in silence for more
-of it (a local engine then runs it ahead of replies already being spoken). Each session gets
+of it. For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each session gets
 its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
 A remote endpoint that can't be reached is retried with backoff before the first block
@@ -48,9 +48,9 @@ class LocalLM:
                                    first_block_size=config.first_block_size, threshold=config.threshold,
                                    draft_threshold=config.draft_threshold)
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
-                                  max_batch=config.max_batch, quantize=config.quantize)
-        if scheduler is not None:  # later blocks yield to the speech recognition and synthesis someone waits for
-            self.engine.host_busy = scheduler.busy
+                                  max_batch=config.max_batch, quantize=config.quantize, device=config.device)
+        self.scheduler = scheduler or Scheduler()
+        self.engine.max_defer_s = self.scheduler.max_defer_s
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
@@ -61,11 +61,18 @@ class LocalChat:
         from engine.stream import Conversation
         self.lm, self.conversation = lm, Conversation()
 
+    def priority(self, urgent: Callable[[], bool] | None) -> Callable[[], int]:
+        """A reply the user waits for in silence goes first; the others yield while anyone on the
+        host waits (for speech recognition or synthesis too), and run normally otherwise."""
+        from engine.stream import BACKGROUND, NORMAL, WAITED
+        busy = self.lm.scheduler.busy
+        return lambda: WAITED if urgent is not None and urgent() else BACKGROUND if busy() else NORMAL
+
     async def reply(self, messages: list[dict], mode: str | None = None,
                     urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:
         overrides = {"mode": mode} if mode else {}
-        async for piece in self.lm.engine.stream(messages, conversation=self.conversation, urgent=urgent,
-                                                 **overrides):
+        async for piece in self.lm.engine.stream(messages, conversation=self.conversation,
+                                                 priority=self.priority(urgent), **overrides):
             if piece.text:
                 yield Block(piece.text, piece.tokens, piece.steps)
 

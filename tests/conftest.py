@@ -3,12 +3,14 @@
 `require_system`: tests that need a system tool (a browser, PulseAudio, PortAudio) skip when
 it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs everything.
 
-`live_voice_server`: the real voice service (all models) behind uvicorn on a free port, loaded
-once per test session and shared by the client tests (test_web.py, test_mic.py).
+`real_stages(config)`: the real models, loaded once per test run, in a fresh `Stages` per module.
+`live_voice_server`: the real voice service behind uvicorn on a free port, shared by the client
+tests (test_web.py, test_mic.py).
 
 Markers (README, "Tests"): `slow` = the module loads real models (an LM, Whisper, Piper);
-`live` = it also drives a real peer or system tool (Chromium, PulseAudio, sipp/baresip). The
-fast subset, `./dev test -m "not slow and not live"`, covers the pipeline around fake models.
+`live` = it also drives a real peer or system tool (Chromium, PulseAudio, sipp/baresip,
+wyoming-bench). The fast subset, `./dev test -m "not slow and not live"`, covers the pipeline
+around fake models.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 
 SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_reliability",
         "test_serve_memory", "test_server", "test_service", "test_tts", "test_twilio", "test_verify"}
-LIVE = {"test_mic", "test_sip", "test_web"}
+LIVE = {"test_mic", "test_sip", "test_web", "test_wyoming_live"}
 
 
 def pytest_collection_modifyitems(items):
@@ -48,17 +50,41 @@ def require_system():
 
 
 @pytest.fixture(scope="session")
-def live_voice_server():
-    """Base URL (http://127.0.0.1:PORT) of the real service with the default models, short replies."""
+def real_stages():
+    """`real_stages(config)`: a fresh `voice.stages.Stages` for `config` (its own metrics, records,
+    limits, sessions) around the real models: Whisper, Piper and the default LM, loaded once per
+    test run, on the first call. `config`'s asr, tts and lm sections must be the defaults (with
+    replies of REAL_REPLY_TOKENS), since the models were loaded for them."""
+    from fakes import REAL_REPLY_TOKENS
+    from voice.config import Config
+    from voice.stages import Stages
+    loaded: list[Stages] = []
 
+    def build(config: Config) -> Stages:
+        if not loaded:
+            base = Config()
+            base.lm.max_new_tokens = REAL_REPLY_TOKENS
+            loaded.append(Stages.load(base))
+        models = loaded[0]
+        for section in ("asr", "tts", "lm"):
+            assert getattr(config, section) == getattr(models.config, section), \
+                f"the shared real models were loaded for the default [{section}]"
+        return Stages(config, models.whisper, models.synthesizer, models.lm, models.scheduler)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def live_voice_server(real_stages):
+    """Base URL (http://127.0.0.1:PORT) of the real service with the default models, short replies."""
+    from fakes import REAL_REPLY_TOKENS
+    from liveserver import serving
     from voice.config import Config
     from voice.server import build_app
-    from voice.stages import Stages
-    from liveserver import serving
 
     config = Config()
-    config.lm.max_new_tokens = 24
-    with serving(build_app(config, Stages.load(config))) as port:
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    with serving(build_app(config, real_stages(config))) as port:
         yield f"http://127.0.0.1:{port}"
 
 

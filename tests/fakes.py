@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 import wave
 import weakref
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import websockets
 
+from liveserver import Served
 from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
 from voice.lm import Block
@@ -62,6 +62,9 @@ class FakeChat:
                 await asyncio.sleep(3600)
             yield Block(text, i + 1, 1)
 
+    def close(self) -> None:
+        self.lm.closed += 1
+
 
 class FakeLM:
     def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")):
@@ -70,6 +73,7 @@ class FakeLM:
         self.fail_at: int | None = None
         self.hang_at: int | None = None
         self.calls = 0
+        self.closed = 0  # chats closed
 
     def chat(self) -> FakeChat:
         return FakeChat(self)
@@ -101,6 +105,9 @@ def fake_stages(config: Config | None = None, whisper=None, synthesizer=None, lm
     return Stages(config or Config(), whisper or FakeWhisper(), synthesizer or FakeSynth(), lm or FakeLM())
 
 
+REAL_REPLY_TOKENS = 24  # the real LM's replies in tests (conftest's real_stages): short, so the suite stays quick
+
+
 def make_config(**sections) -> Config:
     """A Config with short replies and records off, plus overrides: make_config(limits={"max_sessions": 2})."""
     config = Config()
@@ -114,8 +121,9 @@ def make_config(**sections) -> Config:
     return config
 
 
-class LiveServer:
-    """`build_app(config, stages, auth)` under uvicorn on a free loopback port, in a thread."""
+class LiveServer(Served):
+    """The voice app, `build_app(config, stages, auth)`, served (`graceful`: with the service's own
+    draining shutdown, voice.server.VoiceServer)."""
 
     def __init__(self, config: Config, stages, auth=None, graceful: bool = False):
         import uvicorn
@@ -123,38 +131,8 @@ class LiveServer:
         from voice.server import VoiceServer, build_app
         self.config, self.stages = config, stages
         self.app = build_app(config, stages, auth)
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        uv = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, ws="websockets", log_level="warning",
-                            timeout_graceful_shutdown=5)
-        self.server = VoiceServer(uv, self.app) if graceful else uvicorn.Server(uv)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def ws(self) -> str:
-        return f"ws://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 30) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=timeout)
-        self.sock.close()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        server_cls = (lambda uv: VoiceServer(uv, self.app)) if graceful else uvicorn.Server
+        super().__init__(self.app, server_cls, timeout_graceful_shutdown=5)
 
 
 def speech(name: str = "005.wav", rate: int = 16000) -> bytes:

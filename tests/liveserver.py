@@ -1,4 +1,4 @@
-"""Run an ASGI app under uvicorn in a background thread on a free loopback port (test helper)."""
+"""Serving an ASGI app under uvicorn in a background thread on a free loopback port, and small clients of it."""
 
 from __future__ import annotations
 
@@ -13,25 +13,51 @@ import urllib.request
 import uvicorn
 
 
+class Served:
+    """`app` under uvicorn on a free loopback port, in a thread: the one way tests serve an app.
+    A context manager; `stop()` ends it early (a graceful-shutdown test times it)."""
+
+    def __init__(self, app, server_cls=uvicorn.Server, start_timeout_s: float = 60.0, **options):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))  # handed to uvicorn still bound: no race for the port
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, ws="websockets", log_level="warning",
+                                **options)
+        self.server = server_cls(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.start_timeout_s = start_timeout_s
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Served":
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)
+        self.sock.close()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 @contextlib.contextmanager
-def serving(app, start_timeout_s: float = 60.0):
-    """Yield the port `app` is served on; stop the server afterwards."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # handed to uvicorn still bound: no race for the port
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets",
-                                           log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+def serving(app, **options):
+    """Yield the port `app` is served on (see `Served`); stop the server afterwards."""
+    with Served(app, **{"access_log": False, **options}) as served:
+        yield served.port
 
 
 def healthz(srv) -> dict:

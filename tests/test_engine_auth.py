@@ -9,19 +9,16 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 from engine.decode import DecodeConfig
 from engine.server import build_app, load_api_keys
+from liveserver import serving
 from fakes import StandInEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,19 +29,8 @@ KEY = "engine-test-key-0123456789"
 def port():
     app = build_app(StandInEngine(), DecodeConfig(max_new_tokens=8), api_keys={"ops": KEY}, max_input_chars=1000,
                     max_body_bytes=20000)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.05)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serving(app) as port:
+        yield port
 
 
 def raw(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None):

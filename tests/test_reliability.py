@@ -17,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-import uvicorn
 import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fakes import REAL_REPLY_TOKENS
+from liveserver import serving
 from fakes import SPEECH, speech
 from strategies import INVITE, sip_datagrams, start_messages, twilio_messages
 from voice.audio import pcm16_to_float, rms_dbfs
@@ -133,30 +133,17 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service(tmp_path_factory, real_stages):
     config = Config()
-    config.lm.max_new_tokens = 16
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
     config.sip.port = free_udp_port()
     config.sip.rtp_port_min, config.sip.rtp_port_max = 42000, 42099
-    stages = Stages.load(config)
+    stages = real_stages(config)
     stages.lm, stages.whisper, stages.synthesizer = (FaultyLM(stages.lm), FaultyWhisper(stages.whisper),
                                                      FaultySynth(stages.synthesizer))
-    app = build_app(config, stages)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, ws="websockets", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield Service(config, stages, port)
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serving(build_app(config, stages)) as port:
+        yield Service(config, stages, port)
     print("\nreliability figures:", json.dumps(FIGURES, indent=1))
 
 
@@ -377,6 +364,7 @@ def test_live_fuzz_twilio(service, messages):
             await asyncio.sleep(0.05)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert_still_serving(service)
 
 
 @LIVE
@@ -394,10 +382,13 @@ def test_live_fuzz_sip(service, datagrams):
                 s.recv(65536)
         except OSError:
             pass
+    assert_still_serving(service)
 
 
-def test_after_fuzzing_every_transport_still_serves(service):
-    # SIP: OPTIONS is answered
+def assert_still_serving(service) -> None:
+    """After a fuzz example: HTTP answers and the SIP endpoint answers an OPTIONS."""
+    status, _ = service.get("/healthz")
+    assert status in (200, 503)  # 503: degraded by an earlier injected fault, still answering
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -406,6 +397,10 @@ def test_after_fuzzing_every_transport_still_serves(service):
         s.settimeout(10)
         s.sendto(options.encode(), ("127.0.0.1", service.config.sip.port))
         assert s.recv(65536).startswith(b"SIP/2.0 200 OK")
+
+
+def test_after_fuzzing_every_transport_still_serves(service):
+    assert_still_serving(service)
 
     async def twilio_call():
         async with websockets.connect(service.url + "/twilio", open_timeout=30) as ws:

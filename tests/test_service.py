@@ -24,7 +24,7 @@ from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_
 from voice.config import Config
 from voice.latency import STAGES
 from voice.server import build_app
-from voice.stages import Stages
+from fakes import REAL_REPLY_TOKENS
 from fakes import SPEECH
 
 RATE = 16000
@@ -61,10 +61,10 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service():
+def service(real_stages):
     config = Config()
-    config.lm.max_new_tokens = 24  # short replies keep the suite quick on a small CPU
-    with serving(build_app(config, Stages.load(config))) as port:
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    with serving(build_app(config, real_stages(config))) as port:
         yield Service(config, port)
 
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import struct
 import subprocess
-import threading
 import time
 import urllib.request
 import uuid
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 
 from voice.asr import StreamingTranscriber
 from voice.config import AsrConfig
@@ -35,6 +33,8 @@ from voice.server import build_app
 from voice.stages import Stages
 from voice.transports import rtp, sdp
 from voice.transports.telephony import calls
+from fakes import REAL_REPLY_TOKENS
+from liveserver import serving
 from fakes import SPEECH
 
 TIMEOUT = 90.0  # two shared CPU cores run ASR, LM and TTS
@@ -109,31 +109,19 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service():
+def service(real_stages):
     config = Config()
-    config.lm.max_new_tokens = 24  # short replies keep the suite quick on a small CPU
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.sip.port = free_udp_port()
     config.sip.ring_ms = 300  # long enough to CANCEL a ringing call
     config.sip.media_timeout_s = MEDIA_TIMEOUT_S
     config.sip.rtp_port_min = free_even_udp_ports(40)
     config.sip.rtp_port_max = config.sip.rtp_port_min + 39
-    stages = Stages.load(config)
+    stages = real_stages(config)
     app = build_app(config, stages)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    assert app.state.sip is not None and app.state.sip.port == config.sip.port
-    yield Service(config, port, stages, app)
-    server.should_exit = True
-    thread.join(timeout=15)
-    sock.close()
+    with serving(app) as port:
+        assert app.state.sip is not None and app.state.sip.port == config.sip.port
+        yield Service(config, port, stages, app)
 
 
 @pytest.fixture(autouse=True)

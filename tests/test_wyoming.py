@@ -1,0 +1,205 @@
+"""The Wyoming server (voice/transports/wyoming.py) with the official `wyoming` client, around the
+fake models of tests/fakes.py: every event type, the call records, and bad input. The real models
+and `wyoming-bench` against the server are in tests/test_wyoming_live.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import numpy as np
+import pytest
+from wyoming.asr import Transcribe, Transcript, TranscriptChunk
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.error import Error
+from wyoming.event import Event
+from wyoming.handle import Handled, HandledChunk, HandledStart, NotHandled
+from wyoming.info import Describe, Info
+from wyoming.ping import Ping, Pong
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
+
+from fakes import FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from voice import records as rec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    config = make_config(wyoming={"port": free_port(), "conversations": 2},
+                         records={"path": str(tmp_path / "records.sqlite3")})
+    lm = FakeLM(blocks=("The time", " is noon."))
+    with LiveServer(config, fake_stages(config, FakeWhisper("what time is it"), lm=lm)) as srv:
+        srv.lm = lm
+        yield srv
+
+
+def talk(srv, *events: Event, until=None, timeout: float = 20.0) -> list[Event]:
+    """Connect, send `events`, read until an event of type `until` (or the server closes)."""
+    async def scenario():
+        client = AsyncTcpClient("127.0.0.1", srv.config.wyoming.port)
+        await client.connect()
+        try:
+            for event in events:
+                await client.write_event(event)
+            got = []
+            while (event := await asyncio.wait_for(client.read_event(), timeout)) is not None:
+                got.append(event)
+                if until is not None and event.type == until:
+                    break
+            return got
+        finally:
+            await client.disconnect()
+    return asyncio.run(scenario())
+
+
+def types(events: list[Event]) -> list[str]:
+    return [e.type for e in events if e.type != "audio-chunk"]
+
+
+def test_describe_lists_the_three_programs(server):
+    got = talk(server, Describe().event(), until="info")
+    info = Info.from_event(got[-1])
+    assert [p.name for p in info.asr] == ["diffusion-voice-asr"] and info.asr[0].supports_transcript_streaming
+    assert info.asr[0].models[0].name == "tiny.en" and info.asr[0].models[0].languages == ["en"]
+    assert info.tts[0].voices[0].name == "en_US-joe-medium" and info.tts[0].supports_synthesize_streaming
+    assert info.handle[0].name == "diffusion-voice-assistant" and info.handle[0].models[0].name == "default"
+    assert talk(server, Ping(text="hi").event(), until="pong")[-1].data == Pong(text="hi").event().data
+
+
+def test_speech_to_text(server):
+    pcm = speech("001.wav")
+    chunks = [AudioChunk(rate=16000, width=2, channels=1, audio=pcm[i:i + 2048]).event()
+              for i in range(0, len(pcm), 2048)]
+    got = talk(server, Transcribe(language="en").event(), AudioStart(rate=16000, width=2, channels=1).event(),
+               *chunks, AudioStop().event(), until="transcript-stop")
+    assert types(got)[0] == "transcript-start" and types(got)[-2:] == ["transcript", "transcript-stop"]
+    assert Transcript.from_event(got[-2]).text == "what time is it"
+    streamed = "".join(TranscriptChunk.from_event(e).text for e in got if e.type == "transcript-chunk")
+    assert "what time is it".startswith(streamed)
+
+
+def test_stereo_44k_audio_is_mixed_and_resampled(server):
+    mono = np.frombuffer(speech("001.wav", 44100), dtype="<i2")
+    stereo = np.repeat(mono, 2).tobytes()
+    got = talk(server, AudioChunk(rate=44100, width=2, channels=2, audio=stereo[:400_000]).event(),
+               AudioStop().event(), until="transcript-stop")  # no audio-start: the chunk says its format
+    assert Transcript.from_event(got[-2]).text == "what time is it"
+
+
+def test_text_to_speech_starts_with_the_first_phrase(server):
+    text = "Sure, the kitchen lights are on now and the door is locked."
+    got = talk(server, Synthesize(text=text).event(), until="audio-stop")
+    assert types(got) == ["audio-start", "audio-stop"]
+    start = AudioStart.from_event(got[0])
+    audio = b"".join(AudioChunk.from_event(e).audio for e in got if e.type == "audio-chunk")
+    assert (start.rate, start.width, start.channels) == (22050, 2, 1)
+    # FakeSynth: 60 ms per character, phrase by phrase (its length tells the phrases were all spoken)
+    assert len(audio) / 2 / 22050 == pytest.approx(0.06 * (len(text) - text.count(" ") + 1), abs=0.7)
+
+
+def test_streamed_text_to_speech(server):
+    parts = ["Sure, the kitchen ", "lights are on ", "now.", " And the door is locked."]
+    got = talk(server, SynthesizeStart(voice=SynthesizeVoice(name="en_US-joe-medium")).event(),
+               *[SynthesizeChunk(text=p).event() for p in parts], Synthesize(text="".join(parts)).event(),
+               SynthesizeStop().event(), until="synthesize-stopped")
+    assert types(got) == ["audio-start", "audio-stop", "synthesize-stopped"]
+    assert sum(1 for e in got if e.type == "audio-chunk") > 10
+
+
+def test_the_assistant_keeps_each_conversation(server):
+    first = talk(server, Transcript(text="what time is it").event(), until="handled-stop")
+    assert types(first) == ["handled-start", "handled-chunk", "handled-chunk", "handled", "handled-stop"]
+    assert "".join(HandledChunk.from_event(e).text for e in first if e.type == "handled-chunk") == "The time is noon."
+    handled = Handled.from_event(first[-2])
+    assert handled.text == "The time is noon."
+    conversation = handled.context["conversation_id"]
+    again = talk(server, Transcript(text="and tomorrow?", context={"conversation_id": conversation}).event(),
+                 until="handled-stop")
+    assert Handled.from_event(again[-2]).context == {"conversation_id": conversation}
+    assert HandledStart.from_event(again[0]).context == {"conversation_id": conversation}
+    kept = server.app.state.wyoming.conversations.kept
+    assert [m["content"] for m in kept[conversation][0]] == ["what time is it", "The time is noon.", "and tomorrow?",
+                                                             "The time is noon."]
+    for other in ("a", "b"):  # two more conversations: the first is forgotten, its chat closed
+        talk(server, Transcript(text="hi", context={"conversation_id": other}).event(), until="handled-stop")
+    assert list(kept) == ["a", "b"] and server.lm.closed == 1
+
+
+def test_a_failing_lm_answers_not_handled_and_the_connection_goes_on(server):
+    server.lm.fail_at = 0
+    got = talk(server, Transcript(text="hello").event(), Describe().event(), until="info")
+    assert types(got) == ["handled-start", "not-handled", "info"]
+    assert NotHandled.from_event(got[1]).text
+
+
+def test_requests_are_call_records(server):
+    talk(server, Synthesize(text="Hello there.").event(), until="audio-stop")
+    talk(server, Transcript(text="what time is it").event(), until="handled-stop")
+    talk(server, Describe().event(), until="info")  # Home Assistant's polling is no session
+    server.stop()
+    sessions = rec.read_sessions(server.config.records.path)
+    assert [s["transport"] for s in sessions] == ["wyoming", "wyoming"]
+    turns = [s["turns"][0] for s in sessions]
+    assert turns[0]["reply"] == "Hello there." and "tts_first_audio" in turns[0]["latency"]["stages"]
+    assert (turns[1]["transcript"], turns[1]["reply"]) == ("what time is it", "The time is noon.")
+    assert "lm_first_block" in turns[1]["latency"]["stages"]
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b"this is not json\n", "bad_event"),
+    (b'{"type": "audio-chunk", "data": {"rate": 16000, "width": 2, "channels": 1}, "payload_length": 99999999}\n',
+     "event_too_large"),
+    (b"{" + b" " * 70000 + b"}\n", "event_too_large"),
+    (b'{"type": "synthesize", "data": {}}\n', "bad_event"),
+    (b'{"type": "audio-stop"}\n', "bad_event"),
+    (b'{"type": "audio-chunk", "data": {"rate": 16000, "width": 1, "channels": 1}, "payload_length": 2}\nab',
+     "unsupported_audio"),
+    (b'{"type": "synthesize", "data": {"text": "hi", "voice": {"name": "en_GB-alan-low"}}}\n', "unknown_voice"),
+    (b'{"type": "transcribe", "data": {"language": "de"}}\n{"type": "audio-start", "data": '
+     b'{"rate": 16000, "width": 2, "channels": 1}}\n', "unsupported_language"),
+])
+def test_a_bad_event_gets_an_error_and_closes_only_its_connection(server, raw, code):
+    async def scenario():
+        bad_reader, bad_writer = await asyncio.open_connection("127.0.0.1", server.config.wyoming.port)
+        good = AsyncTcpClient("127.0.0.1", server.config.wyoming.port)
+        await good.connect()
+        bad_writer.write(raw)
+        await bad_writer.drain()
+        rest = await asyncio.wait_for(bad_reader.read(), 10)  # everything until the server closes
+        await good.write_event(Describe().event())
+        info = await asyncio.wait_for(good.read_event(), 10)
+        await good.disconnect()
+        bad_writer.close()
+        return rest, info
+
+    rest, info = asyncio.run(scenario())
+    sent = parse_events(rest)
+    assert sent[-1]["type"] == "error" and sent[-1]["data"]["code"] == code, sent
+    assert info.type == "info"
+
+
+def parse_events(raw: bytes) -> list[dict]:
+    """Wyoming events from raw bytes: a JSON line, then its data and payload blocks."""
+    found = []
+    while raw:
+        line, raw = raw.split(b"\n", 1)
+        header = json.loads(line)
+        n = header.get("data_length") or 0
+        header["data"] = {**(header.get("data") or {}), **(json.loads(raw[:n]) if n else {})}
+        raw = raw[n + (header.get("payload_length") or 0):]
+        found.append(header)
+    return found
+
+
+def test_unknown_events_are_dropped(server):
+    got = talk(server, Event("run-satellite", {}), Event("detect", {"names": ["ok_nabu"]}), Describe().event(),
+               until="info")
+    assert types(got) == ["info"]
+    assert not [e for e in got if Error.is_type(e.type)]

@@ -1,0 +1,536 @@
+"""Wyoming, Home Assistant's protocol for local voice services, served with the `wyoming` library.
+
+One TCP server offers three programs on every connection (`describe` lists them):
+- speech-to-text: [transcribe] audio-start audio-chunk* audio-stop -> transcript-start,
+  transcript-chunk* (partials, as soon as two decodes agree on them), transcript, transcript-stop.
+  Two things make it answer sooner than a plain Whisper server: the encoder window is sized to
+  the audio (voice/asr.py), and once the speaker has been quiet `asr.early_final_ms` the final
+  is decoded speculatively, while the client's own VAD still waits out its silence.
+- text-to-speech: synthesize -> audio-start audio-chunk* audio-stop; streamed text
+  (synthesize-start, synthesize-chunk*, synthesize-stop) is spoken phrase by phrase as it comes,
+  then synthesize-stopped. Either way the first phrase ends after `tts.first_words` words, so
+  audio starts before the sentence is synthesised.
+- the assistant (handle): transcript -> handled-start, handled-chunk* (LM blocks), handled,
+  handled-stop. Home Assistant reads only `handled`; streaming clients get the chunks first. Each
+  `context.conversation_id` keeps its history (and the LM's cache of it); a new id is returned.
+
+A request that fails gets an `error` and its connection is closed (Home Assistant's ASR and
+TTS clients have no timeout of their own: a closed connection fails, an error alone would hang);
+the assistant answers `not-handled` instead, which Home Assistant treats as the end. Events this
+server does not know are dropped, as the protocol asks. Each connection with a request is a
+session in the call records (transport "wyoming"), each request a turn, and its stage times go to
+/metrics like any session's (docs/HOME_ASSISTANT.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import logging
+import secrets
+import time
+import uuid
+from importlib.metadata import version
+
+import numpy as np
+import soxr
+from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event, async_write_event
+from wyoming.handle import Handled, HandledChunk, HandledStart, HandledStop, NotHandled
+from wyoming.info import (AsrModel, AsrProgram, Attribution, Describe, HandleModel, HandleProgram, Info, TtsProgram,
+                          TtsVoice)
+from wyoming.ping import Ping, Pong
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+
+from voice import events, vad
+from voice.asr import SAMPLE_RATE, StreamingTranscriber
+from voice.audio import float_to_pcm16, pcm16_to_float
+from voice.calllog import CallLog
+from voice.config import WyomingConfig
+from voice.history import History
+from voice.latency import observe_stages
+from voice.limits import LimitError
+from voice.stages import Stages
+from voice.tts import PhraseSplitter
+
+log = logging.getLogger("voice.wyoming")
+MAX_HEADER_BYTES = 64 * 1024  # one event's JSON line, and its data block
+MAX_PAYLOAD_BYTES = 1024 * 1024  # one event's payload (an audio chunk is a few kB)
+MAX_TEXT_CHARS = 5000  # text to synthesise in one request
+AUDIO_CHUNK_SAMPLES = 1024  # per audio-chunk we send, as wyoming-piper does
+ATTRIBUTION = Attribution(name="diffusion-voice", url="https://github.com/diffusion-voice/diffusion-voice")
+_connection_ids = itertools.count(1)
+
+
+class RequestFailed(Exception):
+    """A request cannot be served: an `error` event with `code`, then the connection closes."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def info(stages: Stages) -> Info:
+    cfg = stages.config
+    ours = version("diffusion-voice")
+    voice = "en_US-joe-medium" if not cfg.tts.voice else cfg.tts.voice.rsplit("/", 1)[-1].removesuffix(".onnx")
+    language = cfg.asr.language or "en"
+    return Info(
+        asr=[AsrProgram(name="diffusion-voice-asr", attribution=ATTRIBUTION, installed=True, version=ours,
+                        description=f"faster-whisper {cfg.asr.model}: encoder window sized to the audio, "
+                                    "final decoded while the speaker is still quiet",
+                        models=[AsrModel(name=cfg.asr.model, attribution=ATTRIBUTION, installed=True, version=None,
+                                         description=f"Whisper {cfg.asr.model}", languages=[language])],
+                        supports_transcript_streaming=True)],
+        tts=[TtsProgram(name="diffusion-voice-tts", attribution=ATTRIBUTION, installed=True, version=ours,
+                        description="Piper, spoken phrase by phrase (the first after a few words)",
+                        voices=[TtsVoice(name=voice, attribution=ATTRIBUTION, installed=True, version=None,
+                                         description=f"Piper {voice}", languages=[voice.split("-")[0]])],
+                        supports_synthesize_streaming=True)],
+        handle=[HandleProgram(name="diffusion-voice-assistant", attribution=ATTRIBUTION, installed=True,
+                              version=ours, description="a conversational assistant on a block-diffusion LM",
+                              models=[HandleModel(name=cfg.lm.model, attribution=ATTRIBUTION, installed=True,
+                                                  version=None, description=f"LM {cfg.lm.model}",
+                                                  languages=[language])],
+                              supports_handled_streaming=True)])
+
+
+async def read_event(reader: asyncio.StreamReader) -> Event | None:
+    """The next event, or None at the end of the stream. Unlike the library's reader this bounds
+    what one event may make us buffer, and says what was wrong (RequestFailed)."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as err:
+        if not err.partial.strip():
+            return None
+        raise RequestFailed("bad_event", "the connection ended in the middle of an event") from None
+    except asyncio.LimitOverrunError:
+        raise RequestFailed("event_too_large", f"an event header longer than {MAX_HEADER_BYTES} bytes") from None
+    try:
+        header = json.loads(line)
+        kind, data = header["type"], header.get("data") or {}
+        data_length, payload_length = int(header.get("data_length") or 0), int(header.get("payload_length") or 0)
+        if not isinstance(kind, str) or not isinstance(data, dict):
+            raise ValueError("type must be a string and data an object")
+    except (ValueError, KeyError, TypeError) as err:
+        raise RequestFailed("bad_event", f"not a Wyoming event header: {err}") from None
+    if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_PAYLOAD_BYTES:
+        raise RequestFailed("event_too_large", f"data_length must be 0-{MAX_HEADER_BYTES} and payload_length "
+                                               f"0-{MAX_PAYLOAD_BYTES} bytes")
+    try:
+        if data_length:
+            extra = json.loads(await reader.readexactly(data_length))
+            if not isinstance(extra, dict):
+                raise ValueError("the data block must be a JSON object")
+            data.update(extra)
+        payload = await reader.readexactly(payload_length) if payload_length else None
+    except asyncio.IncompleteReadError:
+        raise RequestFailed("bad_event", "the connection ended in the middle of an event") from None
+    except ValueError as err:
+        raise RequestFailed("bad_event", f"bad event data: {err}") from None
+    return Event(kind, data, payload)
+
+
+class Dictation:
+    """One transcription, audio-start to audio-stop, as 16 kHz audio into a StreamingTranscriber.
+    The VAD only decides when the final may be decoded early; every sample is transcribed."""
+
+    def __init__(self, stages: Stages):
+        cfg = stages.config
+        self.transcriber = StreamingTranscriber(stages.whisper, cfg.asr)
+        self.endpointer = vad.Endpointer(cfg.vad, SAMPLE_RATE)
+        self.early_ms, self.max_s = cfg.asr.early_final_ms, cfg.limits.max_utterance_s
+        self.resampler: soxr.ResampleStream | None = None
+        self.rate = SAMPLE_RATE
+        self.seconds = 0.0
+        self.early: asyncio.Future | None = None  # the final, decoded once the speaker went quiet
+        self.streamed = ""  # partial text sent as transcript-chunks
+
+    def push(self, chunk: AudioChunk) -> None:
+        if chunk.width != 2 or not 1 <= chunk.channels <= 8 or not 8000 <= chunk.rate <= 192000:
+            raise RequestFailed("unsupported_audio", "audio must be 16-bit PCM, 1-8 channels, 8-192 kHz; got "
+                                                     f"width {chunk.width}, {chunk.channels} channels, {chunk.rate} Hz")
+        if len(chunk.audio) % (2 * chunk.channels):
+            raise RequestFailed("bad_audio", "an audio-chunk must hold whole samples")
+        if self.max_s and self.seconds >= self.max_s:
+            return  # past the utterance limit: the rest is not transcribed
+        audio = pcm16_to_float(chunk.audio).reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
+        if chunk.rate != self.rate:
+            self.rate, self.resampler = chunk.rate, (soxr.ResampleStream(chunk.rate, SAMPLE_RATE, 1, dtype="float32")
+                                                     if chunk.rate != SAMPLE_RATE else None)
+        if self.resampler is not None:
+            audio = self.resampler.resample_chunk(audio)
+        if not len(audio):
+            return
+        self.seconds += len(audio) / SAMPLE_RATE
+        self.transcriber.insert_audio_chunk(audio)
+        for ev in self.endpointer.push(float_to_pcm16(audio)):
+            if isinstance(ev, vad.SpeechStarted):
+                self._drop_early()
+        if self.endpointer.in_speech and self.early_ms:
+            if self.endpointer.silence_ms < self.early_ms:
+                self._drop_early()  # (still) speaking
+            elif self.early is None:
+                self.early = self.transcriber.snapshot()
+
+    def _drop_early(self) -> None:
+        if self.early is not None:
+            self.early.cancel()
+            self.early = None
+
+    async def finish(self) -> str:
+        """The final transcript: the early one when nothing but silence came after it."""
+        early, self.early = self.early, None
+        if early is not None:
+            self.transcriber.reset()
+            return (await early).strip()
+        return (await self.transcriber.finish()).strip()
+
+
+class Conversations:
+    """The assistant's conversations by id: their history and LM chat (which keeps the LM's cache),
+    the `size` most recent ones; a forgotten one gives its cache back."""
+
+    def __init__(self, stages: Stages, size: int):
+        self.stages, self.size = stages, size
+        self.kept: collections.OrderedDict[str, tuple[History, object]] = collections.OrderedDict()
+
+    def get(self, conversation_id: str) -> tuple[History, object]:
+        if conversation_id in self.kept:
+            self.kept.move_to_end(conversation_id)
+            return self.kept[conversation_id]
+        lm = self.stages.config.lm
+        self.kept[conversation_id] = found = (History(lm.system_prompt, lm.history_turns), self.stages.lm.chat())
+        while len(self.kept) > self.size:
+            _, (_, chat) = self.kept.popitem(last=False)
+            chat.close()
+        return found
+
+
+class Connection:
+    """One client connection: its events in, in order; what it asked for out."""
+
+    def __init__(self, server: "WyomingServer", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.server, self.stages, self.reader, self.writer = server, server.stages, reader, writer
+        self.id = f"w{next(_connection_ids)}"
+        peer = writer.get_extra_info("peername") or ("", 0)
+        self.peer = f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
+        self.calls: CallLog | None = None  # opened with the first request (Home Assistant polls `describe`)
+        self.ticket = None
+        self.turn = 0
+        self.dictation: Dictation | None = None
+        self.partial_task: asyncio.Task | None = None
+        self.speech: tuple[asyncio.Queue, asyncio.Task, float] | None = None  # a streamed synthesis
+        self.language = ""
+
+    async def run(self) -> None:
+        try:
+            while (event := await read_event(self.reader)) is not None:
+                try:
+                    await self.handle(event)
+                except (KeyError, TypeError, ValueError, AttributeError) as err:  # a field missing or mistyped
+                    raise RequestFailed("bad_event", f"bad {event.type} event: {err!r}") from None
+        except RequestFailed as failure:
+            await self.fail(failure)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            await self.close()
+
+    async def write(self, event: Event) -> None:
+        await async_write_event(event, self.writer)
+
+    def error(self, code: str, message: str) -> None:
+        """Count, log and record an error (in the records once this connection is a session)."""
+        if self.calls is not None:
+            self.calls.error(events.Error(self.turn, time.monotonic(), code, message))
+        else:
+            self.stages.metrics.errors.labels(code).inc()
+            log.warning("wyoming=%s %s: %s", self.id, code, message)
+
+    async def fail(self, failure: RequestFailed) -> None:
+        self.error(failure.code, failure.message)
+        if self.calls is not None and self.turn in self.calls.open_turns:
+            self.calls.unreplied(self.turn, "", failure.code)
+        try:
+            await self.write(Error(text=failure.message, code=failure.code).event())
+        except ConnectionError:
+            pass
+
+    async def handle(self, event: Event) -> None:
+        kind = event.type
+        if Describe.is_type(kind):
+            await self.write(info(self.stages).event())
+        elif Ping.is_type(kind):
+            await self.write(Pong(text=Ping.from_event(event).text).event())
+        elif Transcribe.is_type(kind):
+            self.language = Transcribe.from_event(event).language or ""
+        elif AudioStart.is_type(kind):
+            await self.start_dictation()
+        elif AudioChunk.is_type(kind):
+            if self.dictation is None:  # audio without audio-start: its chunks carry their format
+                await self.start_dictation()
+            self.dictation.push(AudioChunk.from_event(event))
+            if self.partial_task is None or self.partial_task.done():
+                self.partial_task = asyncio.create_task(self.partial(self.dictation))
+        elif AudioStop.is_type(kind):
+            await self.transcribe()
+        elif Synthesize.is_type(kind):
+            if self.speech is None:  # inside a stream it is only the text again, for older servers
+                synthesize = Synthesize.from_event(event)
+                self.check_voice(synthesize.voice)
+                await self.synthesize(synthesize.text)
+        elif SynthesizeStart.is_type(kind):
+            self.check_voice(SynthesizeStart.from_event(event).voice)
+            await self.start_speech()
+        elif SynthesizeChunk.is_type(kind):
+            if self.speech is None:
+                raise RequestFailed("bad_event", "synthesize-chunk outside synthesize-start .. synthesize-stop")
+            self.speech[0].put_nowait(SynthesizeChunk.from_event(event).text)
+        elif SynthesizeStop.is_type(kind):
+            await self.finish_speech()
+        elif Transcript.is_type(kind):
+            await self.answer(Transcript.from_event(event))
+        else:
+            log.debug("wyoming=%s dropped a %s event", self.id, kind)
+
+    def begin(self) -> float:
+        """A new request (a turn of this connection's session); the time it began."""
+        if self.calls is None:
+            try:
+                self.ticket = self.stages.admission.acquire("wyoming", per_key=False)
+            except LimitError as err:
+                raise RequestFailed(err.code, err.message) from None
+            self.calls = CallLog(self.stages.records, secrets.token_hex(8), self.id, self.stages.metrics.errors)
+            self.calls.opened(self.id, "wyoming", "wyoming", self.peer, {})
+            self.stages.metrics.sessions.labels("wyoming").inc()
+            log.info("wyoming=%s session from %s", self.id, self.peer)
+        self.turn += 1
+        self.calls.started(self.turn)
+        return time.monotonic()
+
+    async def done(self, status: str, transcript: str, reply: str, stages: dict[str, float]) -> None:
+        stages = {name: round(ms, 1) for name, ms in stages.items()}
+        observe_stages(self.stages.metrics, self.stages.config.budget, stages, self.id, self.turn)
+        await self.calls.replied(self.turn, status, transcript, reply, "", False, False, {"stages": stages})
+
+    # --- speech to text -------------------------------------------------------------------------
+
+    async def start_dictation(self) -> None:
+        asr = self.stages.config.asr
+        if self.language and asr.language and self.language.split("-")[0] != asr.language:
+            raise RequestFailed("unsupported_language", f"this server transcribes {asr.language!r}, not "
+                                                        f"{self.language!r}")
+        if self.dictation is not None:  # a second audio-start: the first dictation is dropped
+            self.dictation.transcriber.reset()
+            self.calls.unreplied(self.turn, "", "superseded")
+        self.begin()
+        self.dictation = Dictation(self.stages)
+        await self.write(TranscriptStart(language=asr.language or None).event())
+
+    async def partial(self, dictation: Dictation) -> None:
+        try:
+            text = await dictation.transcriber.process_iter()
+        except asyncio.CancelledError:
+            return
+        except Exception as err:  # partials are optional: the final transcript will tell
+            log.warning("wyoming=%s partial transcript failed: %s", self.id, err)
+            return
+        if text and dictation is self.dictation and text.startswith(dictation.streamed):
+            delta, dictation.streamed = text[len(dictation.streamed):], text
+            await self.write(TranscriptChunk(text=delta).event())
+
+    async def transcribe(self) -> None:
+        dictation, self.dictation = self.dictation, None
+        if dictation is None:
+            raise RequestFailed("bad_event", "audio-stop without audio")
+        if self.partial_task is not None:
+            self.partial_task.cancel()
+        stopped = time.monotonic()
+        scheduler = self.stages.scheduler
+        scheduler.start_waiting(self)
+        try:
+            text = await asyncio.wait_for(dictation.finish(), self.stages.config.faults.asr_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestFailed("asr_timeout", "speech recognition took too long") from None
+        except Exception as err:
+            log.exception("wyoming=%s speech recognition failed", self.id)
+            raise RequestFailed("asr_failed", f"speech recognition failed: {err}") from None
+        finally:
+            scheduler.stop_waiting(self)
+        asr_ms = (time.monotonic() - stopped) * 1000
+        if text.startswith(dictation.streamed) and len(text) > len(dictation.streamed):
+            await self.write(TranscriptChunk(text=text[len(dictation.streamed):]).event())
+        await self.write(Transcript(text=text, language=self.stages.config.asr.language or None).event())
+        await self.write(TranscriptStop().event())
+        await self.done("ok", text, "", {"asr": asr_ms})
+
+    # --- text to speech -------------------------------------------------------------------------
+
+    def check_voice(self, voice) -> None:
+        ours = info(self.stages).tts[0].voices[0].name
+        if voice is not None and voice.name is not None and voice.name != ours:
+            raise RequestFailed("unknown_voice", f"this server speaks with {ours!r}, not {voice.name!r}")
+
+    async def synthesize(self, text: str) -> None:
+        """One text, spoken phrase by phrase: audio-start, the audio as each phrase is ready, audio-stop."""
+        if len(text) > MAX_TEXT_CHARS:
+            raise RequestFailed("text_too_long", f"at most {MAX_TEXT_CHARS} characters per request")
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(text)
+        queue.put_nowait(None)
+        await self.speak(queue, self.begin(), text)
+        await self.write(AudioStop().event())
+
+    async def start_speech(self) -> None:
+        if self.speech is not None:
+            raise RequestFailed("bad_event", "synthesize-start inside another synthesize-start")
+        queue: asyncio.Queue = asyncio.Queue()
+        started = self.begin()
+        self.speech = (queue, asyncio.create_task(self.speak(queue, started)), started)
+
+    async def finish_speech(self) -> None:
+        if self.speech is None:
+            raise RequestFailed("bad_event", "synthesize-stop without synthesize-start")
+        (queue, speaker, _), self.speech = self.speech, None
+        queue.put_nowait(None)
+        await speaker
+        await self.write(AudioStop().event())
+        await self.write(SynthesizeStopped().event())
+
+    async def speak(self, texts: asyncio.Queue, started: float, whole: str = "") -> None:
+        """Texts from `texts` (None ends them) -> phrases -> audio-start and audio-chunks."""
+        cfg, synth, scheduler = self.stages.config, self.stages.synthesizer, self.stages.scheduler
+        splitter = PhraseSplitter(cfg.tts.min_chars, cfg.tts.first_words)
+        rate, first_ms, spoken = synth.voice_rate, None, ""
+        await self.write(AudioStart(rate=rate, width=2, channels=1).event())
+        scheduler.start_waiting(self)
+        try:
+            while True:
+                text = await texts.get()
+                phrases = splitter.push(text) if text is not None else [splitter.flush()]
+                for phrase in phrases:
+                    if not phrase.strip():
+                        continue
+                    try:
+                        pcm = await asyncio.wait_for(synth.synthesize(phrase, rate, urgent=lambda: first_ms is None),
+                                                     cfg.faults.tts_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise RequestFailed("tts_timeout", "speech synthesis took too long") from None
+                    except Exception as err:
+                        log.warning("wyoming=%s speech synthesis failed: %r", self.id, err)
+                        raise RequestFailed("tts_failed", f"speech synthesis failed: {err}") from None
+                    for i in range(0, len(pcm), AUDIO_CHUNK_SAMPLES):
+                        await self.write(AudioChunk(rate=rate, width=2, channels=1,
+                                                    audio=pcm[i:i + AUDIO_CHUNK_SAMPLES].tobytes()).event())
+                        if first_ms is None:
+                            first_ms = (time.monotonic() - started) * 1000
+                            scheduler.stop_waiting(self)
+                    spoken += phrase + " "
+                if text is None:
+                    break
+        finally:
+            scheduler.stop_waiting(self)
+        await self.done("ok", "", whole or spoken.strip(), {"tts_first_audio": first_ms or 0.0})
+
+    # --- the assistant --------------------------------------------------------------------------
+
+    async def answer(self, transcript: Transcript) -> None:
+        """The LM's reply to a transcript, in the conversation its context names."""
+        context = transcript.context if isinstance(transcript.context, dict) else {}
+        conversation_id = context.get("conversation_id")
+        if not isinstance(conversation_id, str) or not conversation_id:
+            conversation_id = uuid.uuid4().hex
+        context = {"conversation_id": conversation_id}
+        history, chat = self.server.conversations.get(conversation_id)
+        started, first_ms, reply = self.begin(), None, ""
+        await self.write(HandledStart(context=context).event())
+        scheduler, faults = self.stages.scheduler, self.stages.config.faults
+        scheduler.start_waiting(self)
+        blocks = chat.reply(history.messages(transcript.text), urgent=lambda: first_ms is None)
+        try:
+            while len(reply) < self.stages.config.limits.max_reply_chars:
+                timeout = faults.lm_first_block_timeout_s if first_ms is None else faults.lm_block_timeout_s
+                try:
+                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
+                except StopAsyncIteration:
+                    break
+                if first_ms is None:
+                    first_ms = (time.monotonic() - started) * 1000
+                    scheduler.stop_waiting(self)
+                reply += block.text
+                await self.write(HandledChunk(text=block.text).event())
+        except Exception as err:
+            self.error("reply_failed", f"the language model failed: {err!r}")
+            await self.write(NotHandled(text="Sorry, I could not answer that.", context=context).event())
+            self.calls.unreplied(self.turn, transcript.text, "failed")
+            return
+        finally:
+            scheduler.stop_waiting(self)
+            await blocks.aclose()
+        reply = reply.strip()
+        history.add(transcript.text, reply)
+        await self.write(Handled(text=reply, context=context).event())
+        await self.write(HandledStop().event())
+        await self.done("ok", transcript.text, reply, {"lm_first_block": first_ms or 0.0})
+
+    async def close(self) -> None:
+        for task in (self.partial_task, self.speech[1] if self.speech else None):
+            if task is not None:
+                task.cancel()
+        if self.dictation is not None:
+            self.dictation.transcriber.reset()
+        self.stages.scheduler.stop_waiting(self)
+        if self.calls is not None:
+            self.calls.closed("closed", self.turn)
+            self.stages.metrics.sessions.labels("wyoming").dec()
+            self.ticket.release()
+        self.writer.close()
+
+
+class WyomingServer:
+    """The TCP server, started and stopped with the voice app (voice/server.py)."""
+
+    def __init__(self, stages: Stages, config: WyomingConfig):
+        self.stages, self.config = stages, config
+        self.conversations = Conversations(stages, config.conversations)
+        self.server: asyncio.AbstractServer | None = None
+        self.connections: set[asyncio.Task] = set()
+        self.zeroconf = None
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1] if self.server else self.config.port
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._connected, self.config.host, self.config.port,
+                                                 limit=MAX_HEADER_BYTES)
+        log.info("Wyoming server on tcp://%s:%d (speech-to-text, text-to-speech, assistant)", self.config.host,
+                 self.port)
+        if self.config.zeroconf:
+            from wyoming.zeroconf import HomeAssistantZeroconf
+            host = None if self.config.host in ("0.0.0.0", "") else self.config.host
+            self.zeroconf = HomeAssistantZeroconf(self.port, self.config.zeroconf, host)
+            await self.zeroconf.register_server()
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.connections.add(task)
+        try:
+            await Connection(self, reader, writer).run()
+        finally:
+            self.connections.discard(task)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self.connections):
+            task.cancel()
+        if self.connections:
+            await asyncio.wait(self.connections, timeout=5)
+        for _, chat in self.conversations.kept.values():
+            chat.close()

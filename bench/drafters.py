@@ -50,7 +50,6 @@ def adapter_kept(adapted, seq: list[int], prompt_len: int, block: int) -> list[i
     visible[n:, :n] = torch.arange(n)[None, :] < own[:, None]
     visible[n:, n:] = own[:, None] == own[None, :]
     model = adapted.model
-    model.use_caches([None] * len(model.layers))
     logits = model(torch.tensor([tokens]), torch.tensor(positions), visible)[0, n:]
     logits[:, mask_id] = float("-inf")
     guesses = logits.argmax(-1).tolist()

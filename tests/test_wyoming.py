@@ -203,3 +203,26 @@ def test_unknown_events_are_dropped(server):
                until="info")
     assert types(got) == ["info"]
     assert not [e for e in got if Error.is_type(e.type)]
+
+
+def test_only_allowed_addresses_are_served():
+    config = make_config(wyoming={"port": free_port(), "allow": ["10.0.0.0/8"]})
+    with LiveServer(config, fake_stages(config)) as srv:
+        async def scenario():
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.config.wyoming.port)
+            writer.write(json.dumps({"type": "describe"}).encode() + b"\n")
+            got = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return got
+        assert asyncio.run(scenario()) == b""  # closed without an answer
+
+
+def test_serving_wyoming_to_anyone_off_loopback_is_refused():
+    from voice.auth import Auth, ConfigError, check_exposure
+    config = make_config(wyoming={"port": 10300, "host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match="wyoming.allow"):
+        check_exposure(config, Auth(keys={"k": "x" * 32}, secret=b"s" * 32))
+    config.wyoming.allow = ["192.168.1.10"]
+    check_exposure(config, Auth(keys={"k": "x" * 32}, secret=b"s" * 32))
+    with pytest.raises(ValueError, match="wyoming.allow"):
+        make_config(wyoming={"allow": ["kitchen"]}).wyoming.__post_init__()

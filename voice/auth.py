@@ -51,6 +51,20 @@ def is_loopback(host: str) -> bool:
         return False  # "", "0.0.0.0" and hostnames: assume reachable from elsewhere
 
 
+def source_allowed(host: str, networks: list) -> bool:
+    """Is `host` (an address) inside one of `networks` (ip_network objects)? An empty list allows
+    anyone; an IPv4-mapped IPv6 address counts as its IPv4 address."""
+    if not networks:
+        return True
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return any(addr.version == net.version and addr in net for net in networks)
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -235,6 +249,10 @@ def check_exposure(config: Config, auth: Auth) -> None:
         raise ConfigError(
             f"refusing to answer SIP on {config.sip.host or 'all interfaces'} from anyone: list the addresses "
             f"of your PBX/trunk in sip.allow (e.g. allow = [\"203.0.113.7\", \"10.0.0.0/8\"]).")
+    if config.wyoming.port and not is_loopback(config.wyoming.host) and not config.wyoming.allow:
+        raise ConfigError(
+            f"refusing to serve Wyoming on {config.wyoming.host or 'all interfaces'} to anyone (the protocol has no "
+            f"authentication): list your Home Assistant's address in wyoming.allow (e.g. allow = [\"192.168.1.10\"]).")
 
 
 def install_redaction(auth: Auth | None = None) -> None:

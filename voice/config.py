@@ -220,12 +220,19 @@ class WyomingConfig:
     host: str = "127.0.0.1"  # interface; Home Assistant on another machine needs "0.0.0.0"
     zeroconf: str = ""  # announce the server over mDNS under this name (needs the zeroconf package); "" = off
     conversations: int = 8  # assistant conversations whose history (and LM cache) are kept; the oldest go
+    # client addresses (IP or CIDR) allowed to connect; [] = any, which is only accepted on a loopback host
+    allow: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"wyoming.port must be 0-65535, got {self.port}")
         if self.conversations < 1:
             raise ValueError(f"wyoming.conversations must be at least 1, got {self.conversations}")
+        for net in self.allow:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as err:
+                raise ValueError(f"wyoming.allow: {net!r} is not an IP address or network: {err}") from err
 
 
 @dataclass

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from voice.auth import source_allowed
 from voice.config import SipConfig
 from voice.limits import LimitError, Ticket
 from voice.session import Session
@@ -317,15 +318,7 @@ class SipEndpoint:
 
     def allowed(self, host: str) -> bool:
         """sip.allow: only these source addresses may talk to us ([] = anyone)."""
-        if not self.allow:
-            return True
-        try:
-            addr = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        if addr.version == 6 and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr.version == net.version and addr in net for net in self.allow)
+        return source_allowed(host, self.allow)
 
     def datagram(self, data: bytes, source: tuple[str, int]) -> None:
         if not self.allowed(source[0]):  # silently: scanners learn nothing

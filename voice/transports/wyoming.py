@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import itertools
 import json
 import logging
@@ -47,6 +48,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from voice import events, vad
+from voice.auth import source_allowed
 from voice.asr import SAMPLE_RATE, StreamingTranscriber
 from voice.audio import float_to_pcm16, pcm16_to_float
 from voice.calllog import CallLog
@@ -498,6 +500,7 @@ class WyomingServer:
     def __init__(self, stages: Stages, config: WyomingConfig):
         self.stages, self.config = stages, config
         self.conversations = Conversations(stages, config.conversations)
+        self.allow = [ipaddress.ip_network(net, strict=False) for net in config.allow]
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[asyncio.Task] = set()
         self.zeroconf = None
@@ -518,10 +521,17 @@ class WyomingServer:
             await self.zeroconf.register_server()
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername") or ("",)
+        if not source_allowed(peer[0], self.allow):  # closed without a word: scanners learn nothing
+            log.warning("wyoming: refused a connection from %s (not in wyoming.allow)", peer[0])
+            writer.close()
+            return
         task = asyncio.current_task()
         self.connections.add(task)
         try:
             await Connection(self, reader, writer).run()
+        except asyncio.CancelledError:  # the server stops (the connection closed itself on the way out)
+            pass
         finally:
             self.connections.discard(task)
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.draft import LookupDrafter, Proposal
+from engine.grammar import Constraint
 from engine.model import KVCache, Segment, Transformer, visibility_mask
 
 
@@ -129,30 +130,46 @@ class CacheState:
 # --- commit rules ------------------------------------------------------------------------------
 
 def verify_rule(target: Tensor, proposal: Proposal, temperature: float,
-                generator: torch.Generator | None) -> list[int]:
+                generator: torch.Generator | None, constraint: Constraint | None = None) -> list[int]:
     """Lossless: the tokens to commit after a verify forward. `target` [k + 1, V] are the base's
     logits at the row before each drafted token and at the last one. Greedy: the drafted prefix
     the base agrees with, then the base's own next token. Sampled (speculative sampling): drafted
     token d is kept with probability min(1, p(d) / q(d)), else replaced by a draw from
-    max(p - q, 0), which leaves every committed token distributed exactly as the base's p."""
+    max(p - q, 0), which leaves every committed token distributed exactly as the base's p.
+    With a `constraint` each row's p is the base's under the grammar, taken after the tokens
+    committed before it (which it consumes): the same rule, for the constrained distribution."""
     drafted = proposal.ids
-    if temperature <= 0:
+    if constraint is None and temperature <= 0:
         best = target.argmax(-1).tolist()
         n = 0
         while n < len(drafted) and drafted[n] == best[n]:
             n += 1
         return drafted[:n] + [best[n]]
-    p = (target.float() / temperature).softmax(-1).cpu()  # the generator is a CPU one
-    out = []
-    for j, d in enumerate(drafted):
-        q = proposal.probs[j].cpu() if proposal.probs is not None else F.one_hot(torch.tensor(d), p.shape[-1]).float()
-        if float(torch.rand(1, generator=generator)) * q[d] <= p[j, d]:
-            out.append(d)
-            continue
-        residual = (p[j] - q).clamp(min=0)
-        out.append(int(torch.multinomial(residual if residual.sum() > 0 else p[j], 1, generator=generator)))
-        return out
-    return out + [int(torch.multinomial(p[len(drafted)], 1, generator=generator))]
+    out: list[int] = []
+    for j in range(len(drafted) + 1):
+        row = target[j].float().cpu()  # the generator is a CPU one
+        if constraint is not None:
+            row = constraint.restrict(row)
+        if temperature <= 0:
+            token = int(row.argmax())
+        else:
+            p = (row / temperature).softmax(-1)
+            token = int(torch.multinomial(p, 1, generator=generator))  # the base's own next token
+            if j < len(drafted):
+                d = drafted[j]
+                q = proposal.probs[j].cpu() if proposal.probs is not None else F.one_hot(torch.tensor(d),
+                                                                                            p.shape[-1]).float()
+                if float(torch.rand(1, generator=generator)) * q[d] <= p[d]:
+                    token = d
+                else:
+                    residual = (p - q).clamp(min=0)
+                    token = int(torch.multinomial(residual if residual.sum() > 0 else p, 1, generator=generator))
+        if constraint is not None:
+            constraint.consume(token)
+        out.append(token)
+        if j == len(drafted) or token != drafted[j]:
+            return out
+    return out
 
 
 # Mask-block rules (lossy): which masked positions become final this step.
@@ -279,7 +296,8 @@ def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) 
 
 # --- decoders --------------------------------------------------------------------------------
 
-def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_ids: set[int]) -> Generator:
+def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_ids: set[int],
+             constraint: Constraint | None = None) -> Generator:
     """Greedy/sampled next-token decoding: the baseline on the same weights and cache code.
 
     Yields a `Forward` whenever it needs one (and is sent its logits) and a `Block` per token."""
@@ -287,7 +305,11 @@ def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_i
     pending = new_prompt
     for n in range(1, cfg.max_new_tokens + 1):
         last, _ = yield Forward(state, pending)
+        if constraint is not None:
+            last = constraint.restrict(last)
         token = int(pick(last[None], cfg.temperature, generator)[0])
+        if constraint is not None:
+            constraint.consume(token)
         done = token in stop_ids or n == cfg.max_new_tokens
         yield Block([token], 1, n, done)
         if done:
@@ -295,8 +317,11 @@ def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_i
         pending = [token]
 
 
+MAX_FORCED_DRAFT = 16  # a draft row costs ~2 ms here; a forced token always saves a forward
+
+
 def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter, embed,
-                 stop_ids: set[int]) -> Generator:
+                 stop_ids: set[int], constraint: Constraint | None = None) -> Generator:
     """Draft, then verify: each forward writes the last committed token and checks the drafted
     block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
     The first forward is the prompt's prefill (there is nothing to draft from yet). Rejected rows
@@ -305,15 +330,17 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
     Yields a `Forward` per step (and is sent its logits) and a `Block` per step's commits."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     k_max = cfg.block_size or drafter.block
-    pending, proposal = new_prompt, Proposal([])
+    pending, proposal = new_prompt, Proposal(forced_draft(constraint))
     produced = forwards = 0
     while True:
         drafted = proposal.until_unsure(cfg.draft_threshold).first(cfg.max_new_tokens - produced - 1)
+        if constraint is not None:  # a drafted token the grammar refuses could never be committed
+            drafted = drafted.first(constraint.valid_prefix(drafted.ids))
         k = len(drafted.ids)
         last, draft_logits = yield Forward(state, pending, draft=drafted.ids, draft_causal=True)
         forwards += 1
         target = torch.cat([last[None], draft_logits]) if k else last[None]
-        committed = verify_rule(target, drafted, cfg.temperature, generator)
+        committed = verify_rule(target, drafted, cfg.temperature, generator, constraint)
         accepted = len(committed) - 1  # drafted tokens the base agreed with: their causal rows are final
         stop = next((i + 1 for i, token in enumerate(committed) if token in stop_ids), len(committed))
         committed = committed[:stop]
@@ -324,8 +351,15 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         if done:
             return
         pending = [committed[-1]]
-        proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
-                                   cfg.temperature, generator)
+        proposal = Proposal(forced_draft(constraint)) if constraint is not None else Proposal([])
+        if not proposal.ids:
+            proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
+                                       cfg.temperature, generator)
+
+
+def forced_draft(constraint: Constraint | None) -> list[int]:
+    """What the grammar forces next, drafted instead of the drafter's guess (at most MAX_FORCED_DRAFT)."""
+    return constraint.forced()[:MAX_FORCED_DRAFT] if constraint is not None else []
 
 
 def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
@@ -425,24 +459,27 @@ def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[i
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
-                  drafter=None, embed=None) -> Generator:
+                  drafter=None, embed=None, constraint: Constraint | None = None) -> Generator:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
     if cfg.mode == "ar":
-        return ar_steps(state, new, cfg, stop_ids)
+        return ar_steps(state, new, cfg, stop_ids, constraint)
     if cfg.rule == "verify":
-        return verify_steps(state, new, cfg, drafter or LookupDrafter(), embed, stop_ids)
+        return verify_steps(state, new, cfg, drafter or LookupDrafter(), embed, stop_ids, constraint)
+    if constraint is not None:
+        raise ValueError(f"constrained output needs rule 'verify' or mode 'ar', not rule {cfg.rule!r}")
     return diffusion_steps(state, new, cfg, spec, stop_ids)
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int], drafter=None, embed=None) -> Generator:
+         stop_ids: set[int], drafter=None, embed=None, constraint: Constraint | None = None) -> Generator:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
     only the prompt's uncached tail is prefilled. `verify` drafts with `drafter` (prompt lookup
-    when None); `embed` is the base model's token embedding, which a draft head reads."""
+    when None); `embed` is the base model's token embedding, which a draft head reads.
+    `constraint` (engine.grammar) keeps the reply inside a grammar."""
     if len(prompt) + cfg.max_new_tokens > state.capacity:
         raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
                               f"the context of {state.capacity}")
-    return decoder_steps(state, state.reuse_for(prompt), cfg, spec, stop_ids, drafter, embed)
+    return decoder_steps(state, state.reuse_for(prompt), cfg, spec, stop_ids, drafter, embed, constraint)
 
 
 def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,

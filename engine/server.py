@@ -50,6 +50,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
+from engine.grammar import GrammarError
 from engine.keys import ConfigError, load_keys
 from engine.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
@@ -88,7 +89,6 @@ UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value 
     "functions": lambda v: v in (None, []),
     "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},  # JSON output would need constrained decoding
     "logit_bias": lambda v: v in (None, {}),
     "top_logprobs": lambda v: v in (None, 0),
 }
@@ -144,6 +144,30 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def _response_format(body: dict) -> tuple[bool, dict | None]:
+    """(is the reply constrained to JSON, the schema or None for any object) from `response_format`."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return False, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind != "json_schema":
+        raise APIError(400, "Invalid value for 'response_format.type': expected one of text, json_object, "
+                       "json_schema.", "response_format.type", "invalid_value")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise APIError(400, "'response_format.json_schema' must be an object with a 'name'.",
+                       "response_format.json_schema", "invalid_value")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise APIError(400, "Invalid type for 'response_format.json_schema.schema': expected an object.",
+                       "response_format.json_schema.schema", "invalid_type")
+    return True, schema  # `strict` or not, the reply is held to the schema
+
+
 def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list[dict], DecodeConfig, dict]:
     """(messages, decode config, options) from a chat-completions body; raises APIError."""
     if not isinstance(body, dict):
@@ -193,7 +217,12 @@ def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list
         cfg = replace(defaults, **overrides)
     except ValueError as err:
         raise APIError(400, str(err), None, "invalid_value") from err
-    return messages, cfg, {"stream": bool(stream), "include_usage": include_usage}
+    json_only, schema = _response_format(body)
+    if json_only and cfg.mode != "ar" and cfg.rule != "verify":
+        raise APIError(400, f"'response_format' needs rule 'verify' or mode 'ar' (constrained decoding), not rule "
+                       f"'{cfg.rule}'.", "response_format", "invalid_value")
+    return messages, cfg, {"stream": bool(stream), "include_usage": include_usage, "json": json_only,
+                           "schema": schema}
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -348,8 +377,15 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                            f"{cfg.max_new_tokens} in the completion).", "messages", "context_length_exceeded")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         now = int(time.time())
+        constraint = None
+        if opts["json"]:
+            try:
+                constraint = await asyncio.to_thread(engine.grammars.json, opts["schema"])
+            except GrammarError as err:
+                raise APIError(400, str(err), "response_format.json_schema.schema", "invalid_value") from err
         conversation = caches.take(messages)
-        pieces = _kept_after(engine.stream(messages, cfg, conversation=conversation), messages, conversation)
+        pieces = _kept_after(engine.stream(messages, cfg, conversation=conversation, constraint=constraint), messages,
+                             conversation)
         if opts["stream"]:
             return EventStream(_chunks(rid, now, pieces, cfg, opts, len(prompt), info),
                                on_cancel=lambda: info.update(finish="cancelled"))

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 
 from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan, run_many
+from engine.grammar import Constraint, Grammars
 from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
@@ -103,6 +104,7 @@ class _Request:
     conversation: Conversation
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
     priority: Callable[[], int] | None = None  # asked each round once the first piece is out (default NORMAL)
+    constraint: Constraint | None = None
     start: float = field(default_factory=time.perf_counter)
     steps: Generator | None = None
     reply: _Reply | None = None
@@ -134,6 +136,7 @@ class Engine:
         self._pool: list[CacheState] = []  # idle, cleared caches (any thread may take or give back)
         self._pool_lock = threading.Lock()
         self._leave_lock = threading.Lock()  # a request leaving vs its conversation being abandoned
+        self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
@@ -149,8 +152,8 @@ class Engine:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
-    def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation,
-               start: float) -> tuple[Generator, _Reply]:
+    def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
+               constraint: Constraint | None = None) -> tuple[Generator, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
         prompt = self.prompt_ids(messages)
         if conversation.active is not None:
@@ -159,7 +162,7 @@ class Engine:
             conversation.state = self._take_cache()
         reply = _Reply(self, prompt, conversation.state, start)
         steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids, self.loaded.drafter,
-                     self.model.embed_tokens)
+                     self.model.embed_tokens, constraint)
         return steps, reply
 
     def _take_cache(self) -> CacheState:
@@ -198,11 +201,12 @@ class Engine:
     # --- one request, in the calling thread (CLI, eval, benchmarks) ---------------------------
 
     def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                      conversation: Conversation | None = None, **overrides) -> Iterator[Piece]:
+                      conversation: Conversation | None = None, constraint: Constraint | None = None,
+                      **overrides) -> Iterator[Piece]:
         """Pieces of the reply to `messages`, decoded in the calling thread."""
         cfg = replace(cfg or self.defaults, **overrides)
         conversation = conversation or Conversation(abandoned=True)  # a one-off: nobody continues it
-        steps, reply = self._begin(messages, cfg, conversation, time.perf_counter())
+        steps, reply = self._begin(messages, cfg, conversation, time.perf_counter(), constraint)
         blocks = drive(self.model, steps)
         conversation.active = blocks
         try:
@@ -219,10 +223,11 @@ class Engine:
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
-                     **overrides) -> AsyncIterator[Piece]:
+                     constraint: Constraint | None = None, **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
-        the request is a one-off on a pooled cache."""
+        the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
+        inside its grammar (JSON)."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -233,7 +238,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides),
-                           conversation or Conversation(abandoned=True), deliver, priority)
+                           conversation or Conversation(abandoned=True), deliver, priority, constraint)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -300,7 +305,8 @@ class Engine:
         if isinstance(conversation.active, _Request) and conversation.active in active:
             active.remove(conversation.active)
         try:
-            request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start)
+            request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start,
+                                                       request.constraint)
         except Exception as err:
             request.deliver(err)
             self._leave(request)

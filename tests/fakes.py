@@ -274,13 +274,21 @@ class StandInEngine:
     def prompt_ids(self, messages):
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))
 
-    async def stream(self, messages, cfg, conversation):
+    async def stream(self, messages, cfg, conversation, constraint=None):
         from engine.stream import Piece
         for i, word in enumerate(["Hello", " there."]):
             yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)
 
     def abandon(self, conversation):
         """Nothing to give back: the stand-in keeps no caches."""
+
+    class grammars:
+        """It has no tokenizer to hold a reply to a grammar with: JSON output is refused (a 400)."""
+
+        @staticmethod
+        def json(schema):
+            from engine.grammar import GrammarError
+            raise GrammarError("the stand-in engine cannot constrain its output")
 
 
 def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:

@@ -6,14 +6,14 @@ import http.client
 import json
 import logging
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import jsonschema
 import torch
-import uvicorn
+from liveserver import serving
 
 from engine.data import chat
 from engine.decode import DecodeConfig
@@ -37,22 +37,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def served():
     engine = Engine.load("small")
-    app = build_app(engine, DecodeConfig(max_new_tokens=MAX_TOKENS))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield engine, port
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serving(build_app(engine, DecodeConfig(max_new_tokens=MAX_TOKENS))) as port:
+        yield engine, port
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +147,14 @@ def test_diffusion_extras_and_seed(client):
     (dict(messages=PROMPT, temperature="hot"), "temperature"),
     (dict(messages=PROMPT, temperature=5), "temperature"),
     (dict(messages=PROMPT, n=2), "n"),
-    (dict(messages=PROMPT, response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=PROMPT, response_format={"type": "xml"}), "response_format.type"),
+    (dict(messages=PROMPT, response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+     "response_format.json_schema"),
+    (dict(messages=PROMPT, response_format={"type": "json_object"}, extra_body={"rule": "threshold"}),
+     "response_format"),
+    (dict(messages=PROMPT, response_format={"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}),
+     "response_format.json_schema.schema"),
     (dict(messages=PROMPT, tool_choice="auto"), "tool_choice"),
     (dict(messages=PROMPT, logit_bias={"42": 5}), "logit_bias"),
     (dict(messages=PROMPT, extra_body={"mode": "turbo"}), "mode"),
@@ -302,3 +295,47 @@ def test_a_continued_conversation_prefills_only_its_new_turn(client, stream):
     assert prompt2 > prompt1 + 5 and prefilled2 < prompt2 - prompt1 + 4  # ~ the new turn's tokens only
     _, prompt3, prefilled3 = ask(first[:1] + [{"role": "user", "content": "Name a colour."}])
     assert prefilled3 == prompt3  # a different conversation starts afresh
+
+
+ANSWER = {"type": "object", "properties": {
+    "answer": {"type": "string", "maxLength": 40}, "confident": {"type": "boolean"},
+    "topic": {"type": "string", "enum": ["geography", "maths", "science", "other"]}},
+    "required": ["answer", "confident", "topic"], "additionalProperties": False}
+QUESTIONS = ["What is the capital of Spain?", "What is seven times eight?", "Why is the sky blue?"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_replies_hold_to_the_schema_and_verify_equals_ar(client, stream):
+    """Constrained decoding: every reply parses and validates against the strict schema, streamed
+    or not, and the lossless verify rule gives the constrained AR reply token for token."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+    def ask(question: str, mode: str) -> tuple[str, str]:
+        kwargs = dict(model="small", messages=[{"role": "user", "content": question}], max_tokens=80,
+                      temperature=0, response_format=fmt, extra_body={"mode": mode})
+        if not stream:
+            reply = client.chat.completions.create(**kwargs)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    for question in QUESTIONS:
+        text, finish = ask(question, "diffusion")
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), ANSWER)
+        assert ask(question, "ar") == (text, finish)
+
+
+def test_json_object_replies_are_objects(client):
+    reply = client.chat.completions.create(model="small", max_tokens=80, temperature=0,
+                                           messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+                                           response_format={"type": "json_object"})
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # cut by max_tokens: still a valid prefix of an object
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")

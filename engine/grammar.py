@@ -1,0 +1,80 @@
+"""Constrained decoding: replies that must be JSON (any object, or one matching a JSON schema).
+
+A `Constraint` wraps an llguidance matcher (chosen by measurement: BENCHMARKS.md, "Constrained
+decoding"): before each token is chosen, the logits of every token that would leave the output
+no longer a valid prefix of the grammar are set to -inf, and the chosen token is consumed. The
+decoders apply it to every row that commits a token (engine.decode), so greedy replies are the
+base model's greedy replies under the constraint, with `verify` as with AR; drafted tokens are
+cut at the first one the grammar refuses, since the base could not commit it anyway. Once the
+grammar is complete only the end-of-turn token is allowed. JSON is written in one layout,
+`{"a": 1, "b": [2, 3]}`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.torch
+from torch import Tensor
+
+from engine.tokenizer import Tokenizer
+
+
+class GrammarError(ValueError):
+    """The schema cannot be compiled into a grammar."""
+
+
+class Constraint:
+    """One reply's grammar state (not thread-safe: one decoder drives it)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.matcher = matcher
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+
+    def restrict(self, logits: Tensor) -> Tensor:
+        """`logits` [V] (float, CPU) with every token the grammar refuses next at -inf (a copy)."""
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        row = logits.float().clone()[None]
+        llguidance.torch.apply_token_bitmask_inplace(row, self.bitmask)
+        return row[0]
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} is not allowed here: {self.matcher.get_error()}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows no alternative to from here (a key name, `", "`): a free
+        draft, which the base cannot refuse."""
+        return self.matcher.compute_ff_tokens()
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar would accept, in order, from here (state unchanged)."""
+        return self.matcher.validate_tokens(tokens)
+
+
+class Grammars:
+    """Compiles constraints for one model's tokenizer. The llguidance view of the vocabulary takes
+    about a second to build, so it is made once, on the first constrained request."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def json(self, schema: dict | None) -> Constraint:
+        """Any JSON object (`schema` None), or one matching `schema`."""
+        if self._ll is None:
+            self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                              eos_token=self.tokenizer.turn_end_id)
+        # One fixed layout, `{"a": 1, "b": [2, 3]}`: flexible whitespace lets a small model wander
+        # into runs of blank lines that the grammar must accept.
+        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps({**(schema or {"type": "object"}), "x-guidance": layout}))
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise GrammarError(f"the JSON schema cannot be used: {err}") from None
+        matcher = llguidance.LLMatcher(self._ll, grammar)
+        if matcher.is_error():
+            raise GrammarError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size)

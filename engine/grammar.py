@@ -21,6 +21,11 @@ from torch import Tensor
 from engine.tokenizer import Tokenizer
 
 
+# One fixed JSON layout, `{"a": 1, "b": [2, 3]}`: flexible whitespace lets a small model wander
+# into runs of blank lines that the grammar must accept.
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """The schema cannot be compiled into a grammar."""
 
@@ -63,18 +68,26 @@ class Grammars:
 
     def json(self, schema: dict | None) -> Constraint:
         """Any JSON object (`schema` None), or one matching `schema`."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps({**(schema or {"type": "object"}), "x-guidance": LAYOUT}))
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise GrammarError(f"the JSON schema cannot be used: {err}") from None
+        return self._constraint(grammar, "the JSON schema")
+
+    def lark(self, text: str) -> Constraint:
+        """A grammar in llguidance's Lark (engine.tools writes the tool-call one)."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except (ValueError, TypeError, RuntimeError) as err:
+            raise GrammarError(f"the tools' schemas cannot be used: {err}") from None
+        return self._constraint(grammar, "the tools' schemas")
+
+    def _constraint(self, grammar: str, what: str) -> Constraint:
         if self._ll is None:
             self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                               eos_token=self.tokenizer.turn_end_id)
-        # One fixed layout, `{"a": 1, "b": [2, 3]}`: flexible whitespace lets a small model wander
-        # into runs of blank lines that the grammar must accept.
-        layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps({**(schema or {"type": "object"}), "x-guidance": layout}))
-        except (ValueError, TypeError, RuntimeError) as err:
-            raise GrammarError(f"the JSON schema cannot be used: {err}") from None
         matcher = llguidance.LLMatcher(self._ll, grammar)
         if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {matcher.get_error()}")
+            raise GrammarError(f"{what} cannot be used: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -51,6 +52,7 @@ from starlette.routing import Route
 
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
+from engine.tools import Tool, ToolUse, calls_in, tag_terminals
 from engine.keys import ConfigError, load_keys
 from engine.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
@@ -80,14 +82,13 @@ class APIError(Exception):
 
 # --- request parsing -------------------------------------------------------------------------
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value that means "off"
     "n": lambda v: v in (None, 1),
     "stop": lambda v: v in (None, "", []),
     "logprobs": lambda v: v in (None, False),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),  # the legacy form of `tools`
     "function_call": lambda v: v in (None, "none"),
     "logit_bias": lambda v: v in (None, {}),
     "top_logprobs": lambda v: v in (None, 0),
@@ -129,6 +130,9 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"Invalid value for '{where}.role': {json.dumps(role)[:40]}; supported roles are "
                            f"{', '.join(ROLES)}.", f"{where}.role", "invalid_value")
         content = m.get("content")
+        calls = _tool_calls(m, where) if role == "assistant" and m.get("tool_calls") is not None else None
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):  # content parts: only text is understood here
             texts = []
             for part in content:
@@ -140,8 +144,77 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string or an array of text parts.",
                            f"{where}.content", "invalid_type")
-        out.append({"role": ROLES[role], "content": content})
+        message = {"role": ROLES[role], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError(400, f"Missing required parameter: '{where}.tool_call_id'.", f"{where}.tool_call_id",
+                               "missing_required_parameter")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _tool_calls(m: dict, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`, checked: functions with a name and JSON arguments."""
+    calls = m["tool_calls"]
+    if not isinstance(calls, list):
+        raise APIError(400, f"Invalid type for '{where}.tool_calls': expected an array.", f"{where}.tool_calls",
+                       "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise APIError(400, f"'{at}' must be a function call with a 'name' and string 'arguments'.", at,
+                           "invalid_value")
+        try:
+            json.loads(fn["arguments"])
+        except ValueError:
+            raise APIError(400, f"'{at}.function.arguments' is not valid JSON.", f"{at}.function.arguments",
+                           "invalid_value") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _tool_use(body: dict) -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked (None: no tools offered)."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(400, "Invalid type for 'parallel_tool_calls': expected a boolean.", "parallel_tool_calls",
+                       "invalid_type")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise APIError(400, "'tool_choice' is only allowed when 'tools' are specified.", "tool_choice",
+                           "invalid_value")
+        return None
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise APIError(400, "'tools' must be an array of at most 128 tools.", "tools", "invalid_value")
+    found = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"]):
+            raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                           "with a name of 1-64 letters, digits, '_' or '-'.", f"tools[{i}]", "invalid_value")
+        parameters = fn.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"Invalid type for 'tools[{i}].function.parameters': expected an object.",
+                           f"tools[{i}].function.parameters", "invalid_type")
+        found.append(Tool(fn["name"], str(fn.get("description") or ""), parameters))
+    names = {t.name for t in found}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise APIError(400, "'tool_choice' must name one of the 'tools'.", "tool_choice", "invalid_value")
+        choice = name
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("auto", "none", "required"):
+        raise APIError(400, "Invalid value for 'tool_choice': expected none, auto, required or a function.",
+                       "tool_choice", "invalid_value")
+    return ToolUse(found, choice, True if parallel is None else parallel)
 
 
 def _response_format(body: dict) -> tuple[bool, dict | None]:
@@ -218,11 +291,16 @@ def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list
     except ValueError as err:
         raise APIError(400, str(err), None, "invalid_value") from err
     json_only, schema = _response_format(body)
-    if json_only and cfg.mode != "ar" and cfg.rule != "verify":
-        raise APIError(400, f"'response_format' needs rule 'verify' or mode 'ar' (constrained decoding), not rule "
-                       f"'{cfg.rule}'.", "response_format", "invalid_value")
+    tool_use = _tool_use(body)
+    if json_only and tool_use is not None:
+        raise APIError(400, "'response_format' cannot be combined with 'tools' here.", "response_format",
+                       "invalid_value")
+    for name, asked in (("response_format", json_only), ("tools", tool_use is not None)):
+        if asked and cfg.mode != "ar" and cfg.rule != "verify":
+            raise APIError(400, f"'{name}' needs rule 'verify' or mode 'ar' (constrained decoding), not rule "
+                           f"'{cfg.rule}'.", name, "invalid_value")
     return messages, cfg, {"stream": bool(stream), "include_usage": include_usage, "json": json_only,
-                           "schema": schema}
+                           "schema": schema, "tools": tool_use}
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -304,15 +382,23 @@ class PrefixCaches:
 
     @staticmethod
     def key(messages: list[dict]) -> str:
-        canonical = json.dumps([[m["role"], m["content"].strip()] for m in messages], ensure_ascii=False)
+        """The messages' text, with tool calls as (name, arguments) (their ids are made up per reply)."""
+        canonical = json.dumps([[m["role"], m["content"].strip(),
+                                 [[c["function"]["name"], json.loads(c["function"]["arguments"])]
+                                  for c in m.get("tool_calls") or ()]] for m in messages], ensure_ascii=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def take(self, messages: list[dict]) -> Conversation:
         """The conversation that ended where `messages` continue (all but the last), or a new one."""
         return self._kept.pop(self.key(messages[:-1]), None) or Conversation()
 
-    def keep(self, messages: list[dict], reply: str, conversation: Conversation) -> None:
-        key = self.key([*messages, {"role": "assistant", "content": reply}])
+    def keep(self, messages: list[dict], reply: str, conversation: Conversation, tools_offered: bool) -> None:
+        """Keep `conversation` under `messages` + `reply` as the next request will send them (a
+        reply that calls tools comes back as an assistant message with `tool_calls`)."""
+        calls = calls_in(reply) if tools_offered else []
+        said = {"role": "assistant", "content": "", "tool_calls": calls} if calls else \
+            {"role": "assistant", "content": reply}
+        key = self.key([*messages, said])
         if key in self._kept:  # the same exchange again: the newer cache replaces the older
             self.engine.abandon(self._kept.pop(key))
         self._kept[key] = conversation
@@ -366,7 +452,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                            f"{max_input_chars}.", "messages", "string_above_max_length")
         info.update(mode=cfg.mode, stream=opts["stream"], max_tokens=cfg.max_new_tokens)
         try:
-            prompt = await asyncio.to_thread(engine.prompt_ids, messages)
+            prompt = await asyncio.to_thread(engine.prompt_ids, messages, opts["tools"] and opts["tools"].tools)
         except jinja2.TemplateError as err:
             raise APIError(400, f"The chat template rejected the messages: {err}", "messages",
                            "invalid_value") from err
@@ -377,21 +463,26 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                            f"{cfg.max_new_tokens} in the completion).", "messages", "context_length_exceeded")
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         now = int(time.time())
-        constraint = None
-        if opts["json"]:
-            try:
+        constraint, tool_use = None, opts["tools"]
+        try:
+            if opts["json"]:
                 constraint = await asyncio.to_thread(engine.grammars.json, opts["schema"])
-            except GrammarError as err:
-                raise APIError(400, str(err), "response_format.json_schema.schema", "invalid_value") from err
+            elif tool_use is not None:
+                constraint = await asyncio.to_thread(engine.grammars.lark,
+                                                     tool_use.grammar(tag_terminals(engine.tokenizer)))
+        except GrammarError as err:
+            raise APIError(400, str(err), "response_format.json_schema.schema" if opts["json"] else "tools",
+                           "invalid_value") from err
         conversation = caches.take(messages)
-        pieces = _kept_after(engine.stream(messages, cfg, conversation=conversation, constraint=constraint), messages,
-                             conversation)
+        tools = tool_use.tools if tool_use is not None else None
+        pieces = _kept_after(engine.stream(messages, cfg, conversation=conversation, constraint=constraint,
+                                           tools=tools), messages, conversation, tool_use is not None)
         if opts["stream"]:
             return EventStream(_chunks(rid, now, pieces, cfg, opts, len(prompt), info),
                                on_cancel=lambda: info.update(finish="cancelled"))
-        return await _complete(request, rid, now, pieces, cfg, len(prompt), info)
+        return await _complete(request, rid, now, pieces, cfg, len(prompt), info, tool_use is not None)
 
-    async def _kept_after(pieces, messages: list[dict], conversation: Conversation):
+    async def _kept_after(pieces, messages: list[dict], conversation: Conversation, tools_offered: bool):
         """The pieces; then the conversation is kept for a continuation (unless it was cut short)."""
         text, finished = [], False
         try:
@@ -402,12 +493,12 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                     yield piece
         finally:
             if finished:
-                caches.keep(messages, "".join(text), conversation)
+                caches.keep(messages, "".join(text), conversation, tools_offered)
             else:
                 engine.abandon(conversation)
 
     async def _complete(request: Request, rid: str, now: int, pieces, cfg: DecodeConfig, prompt_tokens: int,
-                        info: dict) -> Response:
+                        info: dict, tools_offered: bool) -> Response:
         async def collect() -> tuple[str, Piece | None]:
             text, last = [], None
             async with contextlib.aclosing(pieces) as stream:
@@ -433,12 +524,15 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
         except ContextOverflow as err:
             raise APIError(400, str(err), "messages", "context_length_exceeded") from err
         finish = last.finish_reason if last else "length"
+        message = {"role": "assistant", "content": text, "refusal": None}
+        calls = calls_in(text) if tools_offered else []
+        if calls:
+            message["content"], message["tool_calls"], finish = None, calls, "tool_calls"
         info.update(finish=finish, completion_tokens=last.tokens if last else 0,
                     ttfb_ms=last.ttfb_ms if last else None, forwards=last.forwards if last else 0)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": now, "model": model_id, "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
             "usage": _usage(last, prompt_tokens), "x_engine": _stats(last, cfg)})
 
     async def _chunks(rid: str, now: int, pieces, cfg: DecodeConfig, opts: dict, prompt_tokens: int, info: dict):
@@ -451,10 +545,14 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                          **usage_field, **extra})
 
         last: Piece | None = None
+        calling, text = False, ""  # a reply that starts with "<" is tool calls (their grammar says so)
         try:
             async with contextlib.aclosing(pieces) as stream:
                 async for piece in stream:
-                    if last is None:
+                    text += piece.text
+                    if opts["tools"] is not None and text.startswith("<"):
+                        calling = True  # sent whole once complete: a call's arguments are JSON only when closed
+                    elif last is None:
                         yield chunk({"role": "assistant", "content": piece.text})
                     elif piece.text:
                         yield chunk({"content": piece.text})
@@ -469,6 +567,11 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
             yield _sse(APIError(500, f"generation failed: {err}", None, "server_error", "server_error").body())
             return
         finish = last.finish_reason if last else "length"
+        if calling:
+            calls = calls_in(text)
+            yield chunk({"role": "assistant", "content": None,
+                         "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
+            finish = "tool_calls" if calls else finish
         info.update(finish=finish, completion_tokens=last.tokens if last else 0,
                     ttfb_ms=last.ttfb_ms if last else None, forwards=last.forwards if last else 0)
         yield chunk({}, finish, x_engine=_stats(last, cfg))

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
+from engine.tools import Tool, for_template
 from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
@@ -105,6 +106,7 @@ class _Request:
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
     priority: Callable[[], int] | None = None  # asked each round once the first piece is out (default NORMAL)
     constraint: Constraint | None = None
+    tools: list[Tool] | None = None
     start: float = field(default_factory=time.perf_counter)
     steps: Generator | None = None
     reply: _Reply | None = None
@@ -149,13 +151,15 @@ class Engine:
     def name(self) -> str:
         return self.loaded.name
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    def prompt_ids(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
+        """The prompt: `messages` (tool calls and results too) and `tools`, in the model's template."""
+        messages, rendered = for_template(messages, tools or [], self.tokenizer.supports_tools)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=rendered)
 
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
-               constraint: Constraint | None = None) -> tuple[Generator, _Reply]:
+               constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Generator, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
-        prompt = self.prompt_ids(messages)
+        prompt = self.prompt_ids(messages, tools)
         if conversation.active is not None:
             self._close(conversation.active)
         if conversation.state is None:
@@ -202,11 +206,11 @@ class Engine:
 
     def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
                       conversation: Conversation | None = None, constraint: Constraint | None = None,
-                      **overrides) -> Iterator[Piece]:
-        """Pieces of the reply to `messages`, decoded in the calling thread."""
+                      tools: list[Tool] | None = None, **overrides) -> Iterator[Piece]:
+        """Pieces of the reply to `messages`, decoded in the calling thread (as `stream`)."""
         cfg = replace(cfg or self.defaults, **overrides)
         conversation = conversation or Conversation(abandoned=True)  # a one-off: nobody continues it
-        steps, reply = self._begin(messages, cfg, conversation, time.perf_counter(), constraint)
+        steps, reply = self._begin(messages, cfg, conversation, time.perf_counter(), constraint, tools)
         blocks = drive(self.model, steps)
         conversation.active = blocks
         try:
@@ -223,11 +227,12 @@ class Engine:
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
-                     constraint: Constraint | None = None, **overrides) -> AsyncIterator[Piece]:
+                     constraint: Constraint | None = None, tools: list[Tool] | None = None,
+                     **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
         the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
-        inside its grammar (JSON)."""
+        inside its grammar (JSON, tool calls); `tools` (engine.tools) are rendered into the prompt."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -238,7 +243,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides),
-                           conversation or Conversation(abandoned=True), deliver, priority, constraint)
+                           conversation or Conversation(abandoned=True), deliver, priority, constraint, tools)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -306,7 +311,7 @@ class Engine:
             active.remove(conversation.active)
         try:
             request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start,
-                                                       request.constraint)
+                                                       request.constraint, request.tools)
         except Exception as err:
             request.deliver(err)
             self._leave(request)

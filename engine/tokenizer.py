@@ -35,15 +35,28 @@ class Tokenizer:
         declared = self.token_id(self.eos_token) if self.eos_token else None
         return declared if declared in self.eos_ids else min(self.eos_ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders `tools` itself (Qwen2.5's does; SmolLM2's does not)."""
+        return "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """`tojson` as chat templates are written for (transformers'): keys in order, nothing HTML-escaped.
+    Jinja's own sorts keys and escapes `<`, which would change every prompt with tools in it."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str):

@@ -12,6 +12,7 @@ real pieces are assembled into a temporary cache folder, never into the user's.
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import unicodedata
@@ -123,6 +124,53 @@ def test_text_is_nfc_normalised_like_qwens_tokenizer_json(ours, hf):
 def test_chat_ids_match_apply_chat_template(ours, hf, i):
     tok, _ = hf
     assert ours.tokenizer.encode_chat(CHATS[i]) == hf_chat_ids(tok, CHATS[i])
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TOOL_CHAT = [
+    {"role": "user", "content": "What's the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "sky": "cloudy"}'},
+]
+
+
+def test_tools_render_with_qwens_own_template(ours, hf):
+    """Tools, an assistant's tool call and its result: the same prompt as transformers renders."""
+    from engine.tools import Tool
+    tok, _ = hf
+    tools = [Tool(WEATHER["function"]["name"], WEATHER["function"]["description"],
+                  WEATHER["function"]["parameters"])]
+    reference_chat = [dict(m) for m in TOOL_CHAT]
+    reference_chat[1] = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}
+    out = tok.apply_chat_template(reference_chat, tools=[WEATHER], add_generation_prompt=True, tokenize=True)
+    assert ours.prompt_ids(TOOL_CHAT, tools) == list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_a_required_tool_call_is_well_formed_and_verify_equals_ar(ours):
+    import jsonschema
+
+    from engine.tools import Tool, ToolUse, calls_in, tag_terminals
+    tools = [Tool(WEATHER["function"]["name"], "", WEATHER["function"]["parameters"])]
+    use = ToolUse(tools, "required", parallel=False)
+    messages = [{"role": "user", "content": "Is it raining in Berlin right now?"}]
+    replies = {}
+    for mode in ("ar", "diffusion"):
+        pieces = list(ours.generate_sync(messages, DecodeConfig(mode=mode, max_new_tokens=48),
+                                         constraint=ours.grammars.lark(use.grammar(tag_terminals(ours.tokenizer))),
+                                         tools=tools))
+        replies[mode] = "".join(p.text for p in pieces)
+    assert replies["ar"] == replies["diffusion"]
+    [call] = calls_in(replies["ar"])
+    assert call["function"]["name"] == "get_weather"
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    assert "berlin" in arguments["city"].lower()
 
 
 def test_stops_on_im_end_and_endoftext(ours):

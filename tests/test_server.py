@@ -339,3 +339,96 @@ def test_json_object_replies_are_objects(client):
         assert isinstance(json.loads(choice.message.content), dict)
     else:  # cut by max_tokens: still a valid prefix of an object
         assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time.",
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def streamed_tool_calls(stream) -> tuple[list[dict], str | None, str]:
+    """Tool calls assembled from streamed deltas the way a client does (by index), the finish reason, text."""
+    calls: dict[int, dict] = {}
+    finish, text = None, ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for part in delta.tool_calls or []:
+            call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += part.id or ""
+            call["name"] += (part.function.name or "") if part.function else ""
+            call["arguments"] += (part.function.arguments or "") if part.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish, text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_tool_call_matches_its_schema(client, stream):
+    kwargs = dict(model="small", messages=WEATHER_Q, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=60, temperature=0)
+    if stream:
+        calls, finish, text = streamed_tool_calls(client.chat.completions.create(stream=True, **kwargs))
+        assert text == ""
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content is None
+        finish = choice.finish_reason
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls]
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["id"].startswith("call_")
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[calls[0]["name"]]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+
+
+def test_a_named_tool_is_the_one_called_and_none_means_text(client):
+    named = client.chat.completions.create(model="small", messages=WEATHER_Q, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           max_tokens=40, temperature=0).choices[0]
+    assert [c.function.name for c in named.message.tool_calls] == ["get_time"]
+    assert json.loads(named.message.tool_calls[0].function.arguments) == {}
+    plain = client.chat.completions.create(model="small", messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                           tool_choice="none", max_tokens=16, temperature=0).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content and not plain.message.content.startswith("<")
+
+
+def test_a_tool_round_trip(client):
+    """The call, its result in a `tool` message, and the model's answer in text."""
+    first = client.chat.completions.create(model="small", messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                           tool_choice="required", max_tokens=60, temperature=0).choices[0]
+    call = first.message.tool_calls[0]
+    follow = WEATHER_Q + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
+    answer = client.chat.completions.create(model="small", messages=follow, tools=[WEATHER_TOOL],
+                                            tool_choice="none", max_tokens=24, temperature=0).choices[0]
+    assert answer.finish_reason in ("stop", "length") and answer.message.content.strip()
+    assert answer.message.tool_calls is None
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(tool_choice="auto"), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools[0]"),
+    (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=[WEATHER_TOOL], tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[WEATHER_TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(tools=[WEATHER_TOOL], response_format={"type": "json_object"}), "response_format"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(messages=[{"role": "tool", "content": "18 degrees"}]), "messages[0].tool_call_id"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="small", **{"messages": WEATHER_Q, **kwargs})
+    assert err.value.status_code == 400 and err.value.param == param

@@ -1,15 +1,16 @@
 """Tool calling: OpenAI's `tools` in the model's own chat template, calls held to their schemas.
 
 A call is written the way Qwen2.5 was trained to write it, `<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>`, and a tool's result comes back as `<tool_response>...</tool_response>` in a
-user turn. A template with a tool format of its own (Qwen2.5's) renders `tools`, assistant
-`tool_calls` and `tool` messages itself; for one without (SmolLM2's) the same text is put into
-plain messages (the documented fallback): the tool list in the system message, calls and
-results as ordinary turns.
+{...}}\\n</tool_call>` (or as that JSON object alone, which small models often do), and a
+tool's result comes back as `<tool_response>...</tool_response>` in a user turn. A template
+with a tool format of its own (Qwen2.5's) renders `tools`, assistant `tool_calls` and `tool`
+messages itself; for one without (SmolLM2's) the same text is put into plain messages (the
+documented fallback): the tool list in the system message, calls and results as ordinary turns.
 
 The reply is constrained by a grammar (engine.grammar) built from `tool_choice`:
-- "auto": either text, which may not start with "<", or one call (several with
-  `parallel_tool_calls`), whose arguments match the named tool's parameters schema;
+- "auto": either text, which may not start like a call ("<", "{" or a Markdown fence: small
+  models often write a call that way, and must then write a valid one), or one call (several
+  with `parallel_tool_calls`), whose arguments match the named tool's parameters schema;
 - "required" / a named function: only calls (of that function);
 - "none": only text.
 """
@@ -48,7 +49,9 @@ class ToolUse:
     def grammar(self, tags: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"')) -> str:
         """The reply's grammar, in llguidance's Lark (JSON schemas embedded with %json); `tags`: how
         it spells the call's opening and closing tag (see `tag_terminals`)."""
-        text = 'TEXT: /[^<](?s:.)*/\n'
+        # Text may not start like a call: small models (Qwen2.5-Coder-0.5B) often write a call as bare
+        # JSON or in a Markdown fence instead of in tags; either way it must then be a valid call.
+        text = 'TEXT: /[^<{`](?s:.)*/\n'
         if self.choice == "none":
             return "start: TEXT\n" + text
         allowed = [t for t in self.tools if self.choice in ("auto", "required", t.name)]
@@ -58,7 +61,7 @@ class ToolUse:
                                  for t in allowed], "x-guidance": LAYOUT}
         calls = 'calls: call ("\\n" call)*\n' if self.parallel else "calls: call\n"
         start = "start: TEXT | calls\n" if self.choice == "auto" else "start: calls\n"
-        return (start + calls + f'call: {tags[0]} "\\n" body "\\n" {tags[1]}\n'
+        return (start + calls + f'call: {tags[0]} "\\n" body "\\n" {tags[1]} | body\n'
                 f"body: %json {json.dumps(call_schema)}\n" + text)
 
 
@@ -73,14 +76,17 @@ def tag_terminals(tokenizer) -> tuple[str, str]:
 
 
 def calls_in(text: str) -> list[dict]:
-    """The tool calls a reply makes, OpenAI-shaped ([] for a plain text reply)."""
+    """The tool calls a reply makes, OpenAI-shaped ([] for a plain text reply): calls in tags, or
+    (the grammar's other form) bare JSON objects, one per line."""
     found = []
-    for match in CALL.finditer(text):
+    bodies = [m.group(1) for m in CALL.finditer(text)] or \
+        [line for line in text.strip().splitlines() if line.startswith("{")]
+    for body in bodies:
         try:
-            call = json.loads(match.group(1))
+            call = json.loads(body)
         except ValueError:
             continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call:
             found.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": call["name"],
                                        "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}})

@@ -221,7 +221,7 @@ def test_ws_with_non_ascii_token_signature_gets_bad_token_not_500():
 class EncodingEngine(StandInEngine):
     """The stand-in engine, but its "tokenizer" encodes the text, as a real one does."""
 
-    def prompt_ids(self, messages):
+    def prompt_ids(self, messages, tools=None):
         return list("".join(m["content"] for m in messages).encode("utf-8"))
 
 

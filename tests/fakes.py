@@ -290,6 +290,15 @@ class StandInEngine:
             from engine.grammar import GrammarError
             raise GrammarError("the stand-in engine cannot constrain its output")
 
+        lark = json
+
+
+class EncodingEngine(StandInEngine):
+    """The stand-in engine, but its "tokenizer" encodes the text, as a real one does."""
+
+    def prompt_ids(self, messages, tools=None):
+        return list("".join(m["content"] for m in messages).encode("utf-8"))
+
 
 def padded_speech(src: Path, dst: Path, lead_s: float, tail_s: float) -> Path:
     """Write `src` (16-bit mono WAV) with `lead_s` / `tail_s` seconds of silence around it."""

@@ -24,7 +24,7 @@ import time
 import pytest
 import websockets
 
-from fakes import FakeLM, LiveServer, StandInEngine, fake_stages, make_config, speech
+from fakes import EncodingEngine, FakeLM, LiveServer, fake_stages, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import INVITE, SDP
 from voice.auth import Auth, AuthError, RedactSecrets
@@ -217,13 +217,6 @@ def test_ws_with_non_ascii_token_signature_gets_bad_token_not_500():
 
 
 # --- 7. engine serve: deep nesting, lone surrogates -------------------------------------------------
-
-class EncodingEngine(StandInEngine):
-    """The stand-in engine, but its "tokenizer" encodes the text, as a real one does."""
-
-    def prompt_ids(self, messages, tools=None):
-        return list("".join(m["content"] for m in messages).encode("utf-8"))
-
 
 def post(port: int, body: bytes) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from engine.redact import RedactSecrets, install_redaction, redact
 from engine.wire import MAX_DEPTH, REASONS, WireError, ascii_int, decode_json
-from fakes import SPEECH, Client, LiveServer, StandInEngine, fake_stages, make_config, speech
+from fakes import SPEECH, Client, EncodingEngine, LiveServer, StandInEngine, fake_stages, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import (BROKEN, ENGINE_BODIES, NATIVE_CONTROLS, NATIVE_STARTS, TWILIO_MESSAGES, hostile_json,
                         json_value, poison)
@@ -195,13 +195,6 @@ class Capture(logging.Handler):
     def crashes(self, since: int) -> list[str]:
         return [f"{r.name}: {r.getMessage()[:300]}" for r in self.records[since:]
                 if r.levelno >= logging.ERROR or r.exc_info]
-
-
-class EncodingEngine(StandInEngine):
-    """The stand-in engine; its "tokenizer" encodes the text, as a real one does."""
-
-    def prompt_ids(self, messages):
-        return list("".join(m["content"] for m in messages).encode("utf-8"))
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,7 @@ def test_conversation_over_pulseaudio(pulse, live_voice_server, tmp_path):
             subprocess.run(["paplay", "--device=mic", str(speech)], env=pulse, check=True, timeout=60)
             heard = out.wait_for(r"^you: (.*)", timeout=120).group(1)
             played = int(out.wait_for(r"^played (\d+) bytes of reply audio", timeout=120).group(1))
+            out.wait_for(r"^turn 1: voice-to-voice", timeout=60)  # the turn's report comes once it was heard
             client.send_signal(signal.SIGINT)  # Ctrl-C
             try:
                 rc = client.wait(timeout=20)

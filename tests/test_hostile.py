@@ -58,6 +58,9 @@ class StrictLM(FakeLM):
                 async for block in inner.reply(messages, mode, urgent):
                     yield block
 
+            def close(self):
+                inner.close()
+
         return Chat()
 
 

@@ -225,5 +225,6 @@ def test_bad_frame_flood_is_bounded():
         assert len(s.log.open_turns) == 0 and s.log.error_counts["bad_frame"] == 5000
         assert len(s.tracker.turns) == 0
         await s.close()
+        assert stages.lm.closed == 1  # the session's conversation was given back
     asyncio.run(scenario())
     assert np.isclose(stages.metrics.errors.labels("bad_frame")._value.get(), 5000)

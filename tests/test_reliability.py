@@ -64,6 +64,9 @@ class FaultyChat:
     def __init__(self, real):
         self.real = real
 
+    def close(self):
+        self.real.close()
+
     async def reply(self, messages, mode=None, urgent=None):
         m = Faults.mode
         if m == "lm_raise":

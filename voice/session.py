@@ -306,5 +306,6 @@ class Session:
             if cancelled and self.log.open_turns:  # a cancelled reply records its own turn (interrupted) first
                 await asyncio.wait(cancelled, timeout=CLOSE_WAIT_S)
         finally:
+            self.replies.chat.close()  # nobody continues the conversation: its LM cache goes back
             self.log.closed(reason, self.turn)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)

@@ -10,6 +10,7 @@ seconds, so most of that work is padding. `Whisper` sizes the window to the audi
 """
 
 import asyncio
+import logging
 import re
 import shutil
 import weakref
@@ -25,6 +26,7 @@ from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.scheduler import Scheduler, Worker
 
 SAMPLE_RATE = 16000
+log = logging.getLogger("voice.asr")
 
 
 # faster-whisper `base` (multilingual, MIT): model.bin split across two packages, the small files in the first
@@ -152,7 +154,8 @@ class StreamingTranscriber:
         self._model.speaking.add(self)
 
     async def process_iter(self) -> str | None:
-        """Decode if enough new audio arrived; the longer partial transcript, or None."""
+        """Decode if enough new audio arrived; the longer partial transcript, or None. Partials are
+        optional (the final transcript will tell), so a failed decode is logged and gives None."""
         worker = self._model.worker
         interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(self._model.speaking), 1)
         if self._samples - self._decoded_samples < interval or worker.busy or worker.scheduler.busy():
@@ -160,7 +163,11 @@ class StreamingTranscriber:
         self._decoded_samples = self._samples
         utterance = self._utterance
         committed = " ".join(self._committed)
-        hypothesis = (await self._transcribe(self._audio(), prefix=committed)).split()
+        try:
+            hypothesis = (await self._transcribe(self._audio(), prefix=committed)).split()
+        except Exception as err:
+            log.warning("partial transcript failed: %s", err)
+            return None
         if utterance != self._utterance:
             return None
         agreed = _shared_word_count(self._last_hypothesis, hypothesis)

@@ -12,7 +12,6 @@ it is dropped.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,6 @@ from voice.asr import SAMPLE_RATE, StreamingTranscriber
 from voice.audio import float_to_pcm16, pcm16_to_float
 from voice.config import Config
 
-log = logging.getLogger("voice.turns")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
 
 
@@ -136,13 +134,7 @@ class TurnTaker:
         return time.monotonic()
 
     async def _partial(self, turn: int) -> None:
-        try:
-            text = await self.transcriber.process_iter()
-        except asyncio.CancelledError:
-            return
-        except Exception as err:  # partials are optional: the final transcript will tell
-            log.warning("session=%s turn=%d partial transcript failed: %s", self.name, turn, err)
-            return
+        text = await self.transcriber.process_iter()
         if text and turn == self.turn and self.endpointer.in_speech:
             self.hooks.partial(turn, text)
 

@@ -335,13 +335,7 @@ class Connection:
         await self.write(TranscriptStart(language=asr.language or None).event())
 
     async def partial(self, dictation: Dictation) -> None:
-        try:
-            text = await dictation.transcriber.process_iter()
-        except asyncio.CancelledError:
-            return
-        except Exception as err:  # partials are optional: the final transcript will tell
-            log.warning("wyoming=%s partial transcript failed: %s", self.id, err)
-            return
+        text = await dictation.transcriber.process_iter()
         if text and dictation is self.dictation and text.startswith(dictation.streamed):
             delta, dictation.streamed = text[len(dictation.streamed):], text
             await self.write(TranscriptChunk(text=delta).event())

@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import resource
+import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +17,13 @@ RESULTS = BENCH_DIR / "results"
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
 LLAMACPP_PYTHON = BENCH_DIR / ".venv-llamacpp" / "bin" / "python"
 PIPECAT_PYTHON = BENCH_DIR / ".venv-pipecat" / "bin" / "python"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def percentile(values, q: float) -> float:

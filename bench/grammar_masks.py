@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, fmt, machine, percentile  # noqa: E402
+from common import RESULTS, fmt, machine, percentile, write_json  # noqa: E402
 
 SCHEMAS = {
     "tool arguments": ({"type": "object", "properties": {
@@ -156,9 +156,7 @@ def main() -> int:
             print(f"{library:14s} {name:24s} setup {fmt(row['tokenizer_setup_ms'], 0):>6s} ms  compile "
                   f"{fmt(row['compile_ms'], 1):>7s} ms  mask p50 {row['mask_ms_p50']:.3f}  p95 {row['mask_ms_p95']:.3f}"
                   f"  max {row['mask_ms_max']:.3f} ms  ({len(ids)} tokens, reply allowed: {ok})", flush=True)
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(results, indent=1))
-    print(f"results: {a.json}")
+    write_json(a.json, results)
     return 0
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, percentile  # noqa: E402
+from common import RESULTS, machine, percentile, write_json  # noqa: E402
 
 S = {"type": "string", "maxLength": 60}
 SCHEMAS = {
@@ -132,10 +132,7 @@ def main() -> int:
                                     "p50": round(percentile(mask_ms, 50), 3), "p95": round(percentile(mask_ms, 95), 3),
                                     "max": round(max(mask_ms, default=0.0), 3), "n": len(mask_ms)}
     print(json.dumps(summary, indent=1))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"model": engine.name, "summary": summary, "rows": rows,
-                                        "machine": machine()}, indent=1))
-    print(f"results: {a.json}")
+    write_json(a.json, {"model": engine.name, "summary": summary, "rows": rows, "machine": machine()})
     return 0
 
 

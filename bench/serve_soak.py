@@ -26,7 +26,6 @@ import asyncio
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, loadavg, machine, write_json  # noqa: E402
+from common import REPO, free_port, loadavg, machine, write_json  # noqa: E402
 
 ENGINE = REPO / ".venv" / "bin" / "engine"
 PROMPTS = [
@@ -49,12 +48,6 @@ PROMPTS = [
     "Please keep it short, I will ask follow-up questions later.",
 ]
 SYSTEM = "You are a friendly voice assistant. Answer briefly, in plain spoken sentences."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:

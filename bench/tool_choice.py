@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine  # noqa: E402
+from common import RESULTS, machine, write_json  # noqa: E402
 
 S = {"type": "string", "maxLength": 40}
 TOOLS = {
@@ -97,10 +97,7 @@ def main() -> int:
     summary = {"right": right, "of": len(REQUESTS), "rate": round(right / len(REQUESTS), 3),
                "by_expected": {k: f"{v[0]}/{v[1]}" for k, v in by_tool.items()}}
     print(json.dumps(summary, indent=1))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps({"model": engine.name, "summary": summary, "rows": rows,
-                                        "machine": machine()}, indent=1))
-    print(f"results: {a.json}")
+    write_json(a.json, {"model": engine.name, "summary": summary, "rows": rows, "machine": machine()})
     return 0
 
 

@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (BENCH_DIR, PIPECAT_PYTHON, REPO, RESULTS, cpu_model, fmt, loadavg,  # noqa: E402
+from common import (BENCH_DIR, PIPECAT_PYTHON, REPO, RESULTS, cpu_model, fmt, free_port, loadavg,  # noqa: E402
                     machine, ratio, update_latest, write_json)
 from drive import clip_list, run_session, summarise  # noqa: E402
 
@@ -57,12 +56,6 @@ SYSTEMS = ("ours", "ours_ar", "pipecat", "pipecat_ar")
 DEFAULT_SYSTEMS = ("ours", "ours_ar", "pipecat")
 NO_AUTH = ("VOICE_API_KEYS",)  # our services run on loopback without keys (auth off), like the Pipecat one
 VENV_BIN = REPO / ".venv" / "bin"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +34,7 @@ from wyoming.info import Describe
 from wyoming.tts import Synthesize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, fmt, machine, percentile  # noqa: E402
+from common import REPO, RESULTS, fmt, free_port, machine, percentile, write_json  # noqa: E402
 
 FRAME_S = 0.02
 TRAILING_SILENCE_S = 0.5
@@ -50,12 +48,6 @@ TEXTS = [
     "A bicycle has two wheels.",
     "I am not sure, but I can look it up for you.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def ready(port: int, timeout: float = 300.0) -> None:
@@ -236,9 +228,7 @@ def main() -> int:
     results["tts_ratio_p50"] = round(tts["wyoming-piper"]["first_audio_ms"]["p50"]
                                      / max(tts["ours"]["first_audio_ms"]["p50"], 1), 2)
     print(f"  ours sooner at p50: {results['tts_ratio_p50']:.2f}x")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(results, indent=1))
-    print(f"results: {a.json}")
+    write_json(a.json, results)
     return 0
 
 

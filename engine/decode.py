@@ -351,7 +351,7 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         if done:
             return
         pending = [committed[-1]]
-        proposal = Proposal(forced_draft(constraint)) if constraint is not None else Proposal([])
+        proposal = Proposal(forced_draft(constraint))
         if not proposal.ids:
             proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                        cfg.temperature, generator)

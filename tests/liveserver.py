@@ -53,6 +53,13 @@ class Served:
         self.stop()
 
 
+def free_port() -> int:
+    """A TCP port free on loopback right now (for servers that bind it themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def serving(app, **options):
     """Yield the port `app` is served on (see `Served`); stop the server afterwards."""
@@ -75,3 +82,25 @@ async def next_json(ws, pred=lambda m: True, timeout: float = 10.0) -> dict:
             ev = json.loads(msg)
             if pred(ev):
                 return ev
+
+
+def wyoming_exchange(port: int, *events, until: str, timeout: float = 60.0) -> list:
+    """Connect to the Wyoming server on `port` with the `wyoming` client, send `events`, and return
+    the events that come back, up to the first of type `until` (or until the server closes)."""
+    from wyoming.client import AsyncTcpClient
+
+    async def scenario():
+        client = AsyncTcpClient("127.0.0.1", port)
+        await client.connect()
+        try:
+            for event in events:
+                await client.write_event(event)
+            got = []
+            while (event := await asyncio.wait_for(client.read_event(), timeout)) is not None:
+                got.append(event)
+                if event.type == until:
+                    break
+            return got
+        finally:
+            await client.disconnect()
+    return asyncio.run(scenario())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import numpy as np
 import pytest
@@ -21,13 +20,8 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
 from fakes import FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from liveserver import free_port, wyoming_exchange
 from voice import records as rec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -40,23 +34,8 @@ def server(tmp_path):
         yield srv
 
 
-def talk(srv, *events: Event, until=None, timeout: float = 20.0) -> list[Event]:
-    """Connect, send `events`, read until an event of type `until` (or the server closes)."""
-    async def scenario():
-        client = AsyncTcpClient("127.0.0.1", srv.config.wyoming.port)
-        await client.connect()
-        try:
-            for event in events:
-                await client.write_event(event)
-            got = []
-            while (event := await asyncio.wait_for(client.read_event(), timeout)) is not None:
-                got.append(event)
-                if until is not None and event.type == until:
-                    break
-            return got
-        finally:
-            await client.disconnect()
-    return asyncio.run(scenario())
+def talk(srv, *events: Event, until: str) -> list[Event]:
+    return wyoming_exchange(srv.config.wyoming.port, *events, until=until)
 
 
 def types(events: list[Event]) -> list[str]:

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +14,16 @@ import jiwer
 import pytest
 from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
-from wyoming.client import AsyncTcpClient
 from wyoming.handle import Handled
 from wyoming.tts import Synthesize
 
 from fakes import REAL_REPLY_TOKENS, SPEECH, LiveServer, speech
+from liveserver import free_port, wyoming_exchange
 from voice.audio import float_to_int16, pcm16_to_float, resample
 from voice.clients.bench import normalise
 from voice.config import Config
 
 CHUNK = 2048  # bytes of 16 kHz PCM16 per audio-chunk: 64 ms, as a satellite sends
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,27 +41,17 @@ def references() -> dict[str, str]:
         return {row["file"]: row["text"] for row in csv.DictReader(f, delimiter="\t")}
 
 
-async def exchange(port: int, *events, until: str, timeout: float = 120.0) -> list:
-    client = AsyncTcpClient("127.0.0.1", port)
-    await client.connect()
-    try:
-        for event in events:
-            await client.write_event(event)
-        got = []
-        while (event := await asyncio.wait_for(client.read_event(), timeout)) is not None:
-            got.append(event)
-            if event.type == until:
-                return got
-        raise AssertionError(f"the server closed before {until}: {[e.type for e in got]}")
-    finally:
-        await client.disconnect()
+def exchange(port: int, *events, until: str) -> list:
+    got = wyoming_exchange(port, *events, until=until, timeout=120.0)
+    assert got and got[-1].type == until, f"the server closed before {until}: {[e.type for e in got]}"
+    return got
 
 
 def transcribe(port: int, pcm: bytes) -> str:
     chunks = [AudioChunk(rate=16000, width=2, channels=1, audio=pcm[i:i + CHUNK]).event()
               for i in range(0, len(pcm), CHUNK)]
-    got = asyncio.run(exchange(port, AudioStart(rate=16000, width=2, channels=1).event(), *chunks,
-                               AudioStop().event(), until="transcript-stop"))
+    got = exchange(port, AudioStart(rate=16000, width=2, channels=1).event(), *chunks, AudioStop().event(),
+                   until="transcript-stop")
     return Transcript.from_event(next(e for e in got if e.type == "transcript")).text
 
 
@@ -84,7 +66,7 @@ def test_speech_to_text_of_real_recordings(server):
 def test_text_to_speech_is_understood_by_our_own_ear(server):
     """Synthesised speech, resampled, goes back through the speech-to-text program."""
     text = "The front door is locked and the kitchen lights are off."
-    got = asyncio.run(exchange(server.config.wyoming.port, Synthesize(text=text).event(), until="audio-stop"))
+    got = exchange(server.config.wyoming.port, Synthesize(text=text).event(), until="audio-stop")
     start = AudioStart.from_event(got[0])
     audio = b"".join(AudioChunk.from_event(e).audio for e in got if e.type == "audio-chunk")
     assert start.rate == 22050 and len(audio) / 2 / start.rate > 2.0
@@ -94,8 +76,8 @@ def test_text_to_speech_is_understood_by_our_own_ear(server):
 
 
 def test_the_assistant_answers_with_the_real_lm(server):
-    got = asyncio.run(exchange(server.config.wyoming.port,
-                               Transcript(text="What is the capital of France?").event(), until="handled-stop"))
+    got = exchange(server.config.wyoming.port, Transcript(text="What is the capital of France?").event(),
+                   until="handled-stop")
     handled = Handled.from_event(next(e for e in got if e.type == "handled"))
     assert "paris" in handled.text.lower(), handled.text
     assert handled.context["conversation_id"]

@@ -34,6 +34,7 @@ import secrets
 import time
 import uuid
 from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 import soxr
@@ -52,7 +53,7 @@ from voice.auth import source_allowed
 from voice.asr import SAMPLE_RATE, StreamingTranscriber
 from voice.audio import float_to_pcm16, pcm16_to_float
 from voice.calllog import CallLog
-from voice.config import WyomingConfig
+from voice.config import TtsConfig, WyomingConfig
 from voice.history import History
 from voice.latency import observe_stages
 from voice.limits import LimitError
@@ -76,10 +77,15 @@ class RequestFailed(Exception):
         self.code, self.message = code, message
 
 
+def voice_name(tts: TtsConfig) -> str:
+    """The Piper voice's name: the packaged one, or the .onnx file's stem."""
+    return Path(tts.voice).stem if tts.voice else "en_US-joe-medium"
+
+
 def info(stages: Stages) -> Info:
     cfg = stages.config
     ours = version("diffusion-voice")
-    voice = "en_US-joe-medium" if not cfg.tts.voice else cfg.tts.voice.rsplit("/", 1)[-1].removesuffix(".onnx")
+    voice = voice_name(cfg.tts)
     language = cfg.asr.language or "en"
     return Info(
         asr=[AsrProgram(name="diffusion-voice-asr", attribution=ATTRIBUTION, installed=True, version=ours,
@@ -368,7 +374,7 @@ class Connection:
     # --- text to speech -------------------------------------------------------------------------
 
     def check_voice(self, voice) -> None:
-        ours = info(self.stages).tts[0].voices[0].name
+        ours = voice_name(self.stages.config.tts)
         if voice is not None and voice.name is not None and voice.name != ours:
             raise RequestFailed("unknown_voice", f"this server speaks with {ours!r}, not {voice.name!r}")
 

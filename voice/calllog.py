@@ -27,8 +27,8 @@ class CallLog:
         if self.records is not None:
             self.records.write_nowait(ops)
 
-    def opened(self, session_id: str, transport: str, principal: str, peer: str, meta: dict) -> None:
-        self._write(rec.session_opened(self.uid, session_id, transport, principal, peer, time.time(), meta))
+    def opened(self, transport: str, principal: str, peer: str, meta: dict) -> None:
+        self._write(rec.session_opened(self.uid, self.session_id, transport, principal, peer, time.time(), meta))
 
     def started(self, turn: int) -> None:
         self.open_turns[turn] = {"started": time.time()}

@@ -72,7 +72,7 @@ class Session:
         self.close_code = 1000
         stages.metrics.sessions.labels(transport).inc()
         stages.live.add(self)
-        self.log.opened(self.id, transport, principal, peer, {
+        self.log.opened(transport, principal, peer, {
             "in_rate": in_rate, "out_rate": out_rate, "lm_mode": lm_mode,
             "custom_system_prompt": system_prompt is not None, **(meta or {})})
         try:

@@ -314,7 +314,7 @@ class Connection:
             except LimitError as err:
                 raise RequestFailed(err.code, err.message) from None
             self.calls = CallLog(self.stages.records, secrets.token_hex(8), self.id, self.stages.metrics.errors)
-            self.calls.opened(self.id, "wyoming", "wyoming", self.peer, {})
+            self.calls.opened("wyoming", "wyoming", self.peer, {})
             self.stages.metrics.sessions.labels("wyoming").inc()
             log.info("wyoming=%s session from %s", self.id, self.peer)
         self.turn += 1

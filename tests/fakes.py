@@ -51,8 +51,12 @@ class FakeChat:
     def __init__(self, lm: "FakeLM"):
         self.lm = lm
 
-    async def reply(self, messages, mode=None, urgent=None):
+    async def reply(self, messages, mode=None, urgent=None, tools=None):
         self.lm.calls += 1
+        self.lm.asked.append((messages, tools))
+        if tools and self.lm.tool_calls:  # scripted: this reply calls tools instead of speaking
+            yield Block("", calls=self.lm.tool_calls)
+            return
         for i, text in enumerate(self.lm.blocks):
             if self.lm.delay_s:
                 await asyncio.sleep(self.lm.delay_s)
@@ -74,6 +78,8 @@ class FakeLM:
         self.hang_at: int | None = None
         self.calls = 0
         self.closed = 0  # chats closed
+        self.tool_calls: list[dict] = []  # when set, a reply offered tools calls these (OpenAI-shaped)
+        self.asked: list[tuple] = []  # (messages, tools) of every reply
 
     def chat(self) -> FakeChat:
         return FakeChat(self)

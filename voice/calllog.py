@@ -54,14 +54,14 @@ class CallLog:
                                   False, False, None, meta.get("errors", [])))
 
     async def replied(self, turn: int, status: str, transcript: str, reply: str, heard: str, interrupted: bool,
-                      apologised: bool, latency: dict | None) -> bool:
+                      apologised: bool, latency: dict | None, tools: list[dict] | None = None) -> bool:
         """Write the turn's row and wait for the commit; False if it could not be written."""
         meta = self.open_turns.pop(turn, {})
         if self.records is None:
             return True
         return await self.records.write(rec.turn_done(
             self.uid, turn, meta.get("started"), time.time(), status, transcript, reply, heard, interrupted,
-            apologised, latency, meta.get("errors", [])))
+            apologised, latency, meta.get("errors", []), tools))
 
     def closed(self, reason: str, turns: int) -> None:
         """The session ended: turns still open (the user was speaking, the final transcript was

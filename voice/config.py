@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,7 @@ class BudgetConfig:
     tts_first_audio: float = 300.0  # first block -> first synthesised audio
     send: float = 50.0  # first audio -> first audio frame on the wire
     voice_to_voice: float = 1500.0  # end of user speech -> first audio frame on the wire
+    tool: float = 500.0  # a turn's tool calls: the first call -> the last result
 
 
 @dataclass
@@ -235,6 +237,68 @@ class WyomingConfig:
                 raise ValueError(f"wyoming.allow: {net!r} is not an IP address or network: {err}") from err
 
 
+BUILTIN_TOOLS = ("time", "timer", "calculator")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass
+class WebhookConfig:
+    """A user tool: the model's JSON arguments are POSTed to `url`; the response body is the result."""
+
+    name: str = ""
+    description: str = ""
+    url: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})  # a JSON schema
+    headers_env: dict = field(default_factory=dict)  # header name -> environment variable holding its value
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not TOOL_NAME.match(self.name) or self.name in ("get_time", "set_timer", "calculate"):
+            raise ValueError(f"tools.webhooks: name {self.name!r} must be 1-64 letters, digits, '_' or '-' and "
+                             "not a built-in tool's")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"tools.webhooks.{self.name}: url must be http:// or https://, got {self.url!r}")
+        if not isinstance(self.parameters, dict) or self.parameters.get("type") != "object":
+            raise ValueError(f"tools.webhooks.{self.name}: parameters must be a JSON schema of type object")
+        if self.timeout_s <= 0:
+            raise ValueError(f"tools.webhooks.{self.name}: timeout_s must be positive")
+
+
+@dataclass
+class ToolsConfig:
+    """Tools the assistant may call in a voice turn (voice/tools.py)."""
+
+    builtin: list = field(default_factory=lambda: list(BUILTIN_TOOLS))  # time | timer | calculator
+    time_zone: str = ""  # IANA name for the time tool, e.g. "Europe/Paris"; "" = the host's
+    filler: str = "One moment."  # spoken when a tool's result takes longer than filler_ms ("" = never)
+    filler_ms: int = 300
+    webhook_allow: list = field(default_factory=list)  # URL prefixes webhooks may call; a webhook outside is an error
+    webhooks: list = field(default_factory=list)  # [[tools.webhooks]] tables (WebhookConfig)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.builtin) - set(BUILTIN_TOOLS)
+        if unknown:
+            raise ValueError(f"tools.builtin: unknown tool(s) {', '.join(sorted(unknown))}; "
+                             f"choose from {', '.join(BUILTIN_TOOLS)}")
+        if self.time_zone:
+            import zoneinfo
+            try:
+                zoneinfo.ZoneInfo(self.time_zone)
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError) as err:
+                raise ValueError(f"tools.time_zone: {self.time_zone!r} is not a known time zone") from err
+        if self.filler_ms < 0:
+            raise ValueError(f"tools.filler_ms must not be negative, got {self.filler_ms}")
+        self.webhooks = [w if isinstance(w, WebhookConfig) else _build(WebhookConfig, w, "tools.webhooks")
+                         for w in self.webhooks]
+        names = [w.name for w in self.webhooks]
+        if len(set(names)) != len(names):
+            raise ValueError("tools.webhooks: two webhooks have the same name")
+        for hook in self.webhooks:
+            if not any(hook.url.startswith(prefix) for prefix in self.webhook_allow):
+                raise ValueError(f"tools.webhooks.{hook.name}: {hook.url} is not under any of tools.webhook_allow "
+                                 f"({', '.join(self.webhook_allow) or 'empty'})")
+
+
 @dataclass
 class LimitsConfig:
     """Maxima with clear errors (PROTOCOL.md); 0 = no limit where it says so."""
@@ -284,6 +348,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
 def _build(cls, values: dict, where: str):

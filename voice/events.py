@@ -113,6 +113,34 @@ class Clear(Event):
 
 
 @dataclass
+class ToolCall(Event):
+    """The LM called a tool (voice/tools.py); its result follows as `tool_result`."""
+
+    id: str = ""
+    name: str = ""
+    arguments: dict = field(default_factory=dict)
+    type = "tool_call"
+
+
+@dataclass
+class ToolResult(Event):
+    id: str = ""
+    name: str = ""
+    result: str = ""
+    status: str = "ok"  # ok | error | cancelled
+    ms: float = 0.0
+    type = "tool_result"
+
+
+@dataclass
+class Announcement(Event):
+    """Speech outside a turn (a timer that is due); its audio follows as for a reply. `turn`: the last turn."""
+
+    text: str = ""
+    type = "announcement"
+
+
+@dataclass
 class LatencyReport(Event):
     stages_ms: dict = field(default_factory=dict)
     marks_ms: dict = field(default_factory=dict)  # since end of user speech
@@ -140,7 +168,8 @@ class Error(Event):
 
 
 WIRE_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
-    Ready, SpeechStarted, SpeechStopped, Transcript, ReplyText, TtsAudio, ReplyDone, Clear, LatencyReport, Error)}
+    Ready, SpeechStarted, SpeechStopped, Transcript, ReplyText, ToolCall, ToolResult, Announcement, TtsAudio, ReplyDone,
+    Clear, LatencyReport, Error)}
 
 
 def from_wire(body: object, t: float = 0.0) -> Event:

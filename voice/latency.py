@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from voice.config import BudgetConfig
-from voice.events import (AudioSent, Event, LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript,
-                          TtsAudio)
+from voice.events import (AudioSent, Event, LatencyReport, ReplyDone, ReplyText, SpeechStopped, ToolCall, ToolResult,
+                          Transcript, TtsAudio)
 
 log = logging.getLogger("voice.latency")
 
@@ -26,6 +26,7 @@ STAGES = {
     "lm_first_block": ("final_transcript", "lm_first_block"),
     "tts_first_audio": ("lm_first_block", "tts_first_audio"),
     "send": ("tts_first_audio", "first_audio_sent"),
+    "tool": ("tool_call", "tool_result"),
     "voice_to_voice": ("speech_end", "first_audio_sent"),
 }
 
@@ -86,7 +87,8 @@ class LatencyTracker:
         self.turns: dict[int, _Turn] = {}
 
     def observe(self, ev: Event) -> None:
-        if not isinstance(ev, (SpeechStopped, Transcript, ReplyText, TtsAudio, AudioSent, ReplyDone)):
+        if not isinstance(ev, (SpeechStopped, Transcript, ReplyText, ToolCall, ToolResult, TtsAudio, AudioSent,
+                               ReplyDone)):
             return
         if ev.turn not in self.turns and len(self.turns) >= 64:  # turns that never got a reply: forget the oldest
             self.turns.pop(next(iter(self.turns)))
@@ -100,6 +102,11 @@ class LatencyTracker:
         elif isinstance(ev, ReplyText):
             first("lm_first_block", ev.t)
             turn.blocks.append(ev.t)
+        elif isinstance(ev, ToolCall):  # a reply that calls tools: the call is the LM's first output
+            first("lm_first_block", ev.t)
+            first("tool_call", ev.t)
+        elif isinstance(ev, ToolResult):
+            turn.marks["tool_result"] = max(ev.t, turn.marks.get("tool_result", ev.t))
         elif isinstance(ev, TtsAudio):
             first("tts_first_audio", ev.t)
         elif isinstance(ev, AudioSent):

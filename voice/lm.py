@@ -1,7 +1,9 @@
 """The LM stage: the one door into `engine/`, or to any OpenAI-compatible endpoint.
 
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
-(barge-in) cancels generation; `urgent()` says while the user still waits in silence for more
+(barge-in) cancels generation. With `tools` (OpenAI function declarations) a reply is either
+text or tool calls, never both (a local engine's grammar says so): calls come as one last
+`Block` with `calls`; `urgent()` says while the user still waits in silence for more
 of it. For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each session gets
 its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
@@ -13,11 +15,12 @@ probe of `/models`) is what /healthz reports.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from voice.config import LmConfig
 from voice.scheduler import Scheduler
@@ -30,6 +33,7 @@ class Block:
     text: str
     tokens: int = 0  # reply tokens so far (0 when the backend doesn't say)
     steps: int = 0
+    calls: list[dict] = field(default_factory=list)  # OpenAI-shaped tool calls (the reply's last block)
 
 
 class LocalLM:
@@ -51,9 +55,23 @@ class LocalLM:
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
         self.engine.max_defer_s = self.scheduler.max_defer_s
+        self._grammars: dict[str, tuple[list, str]] = {}
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
+
+    def tool_grammar(self, tools: list[dict]) -> tuple[list, str]:
+        """(engine tools, the grammar of a reply that may call them), made once per tool set. The
+        first also builds llguidance's view of the vocabulary (~1 s): call it at start-up."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._grammars:
+            from engine.tools import Tool, ToolUse, tag_terminals
+            declared = [Tool(t["function"]["name"], t["function"].get("description", ""),
+                             t["function"].get("parameters") or {}) for t in tools]
+            grammar = ToolUse(declared, "auto").grammar(tag_terminals(self.engine.tokenizer))
+            self.engine.grammars.lark(grammar)  # compiles: a bad schema fails here, at start-up
+            self._grammars[key] = declared, grammar
+        return self._grammars[key]
 
 
 class LocalChat:
@@ -68,13 +86,24 @@ class LocalChat:
         busy = self.lm.scheduler.busy
         return lambda: WAITED if urgent is not None and urgent() else BACKGROUND if busy() else NORMAL
 
-    async def reply(self, messages: list[dict], mode: str | None = None,
-                    urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:
+    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+                    tools: list[dict] | None = None) -> AsyncIterator[Block]:
         overrides = {"mode": mode} if mode else {}
-        async for piece in self.lm.engine.stream(messages, conversation=self.conversation,
-                                                 priority=self.priority(urgent), **overrides):
-            if piece.text:
+        declared, constraint = None, None
+        if tools:
+            from engine.tools import calls_in
+            declared, grammar = self.lm.tool_grammar(tools)
+            constraint = await asyncio.to_thread(self.lm.engine.grammars.lark, grammar)
+        text, calling = "", False
+        async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
+                                                 tools=declared, priority=self.priority(urgent), **overrides):
+            if tools and not text and piece.text.startswith(("<", "{")):
+                calling = True  # the grammar lets text start with neither: these are calls, spoken never
+            text += piece.text
+            if piece.text and not calling:
                 yield Block(piece.text, piece.tokens, piece.steps)
+        if calling:
+            yield Block("", calls=calls_in(text))
 
     def close(self) -> None:
         """Nobody continues this conversation: its KV cache goes back to the engine's pool."""
@@ -139,14 +168,15 @@ class RemoteChat:
     def close(self) -> None:
         """Nothing to give back: the endpoint keeps its own caches."""
 
-    async def reply(self, messages: list[dict], mode: str | None = None,
-                    urgent: Callable[[], bool] | None = None) -> AsyncIterator[Block]:
+    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+                    tools: list[dict] | None = None) -> AsyncIterator[Block]:
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
+        offer = {"tools": tools, "tool_choice": "auto"} if tools else {}
         for attempt in range(cfg.retries + 1):
             try:
                 stream = await lm.client.chat.completions.create(
                     model=cfg.model, messages=messages, stream=True, max_tokens=cfg.max_new_tokens, temperature=0,
-                    extra_body={"mode": mode or cfg.mode})
+                    extra_body={"mode": mode or cfg.mode}, **offer)
                 break
             except Exception as err:
                 lm.failed(err)
@@ -154,10 +184,21 @@ class RemoteChat:
                     raise
                 await asyncio.sleep(cfg.retry_backoff_s * 2 ** attempt)
         lm.succeeded()
+        calls: dict[int, dict] = {}  # index -> the call so far (its arguments may come in pieces)
         try:
             async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    yield Block(chunk.choices[0].delta.content)
+                delta = chunk.choices[0].delta if chunk.choices else None
+                if delta is not None and delta.content:
+                    yield Block(delta.content)
+                for part in (delta.tool_calls if delta is not None else None) or ():
+                    call = calls.setdefault(part.index, {"id": "", "type": "function",
+                                                         "function": {"name": "", "arguments": ""}})
+                    call["id"] = part.id or call["id"]
+                    if part.function is not None:
+                        call["function"]["name"] += part.function.name or ""
+                        call["function"]["arguments"] += part.function.arguments or ""
+            if calls:
+                yield Block("", calls=[calls[i] for i in sorted(calls)])
         except Exception as err:  # the endpoint went away mid-reply
             lm.failed(err)
             raise

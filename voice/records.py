@@ -30,7 +30,7 @@ from pathlib import Path
 
 log = logging.getLogger("voice.records")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: turns.tools
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sessions (
@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS turns (
     apology INTEGER NOT NULL DEFAULT 0,  -- the spoken apology was played (a stage failed)
     latency TEXT NOT NULL DEFAULT '{}',  -- JSON: the latency event (stages_ms, marks_ms, over_budget)
     errors TEXT NOT NULL DEFAULT '[]',   -- JSON: [{code, message}] of this turn
+    tools TEXT NOT NULL DEFAULT '[]',    -- JSON: [{id, name, arguments, result, status, ms}] the LM called
     PRIMARY KEY (session_uid, turn)
 );
 CREATE TABLE IF NOT EXISTS errors (
@@ -94,7 +95,9 @@ def init_db(path: Path) -> None:
         if mode.lower() != "wal":
             log.warning("records: %s is not in WAL mode (%s)", path, mode)
         conn.executescript(SCHEMA)
-        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        if "tools" not in {row[1] for row in conn.execute("PRAGMA table_info(turns)")}:  # a version 1 database
+            conn.execute("ALTER TABLE turns ADD COLUMN tools TEXT NOT NULL DEFAULT '[]'")
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
     finally:
         conn.close()
 
@@ -257,11 +260,12 @@ def session_closed(uid: str, ended: float, reason: str, turns: int, meta: dict |
 
 
 def turn_done(uid: str, turn: int, started: float | None, ended: float, status: str, transcript: str, reply: str,
-              heard: str, interrupted: bool, apology: bool, latency: dict | None, errors: list[dict]) -> list[Op]:
+              heard: str, interrupted: bool, apology: bool, latency: dict | None, errors: list[dict],
+              tools: list[dict] | None = None) -> list[Op]:
     return [("INSERT OR REPLACE INTO turns (session_uid, turn, started, ended, status, transcript, reply, heard, "
-             "interrupted, apology, latency, errors) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             "interrupted, apology, latency, errors, tools) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
              (uid, turn, started, ended, status, transcript, reply, heard, int(interrupted), int(apology),
-              json.dumps(latency or {}), json.dumps(errors)))]
+              json.dumps(latency or {}), json.dumps(errors), json.dumps(tools or [], ensure_ascii=False)))]
 
 
 def error(uid: str, turn: int, at: float, code: str, message: str) -> list[Op]:
@@ -301,7 +305,8 @@ def read_sessions(path: str | Path, session: str = "", limit: int = 20) -> list[
                 t = dict(t)
                 t.pop("session_uid")
                 t["interrupted"], t["apology"] = bool(t["interrupted"]), bool(t["apology"])
-                t["latency"], t["errors"] = json.loads(t["latency"]), json.loads(t["errors"])
+                t["latency"], t["errors"], t["tools"] = (json.loads(t["latency"]), json.loads(t["errors"]),
+                                                         json.loads(t["tools"]))
                 s["turns"].append(t)
             s["errors"] = [dict(e) for e in conn.execute(
                 "SELECT turn, at, code, message FROM errors WHERE session_uid = ? ORDER BY id", (s["uid"],))]
@@ -313,7 +318,7 @@ def read_sessions(path: str | Path, session: str = "", limit: int = 20) -> list[
 
 CSV_FIELDS = ["session_id", "uid", "transport", "principal", "peer", "session_started", "end_reason", "turn",
               "turn_ended", "status", "transcript", "reply", "heard", "interrupted", "apology",
-              "voice_to_voice_ms", "over_budget", "errors"]
+              "voice_to_voice_ms", "over_budget", "errors", "tools"]
 
 
 def to_csv(sessions: Iterable[dict]) -> str:
@@ -333,5 +338,6 @@ def to_csv(sessions: Iterable[dict]) -> str:
                         "interrupted": int(t["interrupted"]), "apology": int(t["apology"]),
                         "voice_to_voice_ms": (t["latency"] or {}).get("voice_to_voice_ms"),
                         "over_budget": " ".join((t["latency"] or {}).get("over_budget", [])),
-                        "errors": " ".join(e["code"] for e in t["errors"])})
+                        "errors": " ".join(e["code"] for e in t["errors"]),
+                        "tools": " ".join(f"{c['name']}:{c['status']}" for c in t["tools"])})
     return buf.getvalue()

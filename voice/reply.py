@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from voice.config import Config
-from voice.events import Error, ReplyText, TtsAudio
+from voice.events import Error, ReplyText, ToolCall, ToolResult, TtsAudio
 from voice.playback import Playback
 from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
+from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter
 
 log = logging.getLogger("voice.reply")
@@ -50,6 +51,10 @@ class Reply:
     playback: Playback = field(default_factory=Playback)
     finished: bool = False
     failure: StageFailure | None = None
+    blocks: int = 0  # text blocks so far (LM blocks and the tool filler)
+    phrased: bool = False  # a phrase went to synthesis
+    tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
+    announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -58,12 +63,13 @@ class Reply:
 class ReplyRunner:
     """Runs a session's replies. Its hooks into the session are the narrow ones it needs:
     `emit` an event, `first_audio` (nobody waits in silence any more), `fault` (count a stage
-    fault), `is_current` (a barge-in has not cleared this turn)."""
+    fault), `is_current` (a barge-in has not cleared this turn); and the session's `timers`."""
 
     def __init__(self, config: Config, chat, synthesizer, out_rate: int, lm_mode: str | None, apology: bytes | None,
                  emit: Callable[..., bool], first_audio: Callable[[], None], fault: Callable[[StageFailure], None],
-                 is_current: Callable[[int], bool], name: str):
+                 is_current: Callable[[int], bool], name: str, tools: Toolbox, timers: Timers):
         self.config, self.chat, self.synthesizer, self.out_rate, self.lm_mode = config, chat, synthesizer, out_rate, lm_mode
+        self.tools, self.timers = tools, timers
         self.apology = apology
         self.emit, self.first_audio, self.fault, self.is_current = emit, first_audio, fault, is_current
         self.name = name  # the session, for logs
@@ -95,22 +101,38 @@ class ReplyRunner:
 
     async def _generate(self, reply: Reply, messages: list[dict], phrases: asyncio.Queue,
                         speaker: asyncio.Task) -> None:
-        """LM blocks -> reply events and phrases for the speaker, each block under its timeout."""
-        faults, limit = self.config.faults, self.config.limits.max_reply_chars
+        """LM blocks -> reply events and phrases for the speaker. A reply that calls tools is not
+        spoken: the calls run and the model answers again with their results (voice/tools.py)."""
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
-        phrased = False
+        offered = self.tools.openai() or None
+        calls = await self._blocks(reply, messages, splitter, phrases, speaker, offered)
+        if calls:
+            runs = await self._use_tools(reply, calls, phrases)
+            await self._blocks(reply, with_results(messages, runs), splitter, phrases, speaker, None)
+        elif offered and not reply.text:  # a call cut off by max_new_tokens: answer without tools
+            log.warning("session=%s turn=%d the LM's tool call was incomplete; answering without tools",
+                        self.name, reply.turn)
+            await self._blocks(reply, messages, splitter, phrases, speaker, None)
+        rest = splitter.flush()
+        if rest:
+            phrases.put_nowait(rest)
+
+    async def _blocks(self, reply: Reply, messages: list[dict], splitter: PhraseSplitter, phrases: asyncio.Queue,
+                      speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
+        """One LM reply, each block under its timeout; the tool calls it makes instead of text, if any."""
+        faults, limit = self.config.faults, self.config.limits.max_reply_chars
         blocks = self.chat.reply(messages, self.lm_mode, urgent=lambda: (
-            not phrased or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)))
-        block_no = 0
+            not reply.phrased or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
+        calls: list[dict] = []
         try:
             while True:
-                timeout = faults.lm_first_block_timeout_s if block_no == 0 else faults.lm_block_timeout_s
+                timeout = faults.lm_first_block_timeout_s if reply.blocks == 0 else faults.lm_block_timeout_s
                 try:
                     block = await asyncio.wait_for(blocks.__anext__(), timeout)
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    which = "first block" if block_no == 0 else f"block {block_no + 1}"
+                    which = "first block" if reply.blocks == 0 else f"block {reply.blocks + 1}"
                     raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s "
                                                         f"for its {which}", "lm", "timeout") from None
                 except (StageFailure, asyncio.CancelledError):
@@ -124,13 +146,12 @@ class ReplyRunner:
                     raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
                 if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
                     raise speaker.exception()  # TTS failed: no point in generating more
-                block_no += 1
-                reply.text += block.text
-                for phrase in splitter.push(block.text):
-                    phrases.put_nowait(phrase)
-                    phrased = True
-                await reply.released.wait()
-                self.emit(ReplyText(reply.turn, time.monotonic(), block.text, block_no, block.tokens, block.steps))
+                calls += block.calls
+                if block.text:
+                    self._say(reply, block.text, splitter, phrases)
+                    await reply.released.wait()
+                    self.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
+                                        block.steps))
                 if len(reply.text) >= limit:
                     log.warning("session=%s turn=%d reply cut at %d characters", self.name, reply.turn, limit)
                     break
@@ -139,9 +160,55 @@ class ReplyRunner:
                 await asyncio.wait_for(blocks.aclose(), 5.0)
             except (Exception, asyncio.TimeoutError) as err:
                 log.warning("session=%s turn=%d closing the LM stream failed: %r", self.name, reply.turn, err)
-        rest = splitter.flush()
-        if rest:
-            phrases.put_nowait(rest)
+        return calls
+
+    @staticmethod
+    def _say(reply: Reply, text: str, splitter: PhraseSplitter, phrases: asyncio.Queue) -> None:
+        reply.blocks += 1
+        reply.text += text
+        for phrase in splitter.push(text):
+            phrases.put_nowait(phrase)
+            reply.phrased = True
+
+    async def _use_tools(self, reply: Reply, calls: list[dict], phrases: asyncio.Queue) -> list[ToolRun]:
+        """Run the calls (all at once); if the user would wait longer than `tools.filler_ms` for them,
+        the filler phrase is spoken first. Cancelling (barge-in) cancels the calls still running."""
+        runs = [ToolRun.of(call) for call in calls]
+        reply.tools += runs
+        tasks = [asyncio.create_task(self._run_tool(reply, run)) for run in runs]
+        try:
+            await reply.released.wait()
+            cfg = self.config.tools
+            _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
+            if pending and cfg.filler.strip():
+                filler = cfg.filler.strip() + " "
+                reply.blocks += 1
+                reply.text += filler
+                phrases.put_nowait(filler.strip())
+                reply.phrased = True
+                self.emit(ReplyText(reply.turn, time.monotonic(), filler, reply.blocks))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=1.0)  # so the turn's record says which calls were cancelled
+        return runs
+
+    async def _run_tool(self, reply: Reply, run: ToolRun) -> None:
+        """A pure tool runs at once (also during a speculation); one that acts only once the turn is real."""
+        work = asyncio.ensure_future(self.tools.run(run, self.timers)) if self.tools.pure(run.name) else None
+        try:
+            await reply.released.wait()
+            self.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
+            await (work or self.tools.run(run, self.timers))
+        finally:
+            if work is not None:
+                work.cancel()
+            if run.status == "running":  # cancelled before it started
+                run.status, run.result = "cancelled", "cancelled (the user spoke)"
+            if reply.released.is_set():
+                self.emit(ToolResult(reply.turn, time.monotonic(), run.id, run.name, run.result, run.status,
+                                     round(run.ms, 1)))
 
     async def _speak(self, reply: Reply, phrases: asyncio.Queue) -> None:
         timeout = self.config.faults.tts_timeout_s
@@ -163,6 +230,15 @@ class ReplyRunner:
             await reply.released.wait()
             if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
                 playback.handed_over()
+
+    async def announce(self, reply: Reply, text: str) -> None:
+        """Speak `text` as it is (no LM), until the client has played it."""
+        pcm = await asyncio.wait_for(self.synthesizer.synthesize(text, self.out_rate), self.config.faults.tts_timeout_s)
+        reply.text = text
+        if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, text),
+                                  track=False):
+            reply.playback.handed_over()
+        await reply.playback.played()
 
     def fail(self, reply: Reply, failure: StageFailure) -> None:
         """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""

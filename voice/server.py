@@ -107,6 +107,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
                 await sip.stop()
             if wyoming is not None:
                 await wyoming.stop()
+            await stages.tools.aclose()
             if getattr(app.state, "records_owned", False):
                 await asyncio.to_thread(stages.records.close)
                 stages.records = None

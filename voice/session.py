@@ -29,13 +29,15 @@ import secrets
 import time
 
 from voice.calllog import CallLog
-from voice.events import AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, SpeechStarted, SpeechStopped, Transcript
+from voice.events import (Announcement, AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, SpeechStarted,
+                          SpeechStopped, Transcript)
 from voice.history import History
 from voice.latency import LatencyTracker
 from voice.limits import watch_session
 from voice.outbox import Outbox
 from voice.reply import Reply, ReplyRunner, StageFailure
 from voice.stages import Stages
+from voice.tools import Timers
 from voice.turns import TurnHooks, TurnTaker
 
 log = logging.getLogger("voice.session")
@@ -60,9 +62,10 @@ class Session:
         self.turns = TurnTaker(cfg, stages.whisper, in_rate, TurnHooks(
             self._speech_started, self._speech_stopped, self._partial, self._final, self._drop_speculation,
             self._utterance_too_long), self.id)
+        self.timers = Timers(self.announce, stages.tools.zone)
         self.replies = ReplyRunner(cfg, stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
                                    stages.apology.get(out_rate), self.emit, self._first_audio, stages.fault,
-                                   self.is_current, self.id)
+                                   self.is_current, self.id, stages.tools, self.timers)
         self.reply: Reply | None = None
         self.reply_tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.closed = False
@@ -161,7 +164,7 @@ class Session:
         playback = reply.playback
         apologised = playback.apology_at is not None and playback.emitted > playback.apology_at
         if not await self.log.replied(reply.turn, status, user_text, reply.text.strip(), heard, not reply.finished,
-                                      apologised, latency):
+                                      apologised, latency, [run.record() for run in reply.tools]):
             self.error("record_failed", "this turn could not be written to the call records")
         if not self.closed:
             self.outbox.release(held)
@@ -242,8 +245,26 @@ class Session:
         now, playback = time.monotonic(), reply.playback
         if playback.started is None and not playback.apology_started():
             playback.started = now
-            self.emit(AudioSent(turn, now), wire=False)
+            self.emit(AudioSent(turn, now), wire=False, track=not reply.announcement)
         playback.sent(text, now, seconds)
+
+    async def announce(self, text: str) -> None:
+        """Say `text` between turns (a timer that is due): once nobody is speaking or being answered.
+        The user talking over it interrupts it like a reply."""
+        while not self.closed and (self.busy or (self.reply is not None and
+                                                 self.reply.playback.playing(time.monotonic()))):
+            await asyncio.sleep(0.2)
+        if self.closed:
+            return
+        reply = self.reply = Reply(self.turn, task=asyncio.current_task(), announcement=True)
+        reply.released.set()
+        log.info("session=%s announces: %s", self.id, text)
+        self.emit(Announcement(self.turn, time.monotonic(), text))
+        try:
+            await self.replies.announce(reply, text)
+        finally:
+            if self.reply is reply:
+                self.reply = None
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
@@ -294,6 +315,7 @@ class Session:
         self.closed = True
         self.stages.scheduler.stop_waiting(self)
         cancelled = []
+        self.timers.cancel_all()
         for task in (*self.turns.close(), self.reply.task if self.reply else None, self.watchdog,
                      *self.reply_tasks):
             if task is not None and not task.done() and task is not asyncio.current_task():

@@ -18,6 +18,7 @@ from voice.limits import Admission
 from voice.lm import load_lm
 from voice.reply import StageFailure
 from voice.scheduler import Scheduler
+from voice.tools import Toolbox
 from voice.tts import Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
@@ -35,6 +36,7 @@ class Stages:
         self.records: rec.Records | None = None  # the app opens them (voice.server)
         self.live: set = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
+        self.tools = Toolbox(config.tools)
 
     @classmethod
     def load(cls, config: Config) -> "Stages":
@@ -43,6 +45,8 @@ class Stages:
         stages = cls(config, Whisper(config.asr, scheduler.worker("asr")),
                      Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts")),
                      load_lm(config.lm, scheduler), scheduler)
+        if config.lm.backend == "local" and stages.tools:
+            stages.lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
         weights = stages.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
         log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, weights, config.lm.mode)

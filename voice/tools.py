@@ -1,0 +1,262 @@
+"""Tools a voice turn may call: the built-ins (time, timer, calculator) and the user's webhooks.
+
+The LM is offered them as OpenAI function tools ([tools] in the config). A reply that calls
+tools is not spoken: the calls run, and the model answers again with their results folded into
+the user's message, `What time is it?\\n\\n(Result of get_time: 3:47 PM on ...)`. Our default
+model answers that form well; given OpenAI's `tool` messages instead it talked about the JSON
+("This response indicates that...": docs/TOOLS.md). Pure tools (time, calculator) may run
+while the reply is still a speculation (voice/turns.py); webhooks and timers act on the world,
+so they wait until the user's turn has really ended. Barge-in cancels calls still running.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import logging
+import operator
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from voice.config import ToolsConfig, WebhookConfig
+
+log = logging.getLogger("voice.tools")
+MAX_RESULT_CHARS = 1000  # of a result given to the model (a webhook may answer at length)
+
+
+@dataclass
+class ToolRun:
+    """One call and what came of it, as the call records keep it."""
+
+    id: str
+    name: str
+    arguments: dict
+    result: str = ""
+    status: str = "running"  # ok | error | cancelled
+    ms: float = 0.0
+    started: float = 0.0  # monotonic, when it was started
+
+    @classmethod
+    def of(cls, call: dict) -> "ToolRun":
+        """From an OpenAI-shaped call (`function.arguments` a JSON string)."""
+        fn = call.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = None
+        run = cls(call.get("id", ""), str(fn.get("name", "")), args if isinstance(args, dict) else {})
+        if not isinstance(args, dict):
+            run.status, run.result = "error", "the arguments are not a JSON object"
+        return run
+
+    def record(self) -> dict:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments, "result": self.result,
+                "status": self.status, "ms": round(self.ms, 1)}
+
+
+class ToolError(Exception):
+    """What the model is told instead of a result."""
+
+
+def with_results(messages: list[dict], runs: list[ToolRun]) -> list[dict]:
+    """`messages` with the tools' results folded into the last user message (see the module doc)."""
+    notes = "; ".join(f"Result of {r.name}: {r.result}" if r.status == "ok" else f"{r.name} failed: {r.result}"
+                      for r in runs)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    out = list(messages)
+    out[last] = {**messages[last], "content": f"{messages[last]['content']}\n\n({notes})"}
+    return out
+
+
+# --- the built-ins ------------------------------------------------------------------------------
+
+def spoken_duration(seconds: int) -> str:
+    parts = []
+    for unit, size in (("hour", 3600), ("minute", 60), ("second", 1)):
+        n, seconds = divmod(seconds, size)
+        if n:
+            parts.append(f"{n} {unit}{'s' if n != 1 else ''}")
+    return " ".join(parts) or "0 seconds"
+
+
+def spoken_clock(t: datetime) -> str:
+    return f"{t.hour % 12 or 12}:{t.minute:02d} {'AM' if t.hour < 12 else 'PM'}"
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> str:
+    """Arithmetic only (numbers, + - * / // % ** and parentheses; `x`, `×`, `÷`, `^` as people
+    write them), read with Python's own parser and walked here, never evaluated as code."""
+    text = expression.replace("×", "*").replace("÷", "/").replace("^", "**").replace(",", "")
+    text = re.sub(r"(?<=[\d)\s])x(?=[\s\d(])", "*", text)
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 100 or abs(left) > 1e6):
+                raise ToolError("that power is too large to work out")
+            return _OPS[type(node.op)](left, right)
+        raise ToolError(f"only arithmetic can be calculated, not {expression!r}")
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except SyntaxError:
+        raise ToolError(f"{expression!r} is not an arithmetic expression") from None
+    except ZeroDivisionError:
+        raise ToolError("division by zero") from None
+    if isinstance(result, float):
+        result = int(result) if result.is_integer() and abs(result) < 1e15 else float(f"{result:.6g}")
+    return f"{expression.strip()} = {result}"
+
+
+class Timers:
+    """One session's timers: each says so (through `announce`) when it is due, while the session is open."""
+
+    def __init__(self, announce: Callable[[str], Awaitable[None]], zone=None):
+        self.announce, self.zone = announce, zone
+        self.running: set[asyncio.Task] = set()
+
+    def start(self, seconds: int, label: str) -> str:
+        due = datetime.now(self.zone) + timedelta(seconds=seconds)
+        what = f"{label} timer" if label else f"{spoken_duration(seconds)} timer"
+        task = asyncio.create_task(self._ring(seconds, f"Your {what} is done."))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        return f"A {spoken_duration(seconds)} timer is set{f' for {label}' if label else ''}; it rings at " \
+               f"{spoken_clock(due)}."
+
+    async def _ring(self, seconds: float, text: str) -> None:
+        await asyncio.sleep(seconds)
+        await self.announce(text)
+
+    def cancel_all(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+
+
+@dataclass
+class _Tool:
+    description: str
+    parameters: dict
+    pure: bool  # no effect on the world: may run while the reply is a speculation
+    run: Callable[[dict, Timers], Awaitable[str]]
+
+
+@dataclass
+class Toolbox:
+    """The tools of the service (one per process; each session brings its own Timers)."""
+
+    config: ToolsConfig
+    tools: dict[str, _Tool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import zoneinfo
+        self.zone = zoneinfo.ZoneInfo(self.config.time_zone) if self.config.time_zone else None
+        self._client = None
+        string = {"type": "string", "maxLength": 100}
+        if "time" in self.config.builtin:
+            self.tools["get_time"] = _Tool("The current local time and date.", {
+                "type": "object", "properties": {}, "additionalProperties": False}, True, self._time)
+        if "timer" in self.config.builtin:
+            self.tools["set_timer"] = _Tool("Start a countdown timer that speaks up when it is done.", {
+                "type": "object", "properties": {"seconds": {"type": "integer", "minimum": 1, "maximum": 86400},
+                                                 "label": {"type": "string", "maxLength": 40}},
+                "required": ["seconds"], "additionalProperties": False}, False, self._timer)
+        if "calculator" in self.config.builtin:
+            self.tools["calculate"] = _Tool("Evaluate an arithmetic expression, e.g. 17 * 23.", {
+                "type": "object", "properties": {"expression": string}, "required": ["expression"],
+                "additionalProperties": False}, True, self._calculate)
+        for hook in self.config.webhooks:
+            self.tools[hook.name] = _Tool(hook.description, hook.parameters, False,
+                                          lambda args, _timers, hook=hook: self._webhook(hook, args))
+
+    def __bool__(self) -> bool:
+        return bool(self.tools)
+
+    def openai(self) -> list[dict]:
+        """The tools as the chat-completions API declares them."""
+        return [{"type": "function", "function": {"name": name, "description": t.description,
+                                                  "parameters": t.parameters}} for name, t in self.tools.items()]
+
+    def pure(self, name: str) -> bool:
+        return name in self.tools and self.tools[name].pure
+
+    async def run(self, run: ToolRun, timers: Timers) -> None:
+        """Run one call, filling in its result, status and time (a failure is a result too: the
+        model is told and says so). Cancelling the task cancels the call."""
+        start = time.monotonic()
+        tool = self.tools.get(run.name)
+        try:
+            if run.status == "error":
+                raise ToolError(run.result)
+            if tool is None:
+                raise ToolError(f"there is no tool called {run.name!r}")
+            run.result, run.status = (await tool.run(run.arguments, timers))[:MAX_RESULT_CHARS], "ok"
+        except asyncio.CancelledError:
+            run.status, run.result = "cancelled", "cancelled (the user spoke)"
+            raise
+        except ToolError as err:
+            run.status, run.result = "error", str(err)
+        except Exception as err:  # a tool's bug or a broken webhook: the model says it could not
+            log.warning("tool %s failed: %r", run.name, err)
+            run.status, run.result = "error", f"{type(err).__name__}: {err}"[:300]
+        finally:
+            run.ms = (time.monotonic() - start) * 1000
+            log.info("tool %s(%s) -> %s in %.0f ms: %s", run.name, json.dumps(run.arguments)[:200], run.status,
+                     run.ms, run.result[:200])
+
+    async def _time(self, args: dict, timers: Timers) -> str:
+        now = datetime.now(self.zone) if self.zone else datetime.now().astimezone()
+        return f"{spoken_clock(now)} on {now:%A}, {now.day} {now:%B %Y} ({now.tzname()})"
+
+    async def _timer(self, args: dict, timers: Timers) -> str:
+        seconds, label = args.get("seconds"), args.get("label") or ""
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or not 1 <= seconds <= 86400:
+            raise ToolError("seconds must be a whole number from 1 to 86400")
+        if not isinstance(label, str):
+            raise ToolError("label must be text")
+        return timers.start(seconds, label.strip()[:40])
+
+    async def _calculate(self, args: dict, timers: Timers) -> str:
+        expression = args.get("expression")
+        if not isinstance(expression, str) or not expression.strip():
+            raise ToolError("expression must be text")
+        return calculate(expression[:200])
+
+    async def _webhook(self, hook: WebhookConfig, args: dict) -> str:
+        import httpx2
+        headers = {}
+        for header, env in hook.headers_env.items():
+            if env not in os.environ:
+                raise ToolError(f"the {hook.name} tool is not set up (its secret is missing on the server)")
+            headers[header] = os.environ[env]
+        if self._client is None:
+            self._client = httpx2.AsyncClient(follow_redirects=False)  # a redirect must not leave the allow-list
+        try:
+            response = await self._client.post(hook.url, json=args, headers=headers, timeout=hook.timeout_s)
+        except httpx2.TimeoutException:
+            raise ToolError(f"{hook.name} did not answer within {hook.timeout_s:g} s") from None
+        except httpx2.HTTPError as err:
+            raise ToolError(f"{hook.name} could not be reached ({type(err).__name__})") from None
+        if response.status_code >= 300:
+            raise ToolError(f"{hook.name} answered HTTP {response.status_code}")
+        return response.text.strip() or "done"
+
+    async def aclose(self) -> None:
+        """Close the webhooks' connections (a later call opens new ones, on its own event loop)."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()

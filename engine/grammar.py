@@ -16,6 +16,7 @@ import json
 
 import llguidance
 import llguidance.torch
+import torch
 from torch import Tensor
 
 from engine.tokenizer import Tokenizer
@@ -34,11 +35,30 @@ class Constraint:
     """One reply's grammar state (not thread-safe: one decoder drives it)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self.matcher = matcher
+        self.matcher, self.vocab_size = matcher, vocab_size
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self.consumed = 0
+        self.gate: tuple[Tensor, float] | None = None  # see `gate_first`
+
+    def gate_first(self, tokens: Tensor, log_odds: float) -> None:
+        """Decide the first token's kind by probability mass: `tokens` (a bool mask [V], e.g. the
+        tokens that start a tool call) are allowed first only if the base puts at least e**log_odds
+        times more probability on them than on all the other allowed tokens together; else only
+        those others are. Greedy decoding compares single tokens, and a call starts with one of
+        three tokens while text spreads over thousands, so on its own it calls far too often."""
+        self.gate = tokens, log_odds
 
     def restrict(self, logits: Tensor) -> Tensor:
         """`logits` [V] (float, CPU) with every token the grammar refuses next at -inf (a copy)."""
+        row = self._masked(logits)
+        if self.gate is not None and not self.consumed:
+            tokens, log_odds = self.gate
+            logp = row.log_softmax(-1)
+            chosen = torch.logsumexp(logp[tokens], 0) - torch.logsumexp(logp[~tokens], 0) >= log_odds
+            row[~tokens if chosen else tokens] = float("-inf")
+        return row
+
+    def _masked(self, logits: Tensor) -> Tensor:
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         row = logits.float().clone()[None]
         llguidance.torch.apply_token_bitmask_inplace(row, self.bitmask)
@@ -47,6 +67,11 @@ class Constraint:
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} is not allowed here: {self.matcher.get_error()}")
+        self.consumed += 1
+
+    def allowed(self) -> Tensor:
+        """A bool mask [V] of the tokens the grammar allows next."""
+        return torch.isfinite(self._masked(torch.zeros(self.vocab_size)))
 
     def forced(self) -> list[int]:
         """The tokens the grammar allows no alternative to from here (a key name, `", "`): a free

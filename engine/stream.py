@@ -107,6 +107,7 @@ class _Request:
     priority: Callable[[], int] | None = None  # asked each round once the first piece is out (default NORMAL)
     constraint: Constraint | None = None
     tools: list[Tool] | None = None
+    warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
     start: float = field(default_factory=time.perf_counter)
     steps: Generator | None = None
     reply: _Reply | None = None
@@ -116,6 +117,8 @@ class _Request:
     cancelled: bool = False
 
     def level(self) -> int:
+        if self.warm:
+            return BACKGROUND
         if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
             return WAITED
         return NORMAL if self.priority is None else self.priority()
@@ -227,12 +230,13 @@ class Engine:
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
-                     constraint: Constraint | None = None, tools: list[Tool] | None = None,
+                     constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
                      **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
         the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
-        inside its grammar (JSON, tool calls); `tools` (engine.tools) are rendered into the prompt."""
+        inside its grammar (JSON, tool calls); `tools` (engine.tools) are rendered into the prompt;
+        `warm`: a prefill ahead of time (`warm()`), never urgent."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -243,7 +247,7 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides),
-                           conversation or Conversation(abandoned=True), deliver, priority, constraint, tools)
+                           conversation or Conversation(abandoned=True), deliver, priority, constraint, tools, warm)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -253,6 +257,13 @@ class Engine:
                 yield item
         finally:
             request.cancelled = True
+
+    async def warm(self, messages: list[dict], conversation: Conversation, tools: list[Tool] | None = None) -> None:
+        """Prefill `messages` into `conversation`'s cache ahead of its next request, which then
+        prefills only what is new (the voice service warms a session's system prompt and tools
+        while its user speaks). BACKGROUND priority; the one token it decodes is dropped."""
+        async for _ in self.stream(messages, conversation=conversation, tools=tools, warm=True, max_new_tokens=1):
+            pass
 
     def _ensure_scheduler(self) -> None:
         if self._scheduler is None:

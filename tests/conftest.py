@@ -21,7 +21,8 @@ import pytest
 
 
 SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_reliability",
-        "test_serve_memory", "test_server", "test_service", "test_tts", "test_twilio", "test_verify"}
+        "test_serve_memory", "test_server", "test_service", "test_tools_live", "test_tts", "test_twilio",
+        "test_verify"}
 LIVE = {"test_mic", "test_sip", "test_web", "test_wyoming_live"}
 
 

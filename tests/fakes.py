@@ -66,6 +66,9 @@ class FakeChat:
                 await asyncio.sleep(3600)
             yield Block(text, i + 1, 1)
 
+    async def prepare(self, messages, tools=None):
+        self.lm.prepared.append((messages, tools))
+
     def close(self) -> None:
         self.lm.closed += 1
 
@@ -80,6 +83,7 @@ class FakeLM:
         self.closed = 0  # chats closed
         self.tool_calls: list[dict] = []  # when set, a reply offered tools calls these (OpenAI-shaped)
         self.asked: list[tuple] = []  # (messages, tools) of every reply
+        self.prepared: list[tuple] = []  # (messages, tools) of every `prepare`
 
     def chat(self) -> FakeChat:
         return FakeChat(self)

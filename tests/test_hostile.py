@@ -58,6 +58,9 @@ class StrictLM(FakeLM):
                 async for block in inner.reply(messages, mode, urgent, tools):
                     yield block
 
+            async def prepare(self, messages, tools=None):
+                await inner.prepare(messages, tools)
+
             def close(self):
                 inner.close()
 

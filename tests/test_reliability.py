@@ -67,6 +67,9 @@ class FaultyChat:
     def close(self):
         self.real.close()
 
+    async def prepare(self, messages, tools=None):
+        await self.real.prepare(messages, tools)
+
     async def reply(self, messages, mode=None, urgent=None, tools=None):
         m = Faults.mode
         if m == "lm_raise":

@@ -30,15 +30,15 @@ class TimedLM(FakeLM):
 
     def __init__(self):
         super().__init__()
-        self.asked: list[float] = []
+        self.asked_at: list[float] = []
 
     def chat(self):
         chat = super().chat()
         inner = chat.reply
 
-        def reply(messages, mode=None, urgent=None):
-            self.asked.append(time.monotonic())
-            return inner(messages, mode, urgent)
+        def reply(messages, mode=None, urgent=None, tools=None):
+            self.asked_at.append(time.monotonic())
+            return inner(messages, mode, urgent, tools)
         chat.reply = reply
         return chat
 
@@ -94,8 +94,8 @@ def test_the_reply_waits_for_the_end_of_the_turn(speculative):
 
     seen = asyncio.run(scenario())
     stopped = next(e for e in seen if isinstance(e, SpeechStopped))
-    assert len(stages.lm.asked) == 1
-    assert (stages.lm.asked[0] < stopped.t) == speculative
+    assert len(stages.lm.asked_at) == 1
+    assert (stages.lm.asked_at[0] < stopped.t) == speculative
     kinds = [type(e) for e in seen]
     final = next(i for i, e in enumerate(seen) if isinstance(e, Transcript) and e.final)
     assert kinds.index(SpeechStopped) < final < kinds.index(ReplyText) < kinds.index(TtsAudio)
@@ -117,7 +117,7 @@ def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
         await push(s, speech("001.wav"))
         await push(s, silence(pause), realtime=True)
         await asyncio.sleep(0.3)  # the speculative reply is generated and synthesised meanwhile
-        prepared = len(config_stages.lm.asked)
+        prepared = len(config_stages.lm.asked_at)
         before = list(seen)
         await push(s, speech("002.wav"))
         await push(s, silence(1000), realtime=True)
@@ -131,7 +131,7 @@ def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
     assert prepared == 1, "no reply was prepared during the pause"
     assert not [e for e in before if isinstance(e, (ReplyText, TtsAudio, ReplyDone)) or
                 isinstance(e, Transcript) and e.final]
-    assert len(config_stages.lm.asked) == 2
+    assert len(config_stages.lm.asked_at) == 2
     finals = [e for e in seen if isinstance(e, Transcript) and e.final]
     dones = [e for e in seen if isinstance(e, ReplyDone)]
     assert len(finals) == 1 and len(dones) == 1 and len([e for e in seen if isinstance(e, SpeechStopped)]) == 1

@@ -35,6 +35,9 @@ from voice.tools import Timers, Toolbox, ToolError, ToolRun, calculate, with_res
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
+BUILT_INS = ["time", "timer", "calculator"]
+
+
 def call(name: str, arguments: dict | None = None, id: str = "call_1") -> dict:
     return {"id": id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments or {})}}
 
@@ -65,7 +68,7 @@ def test_calculator_refuses_what_is_not_plain_arithmetic(expression):
 
 
 def test_time_tool_tells_the_time_in_the_configured_zone():
-    box = Toolbox(ToolsConfig(time_zone="Asia/Kolkata"))
+    box = Toolbox(ToolsConfig(builtin=BUILT_INS, time_zone="Asia/Kolkata"))
     before = datetime.now(ZoneInfo("Asia/Kolkata"))
     run = run_tool(box, "get_time")
     after = datetime.now(ZoneInfo("Asia/Kolkata"))
@@ -80,7 +83,7 @@ def test_a_timer_speaks_up_when_it_is_due():
 
     async def go():
         timers = Timers(lambda text: asyncio.sleep(0, said.append((time.monotonic(), text))))
-        box = Toolbox(ToolsConfig())
+        box = Toolbox(ToolsConfig(builtin=BUILT_INS))
         start = time.monotonic()
         run = ToolRun.of(call("set_timer", {"seconds": 1, "label": "tea"}))
         await box.run(run, timers)
@@ -95,12 +98,12 @@ def test_a_timer_speaks_up_when_it_is_due():
 @pytest.mark.parametrize("arguments, why", [({"seconds": 0}, "seconds"), ({"seconds": "ten"}, "seconds"),
                                             ({"seconds": True}, "seconds"), ({}, "seconds")])
 def test_bad_tool_arguments_are_an_error_for_the_model_not_a_crash(arguments, why):
-    run = run_tool(Toolbox(ToolsConfig()), "set_timer", arguments)
+    run = run_tool(Toolbox(ToolsConfig(builtin=BUILT_INS)), "set_timer", arguments)
     assert run.status == "error" and why in run.result, run
 
 
 def test_unknown_tool_and_arguments_that_are_not_an_object():
-    box = Toolbox(ToolsConfig())
+    box = Toolbox(ToolsConfig(builtin=BUILT_INS))
     assert run_tool(box, "launch_rockets").status == "error"
     run = ToolRun.of({"id": "c", "function": {"name": "get_time", "arguments": "[1, 2"}})
     asyncio.run(box.run(run, Timers(lambda text: asyncio.sleep(0))))
@@ -213,9 +216,10 @@ def test_tool_config_mistakes_are_caught_at_start_up(tmp_path, values, why):
         load_config(path)
 
 
-def test_the_default_config_offers_the_three_built_ins():
-    assert [t["function"]["name"] for t in Toolbox(load_config(None).tools).openai()] == \
-        ["get_time", "set_timer", "calculate"]
+def test_tools_are_off_by_default_and_the_built_ins_are_three():
+    assert Toolbox(load_config(None).tools).openai() == []
+    assert [t["function"]["name"] for t in Toolbox(ToolsConfig(builtin=BUILT_INS)).openai()] \
+        == ["get_time", "set_timer", "calculate"]
 
 
 # --- in a session ---------------------------------------------------------------------------
@@ -232,8 +236,18 @@ def one_turn(srv, clip: str = "001.wav", until=lambda m: m["type"] == "latency",
     return asyncio.run(scenario())
 
 
+def test_without_tools_the_lm_is_offered_none():
+    stages = fake_stages(make_config())
+    stages.lm.tool_calls = [call("get_time")]  # would be called if offered
+    with LiveServer(stages.config, stages) as srv:
+        c = one_turn(srv)
+    assert [tools for _, tools in stages.lm.asked] == [None] and not c.events("tool_call")
+    assert c.events("reply_done")[0]["text"] == "Sure, here is a short reply."
+
+
 def test_a_tool_turn_calls_the_tool_then_speaks_the_answer_and_is_recorded(tmp_path):
-    config = make_config(records={"path": str(tmp_path / "records.sqlite3")}, tools={"time_zone": "UTC"})
+    config = make_config(records={"path": str(tmp_path / "records.sqlite3")},
+                         tools={"time_zone": "UTC", "builtin": BUILT_INS})
     stages = fake_stages(config)
     stages.lm.tool_calls = [call("get_time")]
     stages.lm.blocks = ["It is", " a quarter to four."]
@@ -340,7 +354,7 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
 
 
 def test_a_timer_set_in_a_turn_speaks_up_in_the_session():
-    config = make_config()
+    config = make_config(tools={"builtin": ["timer"]})
     stages = fake_stages(config)
     stages.lm.tool_calls = [call("set_timer", {"seconds": 1})]
     stages.lm.blocks = ["Timer set."]

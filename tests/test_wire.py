@@ -526,13 +526,15 @@ def test_zz_no_secret_reaches_any_log_line(capfd):
 # --- the one event codec: to_wire / from_wire ------------------------------------------------------
 
 def test_every_event_reads_back_as_itself():
-    from voice.events import (Clear, Error, LatencyReport, Ready, ReplyDone, ReplyText, SpeechStarted, SpeechStopped,
-                              Transcript, TtsAudio, WIRE_TYPES, from_wire)
+    from voice.events import (Announcement, Clear, Error, LatencyReport, Ready, ReplyDone, ReplyText, SpeechStarted,
+                              SpeechStopped, ToolCall, ToolResult, Transcript, TtsAudio, WIRE_TYPES, from_wire)
     events = [Ready(0, 0.0, session_id="s7", sample_rate=24000), SpeechStarted(3, 0.0), SpeechStopped(3, 0.0),
               Transcript(3, 0.0, "ten of clubs", True), ReplyText(3, 0.0, "Sure", 1, 2, 3),
               TtsAudio(3, 0.0, b"", 16000, "Sure."), ReplyDone(3, 0.0, "Sure.", "Sure", True), Clear(3, 0.0),
               LatencyReport(3, 0.0, {"asr": 1.5}, {"first_audio": 600.0}, ["asr"], 612.0),
-              Error(3, 0.0, "asr_timeout", "slow", "asr", True), Error(0, 0.0, "bad_frame", "odd length")]
+              Error(3, 0.0, "asr_timeout", "slow", "asr", True), Error(0, 0.0, "bad_frame", "odd length"),
+              ToolCall(4, 0.0, "call_1", "calculate", {"expression": "2 + 2"}),
+              ToolResult(4, 0.0, "call_1", "calculate", "2 + 2 = 4", "ok", 0.3), Announcement(4, 0.0, "Your timer is done.")]
     assert {type(e) for e in events} == set(WIRE_TYPES.values())
     for ev in events:
         assert from_wire(ev.to_wire()) == ev

@@ -89,6 +89,9 @@ class LmConfig:
     device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
     quantize: str = "fp16"  # local: fp16 | int8 | none linear layers (BENCHMARKS.md; fp32 where unsupported)
+    # local, with [tools]: a reply calls a tool only when the model puts e**this times more probability
+    # on starting a call than on speaking (greedy alone calls far too often: docs/TOOLS.md)
+    tool_call_log_odds: float = 1.2
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
     retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
     probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)
@@ -268,7 +271,7 @@ class WebhookConfig:
 class ToolsConfig:
     """Tools the assistant may call in a voice turn (voice/tools.py)."""
 
-    builtin: list = field(default_factory=lambda: list(BUILTIN_TOOLS))  # time | timer | calculator
+    builtin: list = field(default_factory=list)  # any of time, timer, calculator; off by default (docs/TOOLS.md)
     time_zone: str = ""  # IANA name for the time tool, e.g. "Europe/Paris"; "" = the host's
     filler: str = "One moment."  # spoken when a tool's result takes longer than filler_ms ("" = never)
     filler_ms: int = 300

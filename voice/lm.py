@@ -55,22 +55,25 @@ class LocalLM:
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
         self.engine.max_defer_s = self.scheduler.max_defer_s
-        self._grammars: dict[str, tuple[list, str]] = {}
+        self._grammars: dict[str, tuple] = {}
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
 
-    def tool_grammar(self, tools: list[dict]) -> tuple[list, str]:
-        """(engine tools, the grammar of a reply that may call them), made once per tool set. The
-        first also builds llguidance's view of the vocabulary (~1 s): call it at start-up."""
+    def tool_grammar(self, tools: list[dict]) -> tuple[list, str, object]:
+        """(engine tools, the grammar of a reply that may call them, the tokens that start a call),
+        made once per tool set. The first also builds llguidance's view of the vocabulary (~1 s):
+        call it at start-up."""
         key = json.dumps(tools, sort_keys=True)
         if key not in self._grammars:
             from engine.tools import Tool, ToolUse, tag_terminals
             declared = [Tool(t["function"]["name"], t["function"].get("description", ""),
                              t["function"].get("parameters") or {}) for t in tools]
-            grammar = ToolUse(declared, "auto").grammar(tag_terminals(self.engine.tokenizer))
-            self.engine.grammars.lark(grammar)  # compiles: a bad schema fails here, at start-up
-            self._grammars[key] = declared, grammar
+            tags = tag_terminals(self.engine.tokenizer)
+            grammar = ToolUse(declared, "auto").grammar(tags)
+            grammars = self.engine.grammars  # compiling here: a bad schema fails at start-up
+            starts = grammars.lark(grammar).allowed() & ~grammars.lark(ToolUse(declared, "none").grammar(tags)).allowed()
+            self._grammars[key] = declared, grammar, starts
         return self._grammars[key]
 
 
@@ -92,8 +95,9 @@ class LocalChat:
         declared, constraint = None, None
         if tools:
             from engine.tools import calls_in
-            declared, grammar = self.lm.tool_grammar(tools)
+            declared, grammar, starts = self.lm.tool_grammar(tools)
             constraint = await asyncio.to_thread(self.lm.engine.grammars.lark, grammar)
+            constraint.gate_first(starts, self.lm.config.tool_call_log_odds)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
                                                  tools=declared, priority=self.priority(urgent), **overrides):
@@ -104,6 +108,11 @@ class LocalChat:
                 yield Block(piece.text, piece.tokens, piece.steps)
         if calling:
             yield Block("", calls=calls_in(text))
+
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+        """Prefill the start of the conversation (system prompt, tools) while the user is still
+        speaking, so their first turn prefills only their words."""
+        await self.lm.engine.warm(messages, self.conversation, self.lm.tool_grammar(tools)[0] if tools else None)
 
     def close(self) -> None:
         """Nobody continues this conversation: its KV cache goes back to the engine's pool."""
@@ -164,6 +173,9 @@ class RemoteLM:
 class RemoteChat:
     def __init__(self, lm: RemoteLM):
         self.lm = lm
+
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+        """Nothing to prepare: the endpoint keeps its own caches."""
 
     def close(self) -> None:
         """Nothing to give back: the endpoint keeps its own caches."""

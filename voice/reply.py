@@ -74,6 +74,13 @@ class ReplyRunner:
         self.emit, self.first_audio, self.fault, self.is_current = emit, first_audio, fault, is_current
         self.name = name  # the session, for logs
 
+    async def prepare(self, messages: list[dict]) -> None:
+        """Before the first turn: the LM prefills the conversation's start (best effort)."""
+        try:
+            await self.chat.prepare(messages, self.tools.openai() or None)
+        except Exception as err:  # noqa: BLE001 - the first turn will simply prefill it itself
+            log.warning("session=%s preparing the LM failed: %r", self.name, err)
+
     async def run(self, reply: Reply, messages: list[dict]) -> None:
         """The whole reply, until the client has played it (a barge-in cancels this task)."""
         phrases: asyncio.Queue[str | None] = asyncio.Queue()

@@ -82,6 +82,8 @@ class Session:
             self.watchdog: asyncio.Task | None = asyncio.get_running_loop().create_task(watch_session(self))
         except RuntimeError:  # no event loop (a unit test building a bare session)
             self.watchdog = None
+        else:
+            self._spawn(self.replies.prepare(self.history.messages("")))
         log.info("session=%s open transport=%s in_rate=%d out_rate=%d principal=%s uid=%s", self.id, transport,
                  in_rate, out_rate, principal, self.uid)
 

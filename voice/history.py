@@ -27,3 +27,13 @@ class History:
         window = 2 * max(self.turns, 1)
         if len(self.said) > window:
             del self.said[:len(self.said) - window // 2]
+
+    def heard_only(self, text: str) -> None:
+        """The last reply was heard only up to `text` (a Realtime client's truncate): keep that."""
+        for i in range(len(self.said) - 1, -1, -1):
+            if self.said[i]["role"] == "assistant":
+                if text:
+                    self.said[i] = {"role": "assistant", "content": text}
+                else:
+                    del self.said[i]
+                return

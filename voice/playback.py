@@ -70,6 +70,20 @@ class Playback:
                 break
         return " ".join(words)
 
+    def heard_within(self, audio_s: float) -> str:
+        """Text within the first `audio_s` seconds of the reply's audio (a client that says how
+        far it played, as a Realtime truncate does)."""
+        words: list[str] = []
+        for text, _, seconds in self.phrases[:self.apology_at]:
+            parts = text.split()
+            if audio_s >= seconds:
+                words += parts
+                audio_s -= seconds
+            else:
+                words += parts[: int(len(parts) * max(audio_s, 0) / seconds)]
+                break
+        return " ".join(words)
+
     async def played(self) -> None:
         """Until the transport has sent every phrase and the client has played them."""
         while True:

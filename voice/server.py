@@ -115,6 +115,10 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
     async def ws_native(ws: WebSocket):
         await native.handle(ws, state["stages"], auth)
 
+    async def ws_realtime(ws: WebSocket):
+        from voice.transports import realtime
+        await realtime.handle(ws, state["stages"], auth)
+
     async def ws_twilio(ws: WebSocket):
         await twilio.handle(ws, state["stages"], auth)
 
@@ -177,7 +181,8 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
         return JSONResponse({"token": value, "expires_at": expiry, "expires_in": int(auth.token_ttl_s)},
                             headers={"cache-control": "no-store"})
 
-    routes = [WebSocketRoute("/ws", ws_native), WebSocketRoute("/twilio", ws_twilio), Route("/healthz", healthz),
+    routes = [WebSocketRoute("/ws", ws_native), WebSocketRoute("/twilio", ws_twilio),
+              WebSocketRoute("/v1/realtime", ws_realtime), Route("/healthz", healthz),
               Route("/metrics", metrics), Route("/token", token, methods=["POST"])]
     web = Path(config.server.web_dir) if config.server.web_dir else WEB_DIR
     if web.is_dir():

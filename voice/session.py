@@ -29,6 +29,7 @@ import secrets
 import time
 
 from voice.calllog import CallLog
+from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, SpeechStarted,
                           SpeechStopped, Transcript)
 from voice.history import History
@@ -48,8 +49,8 @@ _session_ids = itertools.count(1)
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
-                 peer: str = "", meta: dict | None = None):
-        cfg = stages.config
+                 peer: str = "", meta: dict | None = None, config: Config | None = None):
+        cfg = config or stages.config  # a transport may adjust its own copy (Realtime turn detection)
         self.id = f"s{next(_session_ids)}"
         self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
         self.stages, self.config, self.in_rate, self.out_rate = stages, cfg, in_rate, out_rate
@@ -222,6 +223,32 @@ class Session:
         self.reply_tasks.add(task)
         task.add_done_callback(self.reply_tasks.discard)
         return task
+
+    # --- turns a client drives (the Realtime API) ----------------------------------------------
+
+    def text_turn(self, text: str) -> int:
+        """A turn typed instead of spoken: it is answered like a transcript. Its number."""
+        now = time.monotonic()
+        self.barge_in(now)
+        turn = self.turns.new_turn()
+        self.log.started(turn)
+        self.log.transcript(turn, text)
+        self.emit(Transcript(turn, now, text, True))
+        self.stages.scheduler.start_waiting(self)
+        self._start_reply(turn, text).released.set()
+        return turn
+
+    def end_speech(self) -> bool:
+        """The client says the user stopped talking; False if nobody was."""
+        return self.turns.end_now(time.monotonic())
+
+    def clear_speech(self) -> None:
+        """The client drops what the user said so far in this utterance."""
+        self.turns.clear(time.monotonic())
+
+    def cancel_reply(self) -> None:
+        """The client cancels the reply in progress (as a barge-in would)."""
+        self.barge_in(time.monotonic())
 
     # --- what the user hears ------------------------------------------------------------------
 

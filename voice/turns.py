@@ -126,6 +126,41 @@ class TurnTaker:
             self.transcriber.reset()
         ended.set()
 
+    def end_now(self, now: float) -> bool:
+        """The client says the utterance is over (Realtime `input_audio_buffer.commit`); False if
+        nobody is speaking."""
+        ev = self.endpointer.force_stop(suppress=False)
+        if ev is None:
+            return False
+        self._speech_stopped(ev, now)
+        return True
+
+    def clear(self, now: float) -> None:
+        """Forget the utterance so far (Realtime `input_audio_buffer.clear`): a turn in progress
+        ends with nothing said."""
+        self.pre_roll.clear()
+        if not self.endpointer.in_speech:
+            return
+        self.endpointer.force_stop(suppress=False)
+        if self.partial_task is not None:
+            self.partial_task.cancel()
+        if self.turn_ended is not None:  # a speculative final for what is now dropped
+            self.turn_ended = None
+            self.final_task.cancel()
+            self.hooks.speculation_dropped()
+        self.transcriber.reset()
+        self.hooks.stopped(self.turn, now, now)
+        nothing = asyncio.get_running_loop().create_future()
+        nothing.set_result("")
+        ended = asyncio.Event()
+        ended.set()
+        self.final_task = self.hooks.final(self.turn, nothing, ended)
+
+    def new_turn(self) -> int:
+        """A turn that starts without speech (a typed message): its number."""
+        self.turn += 1
+        return self.turn
+
     def _arrival_of(self, audio_time: float) -> float:
         """When the sample at `audio_time` reached us (the client streams in real time)."""
         for end, arrived in self.arrivals:

@@ -71,13 +71,13 @@ class Endpointer:
         self._pending = self._pending[whole:]
         return events
 
-    def force_stop(self) -> SpeechStopped | None:
-        """End the current speech now (an utterance over the length limit). Speech can only start
-        again after the user pauses for a hangover, so a monologue or steady noise is not
-        chopped into back-to-back turns."""
+    def force_stop(self, suppress: bool = True) -> SpeechStopped | None:
+        """End the current speech now: an utterance over the length limit, or a client that says
+        it is over (`suppress=False`). Suppressed, speech can only start again after the user
+        pauses for a hangover, so a monologue or steady noise is not chopped into back-to-back turns."""
         if not self._in_speech:
             return None
-        self._in_speech, self._run, self._suppressed = False, 0, True
+        self._in_speech, self._run, self._suppressed = False, 0, suppress
         now = self._seconds(self._frames_seen)
         return SpeechStopped(t_audio_s=now, speech_end_s=now)
 

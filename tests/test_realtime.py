@@ -1,0 +1,288 @@
+"""/v1/realtime with the official `openai` SDK's realtime client, on the real app with stand-in
+models (tests/fakes.py); the real models are in tests/test_realtime_live.py.
+
+Every server event the client receives is validated against the SDK's own pydantic types of
+the protocol (`openai.types.realtime.RealtimeServerEvent` for the GA names, the beta module's
+for `OpenAI-Beta: realtime=v1`), so a field missing or misnamed fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import openai
+import pydantic
+import pytest
+from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
+from openai.types.realtime import RealtimeServerEvent
+
+from fakes import LiveServer, fake_stages, make_config, speech
+from voice.audio import float_to_pcm16, pcm16_to_float, resample, ulaw_decode, ulaw_encode
+from voice.records import read_sessions
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+GA = pydantic.TypeAdapter(RealtimeServerEvent)
+BETA = pydantic.TypeAdapter(BetaServerEvent)
+
+
+def at_24k(name: str = "001.wav") -> bytes:
+    return float_to_pcm16(resample(pcm16_to_float(speech(name)), 16000, 24000))
+
+
+class Talk:
+    """One Realtime connection through the SDK: sends events, validates and keeps every server event."""
+
+    def __init__(self, conn, beta: bool = False):
+        self.conn, self.beta, self.events = conn, beta, []
+        self.reader = asyncio.create_task(self._read())
+        self.mic: asyncio.Task | None = None
+
+    async def _read(self):
+        try:
+            while True:
+                raw = json.loads(await self.conn.recv_bytes())
+                (BETA if self.beta else GA).validate_python(raw)
+                raw["_at"] = time.monotonic()
+                self.events.append(raw)
+        except openai.WebSocketConnectionClosedError:
+            pass
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+    async def wait(self, kind: str, n: int = 1, timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.of(kind)) >= n:
+                return self.of(kind)[n - 1]
+            assert not self.reader.done(), (self.reader, [e["type"] for e in self.events])
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no {kind} (#{n}); got {[e['type'] for e in self.events]}")
+
+    def stream(self, pcm: bytes, rate: int = 24000, then_silence: bool = True, encode=None):
+        """Append `pcm` in 100 ms pieces in real time (a microphone), then silence."""
+        async def run():
+            step = rate * 2 // 10
+            i = 0
+            while i < len(pcm) or then_silence:
+                chunk = pcm[i:i + step] if i < len(pcm) else bytes(step)
+                await self.conn.input_audio_buffer.append(audio=base64.b64encode(encode(chunk) if encode else chunk)
+                                                          .decode())
+                i += step
+                await asyncio.sleep(0.1 / 3)  # 3x real time: the VAD and the stand-ins don't mind
+        self.mic = asyncio.create_task(run())
+
+
+def connect(srv, beta: bool = False, **kw):
+    """GA: the base URL is all a client changes. The SDK's beta client always says wss:// unless
+    given `websocket_base_url`."""
+    client = openai.AsyncOpenAI(base_url=srv.http + "/v1", api_key="none",
+                                websocket_base_url=srv.ws + "/v1" if beta else None)
+    return (client.beta if beta else client).realtime.connect(model="diffusion-voice", **kw)
+
+
+@pytest.fixture
+def served(tmp_path):
+    config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
+    stages = fake_stages(config)
+    with LiveServer(config, stages) as srv:
+        yield srv
+
+
+def test_a_spoken_turn_through_the_sdk_gets_a_transcript_and_audio(served):
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly."})
+            await talk.wait("session.updated")
+            talk.stream(at_24k())
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    kinds = [e["type"] for e in talk.events]
+    order = ["session.created", "session.updated", "input_audio_buffer.speech_started",
+             "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+             "conversation.item.input_audio_transcription.completed", "response.created",
+             "response.output_item.added", "response.content_part.added", "response.output_audio_transcript.delta",
+             "response.output_audio.delta", "response.output_audio.done", "response.output_audio_transcript.done",
+             "response.content_part.done", "response.output_item.done", "response.done"]
+    assert [k for k in kinds if k in order] == sorted((k for k in kinds if k in order), key=order.index), kinds
+    assert set(order) <= set(kinds), set(order) - set(kinds)
+    assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
+    user_item = talk.of("input_audio_buffer.committed")[0]["item_id"]
+    assert talk.of("conversation.item.input_audio_transcription.completed")[0]["item_id"] == user_item
+    done = talk.of("response.done")[0]["response"]
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["transcript"] == \
+        "Sure, here is a short reply."
+    audio = b"".join(base64.b64decode(e["delta"]) for e in talk.of("response.output_audio.delta"))
+    tone = pcm16_to_float(audio)
+    assert len(audio) > 24000 and np.abs(tone).max() > 0.1  # pcm16 at 24 kHz: FakeSynth's tone, 60 ms a character
+    assert abs(len(audio) / 2 / 24000 - 0.06 * sum(map(len, ["Sure, here is", "a short reply."]))) < 0.2
+    assert talk.of("rate_limits.updated")
+    session = read_sessions(served.config.records.path)[-1]
+    assert session["transport"] == "realtime" and session["turns"][0]["reply"] == "Sure, here is a short reply."
+
+
+def test_text_in_audio_out(served):
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hello there"}]})
+            await conn.response.create()
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert talk.of("conversation.item.added")[0]["item"]["content"][0]["text"] == "Hello there"
+    assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "Hello there"}
+    assert talk.of("response.output_audio.delta") and talk.of("response.done")[0]["response"]["status"] == "completed"
+    assert not talk.of("input_audio_buffer.speech_started")
+
+
+def test_response_cancel_mid_reply(served):
+    served.stages.lm.delay_s = 0.3  # a block every 0.3 s
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Go on"}]})
+            await conn.response.create()
+            await talk.wait("response.output_audio_transcript.delta")
+            await conn.response.cancel()
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    done = talk.of("response.done")[0]["response"]
+    assert done["status"] == "cancelled", done
+    assert len(talk.of("response.output_audio_transcript.delta")) < 4
+
+
+def test_truncate_keeps_only_what_was_heard_for_the_next_turn(served):
+    served.stages.lm.blocks = ["One two three four five six seven eight nine ten."]
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for n, text in enumerate(["Count", "And then?"], 1):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
+                await conn.response.create()
+                await talk.wait("response.done", n, timeout=30)
+                if n == 1:
+                    item = talk.of("response.output_item.done")[0]["item"]["id"]
+                    await conn.conversation.item.truncate(item_id=item, content_index=0, audio_end_ms=1500)
+                    await talk.wait("conversation.item.truncated")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    truncated = talk.of("conversation.item.truncated")[0]
+    assert truncated["audio_end_ms"] == 1500
+    history = served.stages.lm.asked[-1][0]
+    # the phrase is 50 characters, 3 s of FakeSynth audio: 1.5 s is half of its ten words
+    assert history[-2] == {"role": "assistant", "content": "One two three four five"}, history
+
+
+def test_beta_clients_get_the_beta_event_names(served):
+    async def go():
+        async with connect(served, beta=True) as conn:
+            talk = Talk(conn, beta=True)
+            await conn.session.update(session={"input_audio_format": "pcm16", "output_audio_format": "pcm16"})
+            talk.stream(at_24k())
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    kinds = {e["type"] for e in talk.events}
+    assert {"response.audio.delta", "response.audio.done", "response.audio_transcript.delta",
+            "response.audio_transcript.done", "conversation.item.created"} <= kinds, kinds
+    assert not kinds & {"response.output_audio.delta", "conversation.item.added", "conversation.item.done"}
+    assert talk.of("session.updated")[0]["session"]["input_audio_format"] == "pcm16"
+
+
+def test_g711_in_and_out(served):
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.session.update(session={"type": "realtime", "audio": {
+                "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcmu"}}}})
+            await talk.wait("session.updated")
+            clip = float_to_pcm16(resample(pcm16_to_float(speech("001.wav")), 16000, 8000))
+            talk.stream(clip, rate=8000, encode=lambda chunk: ulaw_encode(np.frombuffer(chunk, "<i2")))
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
+    audio = ulaw_decode(b"".join(base64.b64decode(e["delta"]) for e in talk.of("response.output_audio.delta")))
+    assert abs(len(audio) / 8000 - 0.06 * len("Sure, here is a short reply.")) < 0.2 and np.abs(audio).max() > 3000
+
+
+def test_without_turn_detection_commit_ends_the_turn(served):
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            await talk.wait("session.updated")
+            talk.stream(at_24k() + bytes(24000 * 2), then_silence=False)  # a clip and 1 s of silence
+            await talk.wait("input_audio_buffer.speech_started")
+            await talk.mic
+            await asyncio.sleep(0.3)
+            assert not talk.of("input_audio_buffer.speech_stopped")  # the VAD does not end the turn
+            await conn.input_audio_buffer.commit()
+            await talk.wait("response.done")
+            await conn.input_audio_buffer.commit()  # nothing left to commit
+            await talk.wait("error")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
+    assert talk.of("error")[0]["error"]["code"] == "input_audio_buffer_commit_empty"
+
+
+def bad_events(limit: int) -> list[str]:
+    """Malformed or out-of-place client events, as raw text (written flat: CPython 3.11.7 fails to
+    compile pytest's rewrite of deeply nested literals here)."""
+    big = base64.b64encode(bytes(limit + 2)).decode()
+    return ['{not json', '[1, 2]', '{"type": "flying.saucer"}', '{"type": "input_audio_buffer.append", "audio": "***"}',
+            '{"type": "input_audio_buffer.append", "audio": "AQ=="}',
+            '{"type": "input_audio_buffer.append", "event_id": "big", "audio": "' + big + '"}',
+            '{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcm", '
+            '"rate": 16000}}}}}',
+            '{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
+            '[{"type": "input_image"}]}}',
+            '{"type": "response.create"}', '{"type": "response.cancel"}',
+            '{"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 5}']
+
+
+def test_bad_events_get_error_events_and_the_session_goes_on(served):
+    limit = served.config.session.max_frame_bytes
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            bad = bad_events(limit)
+            for text in bad:
+                await conn.send_raw(text)  # the SDK's own way to send what its types would not let through
+            await talk.wait("error", len(bad))
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Still there?"}]})
+            await conn.response.create()
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    codes = [e["error"]["code"] for e in talk.of("error")]
+    assert codes == ["invalid_json", "invalid_event", "unknown_event", "invalid_value", "bad_frame",
+                     "frame_too_large", "invalid_value", "invalid_value", "no_input", "response_cancel_not_active",
+                     "item_truncate_invalid_item_id"], codes
+    assert talk.of("error")[5]["error"]["event_id"] == "big"
+    assert all(e["error"]["message"] and e["error"]["type"] == "invalid_request_error" for e in talk.of("error"))
+    assert talk.of("response.done")[0]["response"]["status"] == "completed"

@@ -1,0 +1,462 @@
+"""OpenAI's Realtime API on /v1/realtime: any Realtime client talks to the same session as /ws.
+
+A Realtime connection is one more transport on `voice.session.Session`: its audio goes through
+the same VAD, ASR, LM, TTS, barge-in, latency tracker, limits and call records. This module only
+translates. Client events in: `session.update`, `input_audio_buffer.append / commit / clear`,
+`conversation.item.create` (text), `response.create / cancel`, `conversation.item.truncate`.
+Server events out: the session's events as `input_audio_buffer.speech_started / stopped /
+committed`, `conversation.item.added` (+`.done`), `...input_audio_transcription.completed`,
+`response.created`, `response.output_item.added`, `response.content_part.added`,
+`response.output_audio.delta` and `response.output_audio_transcript.delta` (and their `done`),
+`response.done`, `rate_limits.updated`, `error`. The GA names are sent; a client that connects
+with `OpenAI-Beta: realtime=v1` gets the beta names (`response.audio.delta`,
+`conversation.item.created`, ...). Event by event: docs/REALTIME.md.
+
+Audio: pcm16 at 24 kHz (the default), or G.711 µ-law / A-law at 8 kHz, in and out. The session
+is built when audio or a response is first needed, so a `session.update` sent first sets its
+formats; once built its formats are fixed (an `error` says so). Bad events get an `error` event
+and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import copy
+import itertools
+import logging
+import secrets
+
+import numpy as np
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine.wire import WireError, decode_json
+from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
+from voice.auth import Auth
+from voice.events import Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, Transcript, TtsAudio
+from voice.session import Session
+from voice.stages import Stages
+from voice.transports.native import admit, system_prompt_problem
+
+log = logging.getLogger("voice.realtime")
+FORMATS = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}  # GA format types -> rate
+BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+BETA_NAMES = {"response.output_audio.delta": "response.audio.delta", "response.output_audio.done": "response.audio.done",
+              "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+              "response.output_audio_transcript.done": "response.audio_transcript.done",
+              "conversation.item.added": "conversation.item.created"}
+GA_ONLY = {"conversation.item.done"}  # beta clients get no such event
+MAX_QUEUED = 256  # server events waiting for the socket before the session's own outbox takes the strain
+_ids = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(6)}{next(_ids)}"
+
+
+class RealtimeError(ValueError):
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.code, self.param, self.kind = message, code, param, kind
+
+
+class Connection:
+    def __init__(self, ws: WebSocket, stages: Stages, principal: str, beta: bool, model: str):
+        self.ws, self.stages, self.principal, self.beta = ws, stages, principal, beta
+        self.id = new_id("sess")
+        self.config = stages.config
+        self.session: Session | None = None
+        self.settings = {"instructions": self.config.lm.system_prompt, "voice": "joe", "input": "audio/pcm",
+                         "output": "audio/pcm", "turn_detection": {
+                             "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                             "silence_duration_ms": self.config.vad.hangover_ms, "create_response": True,
+                             "interrupt_response": True}, "model": model}
+        self.out: asyncio.Queue[dict] = asyncio.Queue()
+        self.user_items: dict[int, str] = {}  # turn -> the user item's id
+        self.responses: dict[int, dict] = {}  # turn -> {id, item, transcript, playback}
+        self.pending_text: list[str] = []  # typed user messages not answered yet
+        self.last_item: str | None = None
+        self.audio_ms = 0.0  # input audio appended so far
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def send(self, event: dict) -> None:
+        kind = event["type"]
+        if self.beta and kind in GA_ONLY:
+            return
+        if self.beta:
+            event = {**event, "type": BETA_NAMES.get(kind, kind)}
+        self.out.put_nowait({"event_id": new_id("event"), **event})
+
+    def error(self, err: RealtimeError, event_id: str | None = None) -> None:
+        log.info("realtime %s: %s (%s)", err.code, err.message, err.param)
+        self.send({"type": "error", "error": {"type": err.kind, "code": err.code, "message": err.message,
+                                              "param": err.param, "event_id": event_id}})
+
+    async def pump(self) -> None:
+        while True:
+            await self.ws.send_json(await self.out.get())
+
+    # --- the session ------------------------------------------------------------------------
+
+    def session_object(self) -> dict:
+        s, rates = self.settings, FORMATS
+        if self.beta:
+            beta_format = {v: k for k, v in BETA_FORMATS.items()}
+            # (no `model`: the beta schema allows only OpenAI's own model names there)
+            return {"object": "realtime.session", "id": self.id, "modalities": ["audio", "text"],
+                    "instructions": s["instructions"], "voice": s["voice"],
+                    "input_audio_format": beta_format[s["input"]], "output_audio_format": beta_format[s["output"]],
+                    "turn_detection": s["turn_detection"], "tools": [], "tool_choice": "auto",
+                    "input_audio_transcription": {"model": "whisper-" + self.config.asr.model}}
+        fmt = lambda t: {"type": t, "rate": rates[t]} if t == "audio/pcm" else {"type": t}  # noqa: E731
+        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": s["model"],
+                "output_modalities": ["audio"], "instructions": s["instructions"], "tools": [], "tool_choice": "auto",
+                "audio": {"input": {"format": fmt(s["input"]), "turn_detection": s["turn_detection"],
+                                    "transcription": {"model": "whisper-" + self.config.asr.model}},
+                          "output": {"format": fmt(s["output"]), "voice": s["voice"], "speed": 1.0}}}
+
+    def update(self, body: dict) -> None:
+        """`session.update`: instructions, voice, formats, turn detection (GA or beta shape)."""
+        if not isinstance(body, dict):
+            raise RealtimeError("session must be an object", param="session")
+        audio = body.get("audio") if isinstance(body.get("audio"), dict) else {}
+        given = {"input": (audio.get("input") or {}).get("format", body.get("input_audio_format")),
+                 "output": (audio.get("output") or {}).get("format", body.get("output_audio_format"))}
+        changes = {}
+        for side, value in given.items():
+            if value is None:
+                continue
+            kind = value.get("type") if isinstance(value, dict) else BETA_FORMATS.get(value, value)
+            if kind not in FORMATS:
+                raise RealtimeError(f"unsupported {side} audio format {str(kind)[:40]!r}: audio/pcm (24 kHz), "
+                                    "audio/pcmu or audio/pcma", param=f"session.audio.{side}.format")
+            if isinstance(value, dict) and value.get("rate", FORMATS[kind]) != FORMATS[kind]:
+                raise RealtimeError(f"{kind} is supported at {FORMATS[kind]} Hz only",
+                                    param=f"session.audio.{side}.format.rate")
+            changes[side] = kind
+        if self.session is not None and any(changes[k] != self.settings[k] for k in changes):
+            raise RealtimeError("the audio formats cannot change once audio has flowed", param="session.audio")
+        turn = (audio.get("input") or {}).get("turn_detection", body.get("turn_detection", ...))
+        if turn is not ...:
+            if turn is not None and (not isinstance(turn, dict) or turn.get("type") not in ("server_vad",
+                                                                                           "semantic_vad")):
+                raise RealtimeError("turn_detection must be server_vad, semantic_vad or null",
+                                    param="session.audio.input.turn_detection")
+            if self.session is not None:
+                raise RealtimeError("turn_detection cannot change once audio has flowed",
+                                    param="session.audio.input.turn_detection")
+            silence = (turn or {}).get("silence_duration_ms", self.config.vad.hangover_ms)
+            if not isinstance(silence, int) or not 100 <= silence <= 5000:
+                raise RealtimeError("silence_duration_ms must be an integer from 100 to 5000",
+                                    param="session.audio.input.turn_detection.silence_duration_ms")
+            changes["turn_detection"] = None if turn is None else {**(self.settings["turn_detection"] or {}),
+                                                                   **turn, "type": "server_vad"}
+        if "instructions" in body:
+            problem = system_prompt_problem(body["instructions"], self.config.session.max_system_prompt_chars)
+            if problem:
+                raise RealtimeError(f"instructions {problem}", param="session.instructions")
+            changes["instructions"] = body["instructions"]
+            if self.session is not None:
+                self.session.history.system_prompt = body["instructions"]
+        voice = (audio.get("output") or {}).get("voice", body.get("voice"))
+        if voice is not None:
+            if not isinstance(voice, str) or not voice:
+                raise RealtimeError("voice must be a name", param="session.audio.output.voice")
+            changes["voice"] = voice  # any name: this server has one voice (joe), used for all
+        self.settings.update(changes)
+        self.send({"type": "session.updated", "session": self.session_object()})
+
+    def ensure_session(self) -> Session:
+        if self.session is None:
+            config = copy.deepcopy(self.config)  # this connection's turn detection
+            turn = self.settings["turn_detection"]
+            if turn is None:  # the client commits each utterance itself
+                config.vad.hangover_ms = int(max(config.limits.max_utterance_s, 1) * 1000) + 1000
+            else:
+                config.vad.hangover_ms = turn.get("silence_duration_ms", config.vad.hangover_ms)
+            peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
+            self.session = Session(self.stages, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
+                                   "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
+                                   meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
+        return self.session
+
+    # --- client events ----------------------------------------------------------------------
+
+    async def handle(self, text: str) -> None:
+        event_id = None
+        try:
+            try:
+                msg = decode_json(text, max_bytes=self.config.session.max_text_bytes + 2 * self.config.session.max_frame_bytes)
+            except WireError as err:
+                raise RealtimeError(f"the event is not JSON this server takes: {err.message}", "invalid_json") from None
+            if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+                raise RealtimeError("an event must be a JSON object with a string `type`", "invalid_event", "type")
+            event_id = msg.get("event_id") if isinstance(msg.get("event_id"), str) else None
+            handler = HANDLERS.get(msg["type"])
+            if handler is None:
+                raise RealtimeError(f"unsupported event type {msg['type'][:60]!r} (docs/REALTIME.md lists "
+                                    "what is implemented)", "unknown_event", "type")
+            await handler(self, msg)
+        except RealtimeError as err:
+            self.error(err, event_id)
+
+    async def on_session_update(self, msg: dict) -> None:
+        self.update(msg.get("session"))
+
+    async def on_append(self, msg: dict) -> None:
+        audio = msg.get("audio")
+        if not isinstance(audio, str):
+            raise RealtimeError("audio must be base64 text", param="audio")
+        limit = self.config.session.max_frame_bytes
+        if len(audio) > limit * 4 // 3 + 8:  # before decoding it
+            raise RealtimeError(f"an append of more than {limit} bytes of audio is refused; send smaller pieces",
+                                "frame_too_large", "audio")
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeError("audio is not valid base64", param="audio") from None
+        if len(raw) > limit:
+            raise RealtimeError(f"an append of more than {limit} bytes of audio is refused; send smaller pieces",
+                                "frame_too_large", "audio")
+        kind = self.settings["input"]
+        if kind == "audio/pcm":
+            if len(raw) % 2:
+                raise RealtimeError("pcm16 audio must have an even number of bytes", "bad_frame", "audio")
+            pcm = raw
+        else:
+            pcm = (ulaw_decode(raw) if kind == "audio/pcmu" else alaw_decode(raw)).astype("<i2").tobytes()
+        session = self.ensure_session()
+        self.audio_ms += len(pcm) / 2 / session.in_rate * 1000
+        await session.push_audio(pcm)
+
+    async def on_commit(self, msg: dict) -> None:
+        if self.session is None or not self.session.end_speech():
+            raise RealtimeError("the input audio buffer holds no speech to commit", "input_audio_buffer_commit_empty")
+
+    async def on_clear(self, msg: dict) -> None:
+        if self.session is not None:
+            self.session.clear_speech()
+        self.send({"type": "input_audio_buffer.cleared"})
+
+    async def on_item_create(self, msg: dict) -> None:
+        item = msg.get("item")
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise RealtimeError("only message items are supported here", param="item.type")
+        role, content = item.get("role"), item.get("content")
+        if role not in ("user", "system") or not isinstance(content, list):
+            raise RealtimeError("a message item needs role user or system and a content list", param="item.role")
+        texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "input_text"]
+        if not texts or not all(isinstance(t, str) and t for t in texts) or len(texts) != len(content):
+            raise RealtimeError("message content must be input_text parts with text (audio goes through "
+                                "input_audio_buffer.append)", param="item.content")
+        text = " ".join(texts)
+        if len(text) > self.config.session.max_system_prompt_chars:
+            raise RealtimeError("the message is too long", "string_above_max_length", "item.content")
+        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
+        if role == "system":
+            self.settings["instructions"] = f"{self.settings['instructions']}\n\n{text}".strip()
+            if self.session is not None:
+                self.session.history.system_prompt = self.settings["instructions"]
+        else:
+            self.pending_text.append(text)
+        added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
+                 "content": [{"type": "input_text", "text": text}]}
+        self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": added})
+        self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
+        self.last_item = item_id
+
+    async def on_response_create(self, msg: dict) -> None:
+        if not self.pending_text:
+            raise RealtimeError("there is nothing new to respond to: add a user message first (with server VAD, "
+                                "speech is answered by itself)", "no_input", "response")
+        text, self.pending_text = " ".join(self.pending_text), []
+        self.ensure_session().text_turn(text)
+
+    async def on_response_cancel(self, msg: dict) -> None:
+        if self.session is None or self.session.reply is None:
+            raise RealtimeError("no response is in progress", "response_cancel_not_active")
+        self.session.cancel_reply()
+
+    async def on_truncate(self, msg: dict) -> None:
+        item_id, end_ms = msg.get("item_id"), msg.get("audio_end_ms")
+        found = next((r for r in self.responses.values() if r["item"] == item_id), None)
+        if found is None:
+            raise RealtimeError(f"no assistant audio item {str(item_id)[:60]!r}", "item_truncate_invalid_item_id",
+                                "item_id")
+        if not isinstance(end_ms, int) or isinstance(end_ms, bool) or end_ms < 0:
+            raise RealtimeError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        heard = found["playback"].heard_within(end_ms / 1000) if found["playback"] else ""
+        self.session.history.heard_only(heard)  # what the LM sees next: only what was heard
+        found["heard"] = heard
+        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+                   "audio_end_ms": end_ms})
+
+    # --- session events -> server events ----------------------------------------------------
+
+    async def relay(self) -> None:
+        """The session's outbox, translated."""
+        while True:
+            session = self.session
+            if session is None:
+                await asyncio.sleep(0.02)
+                continue
+            while self.out.qsize() > MAX_QUEUED:  # a client that reads slowly: the session's outbox fills
+                await asyncio.sleep(0.01)         # up instead, and its limits apply (slow_client)
+            ev = await session.outbox.get()
+            if ev is None:
+                return
+            self.translate(session, ev)
+
+    async def closer(self) -> None:
+        """A session the server ends (a limit, shutdown): its error goes out, then the close."""
+        while self.session is None:
+            await asyncio.sleep(0.05)
+        await self.session.ending.wait()
+        await asyncio.sleep(0.5)
+        try:
+            await self.ws.close(code=self.session.close_code, reason=self.session.end_reason)
+        except (RuntimeError, OSError):
+            pass
+
+    def translate(self, session: Session, ev) -> None:
+        turn = ev.turn
+        if isinstance(ev, SpeechStarted):
+            self.user_items[turn] = new_id("item")
+            self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(self.audio_ms),
+                       "item_id": self.user_items[turn]})
+        elif isinstance(ev, SpeechStopped):
+            item = self.user_items.setdefault(turn, new_id("item"))
+            self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(self.audio_ms), "item_id": item})
+            self.send({"type": "input_audio_buffer.committed", "previous_item_id": self.last_item, "item_id": item})
+            self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": self._user(item)})
+            self.last_item = item
+        elif isinstance(ev, Transcript) and ev.final:
+            item = self.user_items.get(turn)
+            if item is not None:  # a spoken turn (a typed one was announced when it was created)
+                self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item,
+                           "content_index": 0, "transcript": ev.text,
+                           "usage": {"type": "duration", "seconds": round(self.audio_ms / 1000, 3)}})
+                self.send({"type": "conversation.item.done", "previous_item_id": None, "item": self._user(item, ev.text)})
+        elif isinstance(ev, ReplyText):
+            r = self._response(session, turn)
+            r["transcript"] += ev.text
+            self.send({"type": "response.output_audio_transcript.delta", **self._where(r), "delta": ev.text})
+        elif isinstance(ev, TtsAudio):
+            r = self._response(session, turn)
+            if not session.is_current(turn):
+                return
+            pcm = ev.pcm
+            step = session.out_rate * 2 * session.config.session.audio_frame_ms // 1000
+            for i in range(0, len(pcm), step):
+                chunk = pcm[i:i + step]
+                if self.settings["output"] != "audio/pcm":
+                    samples = np.frombuffer(chunk, "<i2")
+                    chunk = ulaw_encode(samples) if self.settings["output"] == "audio/pcmu" else alaw_encode(samples)
+                self.send({"type": "response.output_audio.delta", **self._where(r),
+                           "delta": base64.b64encode(chunk).decode()})
+            session.audio_sent(turn, ev.text, ev.seconds)
+        elif isinstance(ev, ReplyDone):
+            r = self.responses.get(turn)
+            if r is not None:
+                self._finish(r, ev)
+        elif isinstance(ev, Error):
+            kind = "server_error" if ev.stage else "invalid_request_error"
+            self.error(RealtimeError(ev.message, ev.code, kind=kind))
+        elif isinstance(ev, Clear):
+            pass  # the response ends with response.done (cancelled) when its reply_done comes
+
+    def _user(self, item: str, transcript: str | None = None) -> dict:
+        return {"id": item, "type": "message", "object": "realtime.item", "role": "user",
+                "status": "completed", "content": [{"type": "input_audio", "transcript": transcript}]}
+
+    def _where(self, r: dict) -> dict:
+        return {"response_id": r["id"], "item_id": r["item"], "output_index": 0, "content_index": 0}
+
+    def _response(self, session: Session, turn: int) -> dict:
+        """This turn's response, announced with its first output."""
+        r = self.responses.get(turn)
+        if r is None:
+            r = self.responses[turn] = {"id": new_id("resp"), "item": new_id("item"), "transcript": "",
+                                        "playback": session.reply.playback if session.reply else None}
+            while len(self.responses) > 64:
+                self.responses.pop(next(iter(self.responses)))
+            tokens = self.config.lm.max_new_tokens
+            self.send({"type": "rate_limits.updated", "rate_limits": [
+                {"name": "tokens", "limit": tokens, "remaining": tokens, "reset_seconds": 0.0}]})
+            self.send({"type": "response.created", "response": self._response_object(r, "in_progress")})
+            self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
+                       "item": self._assistant(r, "in_progress")})
+            self.send({"type": "response.content_part.added", **self._where(r),
+                       "part": {"type": "audio", "transcript": ""}})
+        return r
+
+    def _assistant(self, r: dict, status: str) -> dict:
+        content = [{"type": "output_audio" if not self.beta else "audio", "transcript": r["transcript"]}] \
+            if status != "in_progress" else []
+        return {"id": r["item"], "type": "message", "object": "realtime.item", "role": "assistant", "status": status,
+                "content": content}
+
+    def _response_object(self, r: dict, status: str, details: dict | None = None) -> dict:
+        return {"id": r["id"], "object": "realtime.response", "status": status, "status_details": details,
+                "output": [] if status == "in_progress" else [self._assistant(r, "completed" if status == "completed"
+                                                                               else "incomplete")],
+                "conversation_id": self.id, "output_modalities": ["audio"], "max_output_tokens": "inf",
+                "audio": {"output": {"format": {"type": self.settings["output"]}, "voice": self.settings["voice"]}},
+                "usage": None, "metadata": None}
+
+    def _finish(self, r: dict, done: ReplyDone) -> None:
+        where = self._where(r)
+        self.send({"type": "response.output_audio.done", **where})
+        self.send({"type": "response.output_audio_transcript.done", **where, "transcript": r["transcript"]})
+        self.send({"type": "response.content_part.done", **where,
+                   "part": {"type": "audio", "transcript": r["transcript"]}})
+        status = "cancelled" if done.interrupted else "completed"
+        self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
+                   "item": self._assistant(r, "completed" if status == "completed" else "incomplete")})
+        self.send({"type": "conversation.item.done", "previous_item_id": self.last_item,
+                   "item": self._assistant(r, "completed" if status == "completed" else "incomplete")})
+        self.last_item = r["item"]
+        details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
+        self.send({"type": "response.done", "response": self._response_object(r, status, details)})
+
+
+HANDLERS = {"session.update": Connection.on_session_update, "input_audio_buffer.append": Connection.on_append,
+            "input_audio_buffer.commit": Connection.on_commit, "input_audio_buffer.clear": Connection.on_clear,
+            "conversation.item.create": Connection.on_item_create, "response.create": Connection.on_response_create,
+            "response.cancel": Connection.on_response_cancel, "conversation.item.truncate": Connection.on_truncate}
+
+
+async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
+    admitted = await admit(ws, stages, auth)
+    if admitted is None:
+        return
+    principal, ticket = admitted
+    beta = "realtime=v1" in ws.headers.get("openai-beta", "")
+    conn = Connection(ws, stages, principal, beta, ws.query_params.get("model", "diffusion-voice"))
+    tasks: list[asyncio.Task] = []
+    try:
+        await ws.accept()
+        conn.send({"type": "session.created", "session": conn.session_object()})
+        tasks = [asyncio.create_task(conn.pump()), asyncio.create_task(conn.relay()), asyncio.create_task(conn.closer())]
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                break
+            if msg.get("text") is not None:
+                await conn.handle(msg["text"])
+            else:
+                conn.error(RealtimeError("binary frames are not part of this protocol: send audio as "
+                                         "input_audio_buffer.append", "invalid_event"))
+    except (WebSocketDisconnect, RuntimeError):  # RuntimeError: received after our close
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+        if conn.session is not None:
+            await conn.session.close(conn.session.end_reason or "disconnect")
+        if ticket is not None:
+            ticket.release()

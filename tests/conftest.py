@@ -20,9 +20,9 @@ import os
 import pytest
 
 
-SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_reliability",
-        "test_serve_memory", "test_server", "test_service", "test_tools_live", "test_tts", "test_twilio",
-        "test_verify"}
+SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_realtime_live",
+        "test_reliability", "test_serve_memory", "test_server", "test_service", "test_tools_live", "test_tts",
+        "test_twilio", "test_verify"}
 LIVE = {"test_mic", "test_sip", "test_web", "test_wyoming_live"}
 
 

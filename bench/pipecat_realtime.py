@@ -6,9 +6,9 @@
 Runs in the bench's Pipecat venv (bench/setup.sh pipecat). The pipeline is Pipecat's own
 speech-to-speech service and a sink: each clip of --audio is pushed as 24 kHz InputAudioRawFrames
 in real time (20 ms), then silence; the service sends it to us (`input_audio_buffer.append`),
-our server VAD ends the turn, and the service turns our events back into Pipecat frames. The sink
-times the first TTSAudioRawFrame after the end of the clip's speech (voice-to-voice) and keeps
-the transcription frames. Ends with a table and --json.
+our server VAD ends the turn, and the service turns our events back into Pipecat frames. A sink
+on each side times the first TTSAudioRawFrame after the end of the clip's speech (voice-to-voice)
+and keeps the TranscriptionFrames (which Pipecat sends upstream). Ends with a table and --json.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ async def amain(a) -> dict:
 
     llm = OpenAIRealtimeLLMService(api_key=a.api_key, base_url=a.url,
                                    settings=OpenAIRealtimeLLMService.Settings(model="diffusion-voice"))
-    worker = PipelineWorker(Pipeline([llm, Sink()]), params=PipelineParams(audio_in_sample_rate=RATE,
-                                                                           audio_out_sample_rate=RATE),
+    # transcriptions travel upstream, audio downstream: a sink on each side
+    worker = PipelineWorker(Pipeline([Sink(), llm, Sink()]),
+                            params=PipelineParams(audio_in_sample_rate=RATE, audio_out_sample_rate=RATE),
                             idle_timeout_secs=None, enable_rtvi=False)
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)

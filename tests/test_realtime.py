@@ -259,7 +259,10 @@ def bad_events(limit: int) -> list[str]:
             '{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
             '[{"type": "input_image"}]}}',
             '{"type": "response.create"}', '{"type": "response.cancel"}',
-            '{"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 5}']
+            '{"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 5}',
+            '{"type": "session.update", "session": {"tools": [{"type": "mcp", "server_label": "x"}]}}',
+            '{"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": "nope", '
+            '"output": "x"}}']
 
 
 def test_bad_events_get_error_events_and_the_session_goes_on(served):
@@ -282,7 +285,50 @@ def test_bad_events_get_error_events_and_the_session_goes_on(served):
     codes = [e["error"]["code"] for e in talk.of("error")]
     assert codes == ["invalid_json", "invalid_event", "unknown_event", "invalid_value", "bad_frame",
                      "frame_too_large", "invalid_value", "invalid_value", "no_input", "response_cancel_not_active",
-                     "item_truncate_invalid_item_id"], codes
+                     "item_truncate_invalid_item_id", "invalid_value", "invalid_value"], codes
     assert talk.of("error")[5]["error"]["event_id"] == "big"
     assert all(e["error"]["message"] and e["error"]["type"] == "invalid_request_error" for e in talk.of("error"))
     assert talk.of("response.done")[0]["response"]["status"] == "completed"
+
+
+def test_function_calling_round_trip(served):
+    """The client declares a function; the LM calls it; the client answers with its output and
+    asks again: the spoken answer is made from it."""
+    weather = {"type": "function", "name": "get_weather", "description": "Today's weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    served.stages.lm.tool_calls = [{"id": "call_7", "type": "function",
+                                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.session.update(session={"type": "realtime", "tools": [weather]})
+            await talk.wait("session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What's the weather in Paris?"}]})
+            await conn.response.create()
+            await talk.wait("response.done")
+            served.stages.lm.tool_calls = []  # the answer speaks
+            call = talk.of("response.function_call_arguments.done")[0]
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call["call_id"],
+                                                      "output": "Sunny, 21 degrees"})
+            await conn.response.create()
+            await talk.wait("response.done", 2)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert talk.of("session.updated")[0]["session"]["tools"][0]["name"] == "get_weather"
+    offered = served.stages.lm.asked[0][1]
+    assert offered == [{"type": "function", "function": {k: weather[k] for k in ("name", "description", "parameters")}}]
+    call = talk.of("response.function_call_arguments.done")[0]
+    assert (call["name"], json.loads(call["arguments"]), call["call_id"]) == ("get_weather", {"city": "Paris"}, "call_7")
+    first, second = talk.of("response.done")
+    assert [o["type"] for o in first["response"]["output"]] == ["function_call"]
+    assert not [e for e in talk.events if e["type"] == "response.output_audio.delta" and e["_at"] < talk.of(
+        "response.done")[0]["_at"]]  # the call is not spoken
+    asked = served.stages.lm.asked[-1][0][-1]["content"]
+    assert asked == "What's the weather in Paris?\n\n(Result of get_weather: Sunny, 21 degrees)", asked
+    assert [o["type"] for o in second["response"]["output"]] == ["message"]
+    assert second["response"]["output"][0]["content"][0]["transcript"] == "Sure, here is a short reply."
+    history = [m for m in served.stages.lm.asked[-1][0] if m["role"] == "user"]
+    assert len(history) == 1, history  # the question is asked again with the output, not twice

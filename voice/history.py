@@ -37,3 +37,10 @@ class History:
                 else:
                     del self.said[i]
                 return
+
+    def take_unanswered(self) -> str:
+        """The last user message if nothing answered it (its reply only called functions), removed:
+        it is asked again with their results."""
+        if self.said and self.said[-1]["role"] == "user":
+            return self.said.pop()["content"]
+        return ""

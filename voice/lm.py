@@ -74,6 +74,8 @@ class LocalLM:
             grammars = self.engine.grammars  # compiling here: a bad schema fails at start-up
             starts = grammars.lark(grammar).allowed() & ~grammars.lark(ToolUse(declared, "none").grammar(tags)).allowed()
             self._grammars[key] = declared, grammar, starts
+            while len(self._grammars) > 32:  # Realtime clients bring tool sets of their own
+                self._grammars.pop(next(iter(self._grammars)))
         return self._grammars[key]
 
 

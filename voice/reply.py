@@ -70,6 +70,7 @@ class ReplyRunner:
                  is_current: Callable[[int], bool], name: str, tools: Toolbox, timers: Timers):
         self.config, self.chat, self.synthesizer, self.out_rate, self.lm_mode = config, chat, synthesizer, out_rate, lm_mode
         self.tools, self.timers = tools, timers
+        self.client_tools: list[dict] = []  # functions the client runs itself (Realtime `session.tools`)
         self.apology = apology
         self.emit, self.first_audio, self.fault, self.is_current = emit, first_audio, fault, is_current
         self.name = name  # the session, for logs
@@ -111,9 +112,12 @@ class ReplyRunner:
         """LM blocks -> reply events and phrases for the speaker. A reply that calls tools is not
         spoken: the calls run and the model answers again with their results (voice/tools.py)."""
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
-        offered = self.tools.openai() or None
+        offered = (self.tools.openai() + self.client_tools) or None
         calls = await self._blocks(reply, messages, splitter, phrases, speaker, offered)
-        if calls:
+        theirs = {t["function"]["name"] for t in self.client_tools}
+        if any(c["function"]["name"] in theirs for c in calls):
+            await self._hand_over(reply, [c for c in calls if c["function"]["name"] in theirs])
+        elif calls:
             runs = await self._use_tools(reply, calls, phrases)
             await self._blocks(reply, with_results(messages, runs), splitter, phrases, speaker, None)
         elif offered and not reply.text:  # a call cut off by max_new_tokens: answer without tools
@@ -200,6 +204,16 @@ class ReplyRunner:
                 task.cancel()
             await asyncio.wait(tasks, timeout=1.0)  # so the turn's record says which calls were cancelled
         return runs
+
+    async def _hand_over(self, reply: Reply, calls: list[dict]) -> None:
+        """Calls of the client's own functions end the reply: the client runs them and asks again
+        with their outputs (Session.answer_with). Calls of our tools in the same reply are dropped."""
+        await reply.released.wait()
+        for call in calls:
+            run = ToolRun.of(call)
+            run.status, run.result = "client", "run by the client"
+            reply.tools.append(run)
+            self.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
 
     async def _run_tool(self, reply: Reply, run: ToolRun) -> None:
         """A pure tool runs at once (also during a speculation); one that acts only once the turn is real."""

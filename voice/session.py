@@ -38,7 +38,7 @@ from voice.limits import watch_session
 from voice.outbox import Outbox
 from voice.reply import Reply, ReplyRunner, StageFailure
 from voice.stages import Stages
-from voice.tools import Timers
+from voice.tools import Timers, with_results
 from voice.turns import TurnHooks, TurnTaker
 
 log = logging.getLogger("voice.session")
@@ -237,6 +237,13 @@ class Session:
         self.stages.scheduler.start_waiting(self)
         self._start_reply(turn, text).released.set()
         return turn
+
+    def answer_with(self, runs: list) -> int:
+        """Ask the last question again with the outputs of the functions the client ran (Realtime
+        function calling): a new turn, whose prompt folds them in as voice/tools.py does."""
+        question = self.history.take_unanswered()
+        folded = with_results([{"role": "user", "content": question}], runs)[-1]["content"]
+        return self.text_turn(folded.strip())
 
     def end_speech(self) -> bool:
         """The client says the user stopped talking; False if nobody was."""

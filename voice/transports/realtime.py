@@ -3,7 +3,9 @@
 A Realtime connection is one more transport on `voice.session.Session`: its audio goes through
 the same VAD, ASR, LM, TTS, barge-in, latency tracker, limits and call records. This module only
 translates. Client events in: `session.update`, `input_audio_buffer.append / commit / clear`,
-`conversation.item.create` (text), `response.create / cancel`, `conversation.item.truncate`.
+`conversation.item.create` (text, function outputs), `response.create / cancel`,
+`conversation.item.truncate`; `session.tools` are the client's own functions: a call of one ends
+the response as a `function_call` item, and the client answers with `function_call_output`.
 Server events out: the session's events as `input_audio_buffer.speech_started / stopped /
 committed`, `conversation.item.added` (+`.done`), `...input_audio_transcription.completed`,
 `response.created`, `response.output_item.added`, `response.content_part.added`,
@@ -24,6 +26,7 @@ import asyncio
 import base64
 import binascii
 import copy
+import json
 import itertools
 import logging
 import secrets
@@ -35,8 +38,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.wire import WireError, decode_json
 from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from voice.auth import Auth
-from voice.events import Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, Transcript, TtsAudio
+from voice.events import (Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall, Transcript,
+                          TtsAudio)
+from voice.config import TOOL_NAME
 from voice.session import Session
+from voice.tools import ToolRun
 from voice.stages import Stages
 from voice.transports.native import admit, system_prompt_problem
 
@@ -73,11 +79,13 @@ class Connection:
                          "output": "audio/pcm", "turn_detection": {
                              "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                              "silence_duration_ms": self.config.vad.hangover_ms, "create_response": True,
-                             "interrupt_response": True}, "model": model}
+                             "interrupt_response": True}, "model": model, "tools": [], "tool_choice": "auto"}
         self.out: asyncio.Queue[dict] = asyncio.Queue()
         self.user_items: dict[int, str] = {}  # turn -> the user item's id
         self.responses: dict[int, dict] = {}  # turn -> {id, item, transcript, playback}
         self.pending_text: list[str] = []  # typed user messages not answered yet
+        self.pending_outputs: list[ToolRun] = []  # the client's function outputs not answered yet
+        self.calls: dict[str, str] = {}  # call_id -> function name, of the calls the LM made
         self.last_item: str | None = None
         self.audio_ms = 0.0  # input audio appended so far
 
@@ -110,11 +118,12 @@ class Connection:
             return {"object": "realtime.session", "id": self.id, "modalities": ["audio", "text"],
                     "instructions": s["instructions"], "voice": s["voice"],
                     "input_audio_format": beta_format[s["input"]], "output_audio_format": beta_format[s["output"]],
-                    "turn_detection": s["turn_detection"], "tools": [], "tool_choice": "auto",
+                    "turn_detection": s["turn_detection"], "tools": s["tools"], "tool_choice": s["tool_choice"],
                     "input_audio_transcription": {"model": "whisper-" + self.config.asr.model}}
         fmt = lambda t: {"type": t, "rate": rates[t]} if t == "audio/pcm" else {"type": t}  # noqa: E731
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": s["model"],
-                "output_modalities": ["audio"], "instructions": s["instructions"], "tools": [], "tool_choice": "auto",
+                "output_modalities": ["audio"], "instructions": s["instructions"], "tools": s["tools"],
+                "tool_choice": s["tool_choice"],
                 "audio": {"input": {"format": fmt(s["input"]), "turn_detection": s["turn_detection"],
                                     "transcription": {"model": "whisper-" + self.config.asr.model}},
                           "output": {"format": fmt(s["output"]), "voice": s["voice"], "speed": 1.0}}}
@@ -162,13 +171,46 @@ class Connection:
             changes["instructions"] = body["instructions"]
             if self.session is not None:
                 self.session.history.system_prompt = body["instructions"]
+        if "tools" in body:
+            changes["tools"] = self._tools(body["tools"])
+        if "tool_choice" in body:
+            if body["tool_choice"] not in ("auto", "none"):
+                raise RealtimeError("tool_choice must be auto or none here", param="session.tool_choice")
+            changes["tool_choice"] = body["tool_choice"]
         voice = (audio.get("output") or {}).get("voice", body.get("voice"))
         if voice is not None:
             if not isinstance(voice, str) or not voice:
                 raise RealtimeError("voice must be a name", param="session.audio.output.voice")
             changes["voice"] = voice  # any name: this server has one voice (joe), used for all
         self.settings.update(changes)
+        if self.session is not None:
+            self.session.replies.client_tools = self.offered()
         self.send({"type": "session.updated", "session": self.session_object()})
+
+    @staticmethod
+    def _tools(tools) -> list[dict]:
+        """`session.tools`: the client's functions, checked."""
+        if not isinstance(tools, list) or len(tools) > 64:
+            raise RealtimeError("tools must be a list of at most 64 functions", param="session.tools")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or \
+                    not isinstance(tool.get("name"), str) or not TOOL_NAME.match(tool["name"]):
+                raise RealtimeError("a tool is {\"type\": \"function\", \"name\": ...} with a name of 1-64 letters, "
+                                    "digits, '_' or '-' (MCP tools are not supported)", param=f"session.tools[{i}]")
+            if not isinstance(tool.get("parameters", {}), dict) or not isinstance(tool.get("description", ""), str):
+                raise RealtimeError("parameters must be a JSON schema object", param=f"session.tools[{i}].parameters")
+        return [{"type": "function", "name": t["name"], "description": t.get("description", ""),
+                 "parameters": t.get("parameters") or {"type": "object", "properties": {}}} for t in tools]
+
+    def offered(self) -> list[dict]:
+        """The client's functions as the LM stage declares tools (chat-completions shape)."""
+        if self.settings["tool_choice"] == "none":
+            return []
+        return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                for t in self.settings["tools"]]
+
+    def client_functions(self) -> set[str]:
+        return {t["name"] for t in self.settings["tools"]}
 
     def ensure_session(self) -> Session:
         if self.session is None:
@@ -182,6 +224,7 @@ class Connection:
             self.session = Session(self.stages, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
                                    meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
+            self.session.replies.client_tools = self.offered()
         return self.session
 
     # --- client events ----------------------------------------------------------------------
@@ -244,8 +287,11 @@ class Connection:
 
     async def on_item_create(self, msg: dict) -> None:
         item = msg.get("item")
+        if isinstance(item, dict) and item.get("type") == "function_call_output":
+            self._function_output(item)
+            return
         if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise RealtimeError("only message items are supported here", param="item.type")
+            raise RealtimeError("only message and function_call_output items are supported here", param="item.type")
         role, content = item.get("role"), item.get("content")
         if role not in ("user", "system") or not isinstance(content, list):
             raise RealtimeError("a message item needs role user or system and a content list", param="item.role")
@@ -269,7 +315,26 @@ class Connection:
         self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
         self.last_item = item_id
 
+    def _function_output(self, item: dict) -> None:
+        call_id, output = item.get("call_id"), item.get("output")
+        if call_id not in self.calls:
+            raise RealtimeError(f"no function call {str(call_id)[:60]!r} in this conversation", param="item.call_id")
+        if not isinstance(output, str) or len(output) > self.config.session.max_system_prompt_chars:
+            raise RealtimeError("output must be a string of at most "
+                                f"{self.config.session.max_system_prompt_chars} characters", param="item.output")
+        self.pending_outputs.append(ToolRun(call_id, self.calls[call_id], {}, output, "ok"))
+        added = {"id": item.get("id") if isinstance(item.get("id"), str) else new_id("item"),
+                 "type": "function_call_output", "object": "realtime.item", "status": "completed",
+                 "call_id": call_id, "output": output}
+        self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": added})
+        self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
+        self.last_item = added["id"]
+
     async def on_response_create(self, msg: dict) -> None:
+        if self.pending_outputs:  # the answer to a function call: the question again, with the outputs
+            runs, self.pending_outputs = self.pending_outputs, []
+            self.ensure_session().answer_with(runs)
+            return
         if not self.pending_text:
             raise RealtimeError("there is nothing new to respond to: add a user message first (with server VAD, "
                                 "speech is answered by itself)", "no_input", "response")
@@ -342,11 +407,11 @@ class Connection:
                            "usage": {"type": "duration", "seconds": round(self.audio_ms / 1000, 3)}})
                 self.send({"type": "conversation.item.done", "previous_item_id": None, "item": self._user(item, ev.text)})
         elif isinstance(ev, ReplyText):
-            r = self._response(session, turn)
+            r = self._message(session, turn)
             r["transcript"] += ev.text
             self.send({"type": "response.output_audio_transcript.delta", **self._where(r), "delta": ev.text})
         elif isinstance(ev, TtsAudio):
-            r = self._response(session, turn)
+            r = self._message(session, turn)
             if not session.is_current(turn):
                 return
             pcm = ev.pcm
@@ -359,6 +424,8 @@ class Connection:
                 self.send({"type": "response.output_audio.delta", **self._where(r),
                            "delta": base64.b64encode(chunk).decode()})
             session.audio_sent(turn, ev.text, ev.seconds)
+        elif isinstance(ev, ToolCall) and ev.name in self.client_functions():
+            self._function_call(session, turn, ev)
         elif isinstance(ev, ReplyDone):
             r = self.responses.get(turn)
             if r is not None:
@@ -374,25 +441,50 @@ class Connection:
                 "status": "completed", "content": [{"type": "input_audio", "transcript": transcript}]}
 
     def _where(self, r: dict) -> dict:
-        return {"response_id": r["id"], "item_id": r["item"], "output_index": 0, "content_index": 0}
+        return {"response_id": r["id"], "item_id": r["item"], "output_index": r["index"], "content_index": 0}
 
     def _response(self, session: Session, turn: int) -> dict:
         """This turn's response, announced with its first output."""
         r = self.responses.get(turn)
         if r is None:
-            r = self.responses[turn] = {"id": new_id("resp"), "item": new_id("item"), "transcript": "",
-                                        "playback": session.reply.playback if session.reply else None}
+            r = self.responses[turn] = {"id": new_id("resp"), "item": None, "index": 0, "transcript": "",
+                                        "calls": [], "playback": session.reply.playback if session.reply else None}
             while len(self.responses) > 64:
                 self.responses.pop(next(iter(self.responses)))
             tokens = self.config.lm.max_new_tokens
             self.send({"type": "rate_limits.updated", "rate_limits": [
                 {"name": "tokens", "limit": tokens, "remaining": tokens, "reset_seconds": 0.0}]})
             self.send({"type": "response.created", "response": self._response_object(r, "in_progress")})
-            self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": 0,
+        return r
+
+    def _message(self, session: Session, turn: int) -> dict:
+        """The response, with its spoken message item (added on the first text or audio)."""
+        r = self._response(session, turn)
+        if r["item"] is None:
+            r["item"], r["index"] = new_id("item"), len(r["calls"])
+            self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": r["index"],
                        "item": self._assistant(r, "in_progress")})
             self.send({"type": "response.content_part.added", **self._where(r),
                        "part": {"type": "audio", "transcript": ""}})
         return r
+
+    def _function_call(self, session: Session, turn: int, ev: ToolCall) -> None:
+        """The LM called one of the client's functions: an output item of its own."""
+        r = self._response(session, turn)
+        args = json.dumps(ev.arguments, ensure_ascii=False)
+        call = {"id": new_id("item"), "type": "function_call", "object": "realtime.item", "status": "completed",
+                "call_id": ev.id, "name": ev.name, "arguments": args}
+        index = len(r["calls"]) + (r["item"] is not None)
+        r["calls"].append(call)
+        self.calls[ev.id] = ev.name
+        where = {"response_id": r["id"], "item_id": call["id"], "output_index": index, "call_id": ev.id}
+        self.send({"type": "response.output_item.added", "response_id": r["id"], "output_index": index,
+                   "item": {**call, "status": "in_progress", "arguments": ""}})
+        self.send({"type": "response.function_call_arguments.delta", **where, "delta": args})
+        self.send({"type": "response.function_call_arguments.done", **where, "name": ev.name, "arguments": args})
+        self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": index, "item": call})
+        self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": call})
+        self.last_item = call["id"]
 
     def _assistant(self, r: dict, status: str) -> dict:
         content = [{"type": "output_audio" if not self.beta else "audio", "transcript": r["transcript"]}] \
@@ -401,28 +493,28 @@ class Connection:
                 "content": content}
 
     def _response_object(self, r: dict, status: str, details: dict | None = None) -> dict:
+        output = [] if status == "in_progress" else r["calls"] + (
+            [self._assistant(r, "completed" if status == "completed" else "incomplete")] if r["item"] else [])
         return {"id": r["id"], "object": "realtime.response", "status": status, "status_details": details,
-                "output": [] if status == "in_progress" else [self._assistant(r, "completed" if status == "completed"
-                                                                               else "incomplete")],
-                "conversation_id": self.id, "output_modalities": ["audio"], "max_output_tokens": "inf",
-                "audio": {"output": {"format": {"type": self.settings["output"]}, "voice": self.settings["voice"]}},
-                "usage": None, "metadata": None}
+                "output": output, "conversation_id": self.id, "output_modalities": ["audio"],
+                "max_output_tokens": "inf", "usage": None, "metadata": None,
+                "audio": {"output": {"format": {"type": self.settings["output"]}, "voice": self.settings["voice"]}}}
 
     def _finish(self, r: dict, done: ReplyDone) -> None:
-        where = self._where(r)
-        self.send({"type": "response.output_audio.done", **where})
-        self.send({"type": "response.output_audio_transcript.done", **where, "transcript": r["transcript"]})
-        self.send({"type": "response.content_part.done", **where,
-                   "part": {"type": "audio", "transcript": r["transcript"]}})
         status = "cancelled" if done.interrupted else "completed"
-        self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": 0,
-                   "item": self._assistant(r, "completed" if status == "completed" else "incomplete")})
-        self.send({"type": "conversation.item.done", "previous_item_id": self.last_item,
-                   "item": self._assistant(r, "completed" if status == "completed" else "incomplete")})
-        self.last_item = r["item"]
+        if r["item"] is not None:
+            where = self._where(r)
+            self.send({"type": "response.output_audio.done", **where})
+            self.send({"type": "response.output_audio_transcript.done", **where, "transcript": r["transcript"]})
+            self.send({"type": "response.content_part.done", **where,
+                       "part": {"type": "audio", "transcript": r["transcript"]}})
+            item = self._assistant(r, "completed" if status == "completed" else "incomplete")
+            self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": r["index"],
+                       "item": item})
+            self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": item})
+            self.last_item = r["item"]
         details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
         self.send({"type": "response.done", "response": self._response_object(r, status, details)})
-
 
 HANDLERS = {"session.update": Connection.on_session_update, "input_audio_buffer.append": Connection.on_append,
             "input_audio_buffer.commit": Connection.on_commit, "input_audio_buffer.clear": Connection.on_clear,

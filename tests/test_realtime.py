@@ -17,6 +17,7 @@ import numpy as np
 import openai
 import pydantic
 import pytest
+import websockets
 from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent
 
@@ -48,7 +49,7 @@ class Talk:
                 (BETA if self.beta else GA).validate_python(raw)
                 raw["_at"] = time.monotonic()
                 self.events.append(raw)
-        except openai.WebSocketConnectionClosedError:
+        except (openai.WebSocketConnectionClosedError, websockets.ConnectionClosed):  # the SDK raises either
             pass
 
     def of(self, kind: str) -> list[dict]:

@@ -75,6 +75,7 @@ class Connection:
         self.id = new_id("sess")
         self.config = stages.config
         self.session: Session | None = None
+        self.opened = asyncio.Event()  # set once the session is built (on first audio or response)
         self.settings = {"instructions": self.config.lm.system_prompt, "voice": "joe", "input": "audio/pcm",
                          "output": "audio/pcm", "turn_detection": {
                              "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
@@ -120,7 +121,8 @@ class Connection:
                     "input_audio_format": beta_format[s["input"]], "output_audio_format": beta_format[s["output"]],
                     "turn_detection": s["turn_detection"], "tools": s["tools"], "tool_choice": s["tool_choice"],
                     "input_audio_transcription": {"model": "whisper-" + self.config.asr.model}}
-        fmt = lambda t: {"type": t, "rate": rates[t]} if t == "audio/pcm" else {"type": t}  # noqa: E731
+        def fmt(kind: str) -> dict:
+            return {"type": kind, "rate": rates[kind]} if kind == "audio/pcm" else {"type": kind}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": s["model"],
                 "output_modalities": ["audio"], "instructions": s["instructions"], "tools": s["tools"],
                 "tool_choice": s["tool_choice"],
@@ -225,6 +227,7 @@ class Connection:
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
                                    meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
             self.session.replies.client_tools = self.offered()
+            self.opened.set()
         return self.session
 
     # --- client events ----------------------------------------------------------------------
@@ -364,11 +367,9 @@ class Connection:
 
     async def relay(self) -> None:
         """The session's outbox, translated."""
+        await self.opened.wait()
+        session = self.session
         while True:
-            session = self.session
-            if session is None:
-                await asyncio.sleep(0.02)
-                continue
             while self.out.qsize() > MAX_QUEUED:  # a client that reads slowly: the session's outbox fills
                 await asyncio.sleep(0.01)         # up instead, and its limits apply (slow_client)
             ev = await session.outbox.get()
@@ -378,8 +379,7 @@ class Connection:
 
     async def closer(self) -> None:
         """A session the server ends (a limit, shutdown): its error goes out, then the close."""
-        while self.session is None:
-            await asyncio.sleep(0.05)
+        await self.opened.wait()
         await self.session.ending.wait()
         await asyncio.sleep(0.5)
         try:

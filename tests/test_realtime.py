@@ -333,3 +333,21 @@ def test_function_calling_round_trip(served):
     assert second["response"]["output"][0]["content"][0]["transcript"] == "Sure, here is a short reply."
     history = [m for m in served.stages.lm.asked[-1][0] if m["role"] == "user"]
     assert len(history) == 1, history  # the question is asked again with the output, not twice
+
+
+def test_a_connection_that_never_starts_a_session_is_closed_when_idle():
+    config = make_config(limits={"idle_timeout_s": 1.0})
+    stages = fake_stages(config)
+    with LiveServer(config, stages) as srv:
+        async def go():
+            async with connect(srv) as conn:
+                talk = Talk(conn)
+                await conn.session.update(session={"type": "realtime", "instructions": "Hi."})
+                await asyncio.wait_for(talk.reader, 10)
+                return talk
+        talk = asyncio.run(go())
+        deadline = time.monotonic() + 5
+        while stages.admission.total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not stages.admission.total and not stages.live  # its admission ticket is given back
+    assert talk.of("error")[-1]["error"]["code"] == "idle_timeout"

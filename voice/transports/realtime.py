@@ -378,8 +378,16 @@ class Connection:
             self.translate(session, ev)
 
     async def closer(self) -> None:
-        """A session the server ends (a limit, shutdown): its error goes out, then the close."""
-        await self.opened.wait()
+        """A session the server ends (a limit, shutdown): its error goes out, then the close. A
+        connection that never sends audio or asks for a response is closed after `limits.idle_timeout_s`."""
+        idle = self.config.limits.idle_timeout_s or None
+        try:
+            await asyncio.wait_for(self.opened.wait(), idle)
+        except asyncio.TimeoutError:
+            self.error(RealtimeError(f"no audio and no response requested for {idle:g} s", "idle_timeout"))
+            await asyncio.sleep(0.5)
+            await self.ws.close(code=1008, reason="idle_timeout")
+            return
         await self.session.ending.wait()
         await asyncio.sleep(0.5)
         try:

@@ -351,3 +351,21 @@ def test_a_connection_that_never_starts_a_session_is_closed_when_idle():
             time.sleep(0.05)
         assert not stages.admission.total and not stages.live  # its admission ticket is given back
     assert talk.of("error")[-1]["error"]["code"] == "idle_timeout"
+
+
+def test_an_audio_item_is_transcribed_and_answered(served):
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": base64.b64encode(at_24k()).decode()}]})
+            await conn.response.create()
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    item = talk.of("conversation.item.added")[0]["item"]
+    assert item["content"] == [{"type": "input_audio", "transcript": "eight of spades"}], item
+    assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
+    assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "eight of spades"}
+    assert talk.of("response.done")[0]["response"]["status"] == "completed"

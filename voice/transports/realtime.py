@@ -3,7 +3,7 @@
 A Realtime connection is one more transport on `voice.session.Session`: its audio goes through
 the same VAD, ASR, LM, TTS, barge-in, latency tracker, limits and call records. This module only
 translates. Client events in: `session.update`, `input_audio_buffer.append / commit / clear`,
-`conversation.item.create` (text, function outputs), `response.create / cancel`,
+`conversation.item.create` (text, audio, function outputs), `response.create / cancel`,
 `conversation.item.truncate`; `session.tools` are the client's own functions: a call of one ends
 the response as a `function_call` item, and the client answers with `function_call_output`.
 Server events out: the session's events as `input_audio_buffer.speech_started / stopped /
@@ -254,30 +254,34 @@ class Connection:
         self.update(msg.get("session"))
 
     async def on_append(self, msg: dict) -> None:
-        audio = msg.get("audio")
-        if not isinstance(audio, str):
-            raise RealtimeError("audio must be base64 text", param="audio")
-        limit = self.config.session.max_frame_bytes
-        if len(audio) > limit * 4 // 3 + 8:  # before decoding it
-            raise RealtimeError(f"an append of more than {limit} bytes of audio is refused; send smaller pieces",
-                                "frame_too_large", "audio")
-        try:
-            raw = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise RealtimeError("audio is not valid base64", param="audio") from None
-        if len(raw) > limit:
-            raise RealtimeError(f"an append of more than {limit} bytes of audio is refused; send smaller pieces",
-                                "frame_too_large", "audio")
-        kind = self.settings["input"]
-        if kind == "audio/pcm":
-            if len(raw) % 2:
-                raise RealtimeError("pcm16 audio must have an even number of bytes", "bad_frame", "audio")
-            pcm = raw
-        else:
-            pcm = (ulaw_decode(raw) if kind == "audio/pcmu" else alaw_decode(raw)).astype("<i2").tobytes()
+        pcm = self._decode(msg.get("audio"), "audio")
         session = self.ensure_session()
         self.audio_ms += len(pcm) / 2 / session.in_rate * 1000
         await session.push_audio(pcm)
+
+    def _decode(self, audio, param: str, max_s: float = 0.0) -> bytes:
+        """Base64 audio in the session's input format -> PCM16; at most `session.max_frame_bytes`
+        (an append) or `max_s` seconds (an audio item)."""
+        if not isinstance(audio, str):
+            raise RealtimeError("audio must be base64 text", param=param)
+        kind = self.settings["input"]
+        limit = int(max_s * FORMATS[kind] * (2 if kind == "audio/pcm" else 1)) if max_s else \
+            self.config.session.max_frame_bytes
+        if len(audio) > limit * 4 // 3 + 8:  # before decoding it
+            raise RealtimeError(f"more than {limit} bytes of audio at once are refused; send smaller pieces",
+                                "frame_too_large", param)
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeError("audio is not valid base64", param=param) from None
+        if len(raw) > limit:
+            raise RealtimeError(f"more than {limit} bytes of audio at once are refused; send smaller pieces",
+                                "frame_too_large", param)
+        if kind == "audio/pcm":
+            if len(raw) % 2:
+                raise RealtimeError("pcm16 audio must have an even number of bytes", "bad_frame", param)
+            return raw
+        return (ulaw_decode(raw) if kind == "audio/pcmu" else alaw_decode(raw)).astype("<i2").tobytes()
 
     async def on_commit(self, msg: dict) -> None:
         if self.session is None or not self.session.end_speech():
@@ -298,25 +302,54 @@ class Connection:
         role, content = item.get("role"), item.get("content")
         if role not in ("user", "system") or not isinstance(content, list):
             raise RealtimeError("a message item needs role user or system and a content list", param="item.role")
-        texts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "input_text"]
-        if not texts or not all(isinstance(t, str) and t for t in texts) or len(texts) != len(content):
-            raise RealtimeError("message content must be input_text parts with text (audio goes through "
-                                "input_audio_buffer.append)", param="item.content")
-        text = " ".join(texts)
+        parts = [c for c in content if isinstance(c, dict) and c.get("type") in ("input_text", "input_audio")]
+        if not parts or len(parts) != len(content) or (role == "system" and any(
+                c["type"] == "input_audio" for c in parts)):
+            raise RealtimeError("message content must be input_text parts with text, or (for the user) "
+                                "input_audio parts with base64 audio in the session's input format",
+                                param="item.content")
+        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
+        said = []
+        for part in parts:
+            if part["type"] == "input_text":
+                if not isinstance(part.get("text"), str) or not part["text"]:
+                    raise RealtimeError("an input_text part needs text", param="item.content")
+                said.append(part["text"])
+            else:
+                heard, seconds = await self._transcribe(part.get("audio"))
+                said.append(heard)
+                part["seconds"] = seconds
+        text = " ".join(t for t in said if t)
         if len(text) > self.config.session.max_system_prompt_chars:
             raise RealtimeError("the message is too long", "string_above_max_length", "item.content")
-        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
         if role == "system":
             self.settings["instructions"] = f"{self.settings['instructions']}\n\n{text}".strip()
             if self.session is not None:
                 self.session.history.system_prompt = self.settings["instructions"]
-        else:
+        elif text:
             self.pending_text.append(text)
         added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
-                 "content": [{"type": "input_text", "text": text}]}
+                 "content": [{"type": "input_text", "text": t} if p["type"] == "input_text" else
+                             {"type": "input_audio", "transcript": t} for p, t in zip(parts, said)]}
         self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": added})
+        for i, (part, heard) in enumerate(zip(parts, said)):
+            if part["type"] == "input_audio":
+                self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
+                           "content_index": i, "transcript": heard,
+                           "usage": {"type": "duration", "seconds": round(part["seconds"], 3)}})
         self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
         self.last_item = item_id
+
+    async def _transcribe(self, audio) -> tuple[str, float]:
+        """An audio part of an item, decoded like an append and transcribed whole by the session's
+        ASR: (transcript, seconds of audio)."""
+        from voice.asr import SAMPLE_RATE, StreamingTranscriber
+        from voice.audio import pcm16_to_float, resample
+        pcm = self._decode(audio, "item.content.audio", self.config.limits.max_utterance_s)
+        samples = resample(pcm16_to_float(pcm), FORMATS[self.settings["input"]], SAMPLE_RATE)
+        transcriber = StreamingTranscriber(self.stages.whisper, self.config.asr)
+        transcriber.insert_audio_chunk(samples)
+        return (await transcriber.finish()).strip(), len(samples) / SAMPLE_RATE
 
     def _function_output(self, item: dict) -> None:
         call_id, output = item.get("call_id"), item.get("output")

@@ -309,16 +309,15 @@ class Connection:
                                 "input_audio parts with base64 audio in the session's input format",
                                 param="item.content")
         item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
-        said = []
-        for part in parts:
+        said, seconds = [], {}  # the text of each part; seconds of audio of the audio parts
+        for i, part in enumerate(parts):
             if part["type"] == "input_text":
                 if not isinstance(part.get("text"), str) or not part["text"]:
                     raise RealtimeError("an input_text part needs text", param="item.content")
                 said.append(part["text"])
             else:
-                heard, seconds = await self._transcribe(part.get("audio"))
+                heard, seconds[i] = await self._transcribe(part.get("audio"))
                 said.append(heard)
-                part["seconds"] = seconds
         text = " ".join(t for t in said if t)
         if len(text) > self.config.session.max_system_prompt_chars:
             raise RealtimeError("the message is too long", "string_above_max_length", "item.content")
@@ -336,7 +335,7 @@ class Connection:
             if part["type"] == "input_audio":
                 self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
                            "content_index": i, "transcript": heard,
-                           "usage": {"type": "duration", "seconds": round(part["seconds"], 3)}})
+                           "usage": {"type": "duration", "seconds": round(seconds[i], 3)}})
         self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
         self.last_item = item_id
 

@@ -52,7 +52,7 @@ from starlette.routing import Route
 
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
-from engine.tools import Tool, ToolUse, calls_in, tag_terminals
+from engine.tools import Tool, ToolUse, calls_in, starts_a_call, tag_terminals
 from engine.keys import ConfigError, load_keys
 from engine.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
@@ -545,12 +545,12 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
                          **usage_field, **extra})
 
         last: Piece | None = None
-        calling, text = False, ""  # a reply that starts with "<" is tool calls (their grammar says so)
+        calling, text = False, ""  # a reply that starts like a call is tool calls (their grammar says so)
         try:
             async with contextlib.aclosing(pieces) as stream:
                 async for piece in stream:
                     text += piece.text
-                    if opts["tools"] is not None and text.startswith("<"):
+                    if opts["tools"] is not None and starts_a_call(text):
                         calling = True  # sent whole once complete: a call's arguments are JSON only when closed
                     elif last is None:
                         yield chunk({"role": "assistant", "content": piece.text})

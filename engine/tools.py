@@ -25,6 +25,12 @@ from dataclasses import dataclass
 from engine.grammar import LAYOUT
 
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+CALL_STARTS = ("<", "{")  # how a call begins, in tags or as bare JSON; the grammar's text begins with neither
+
+
+def starts_a_call(text: str) -> bool:
+    """Is a reply that begins with `text` tool calls rather than text (under `ToolUse.grammar`)?"""
+    return text.startswith(CALL_STARTS)
 
 
 @dataclass
@@ -51,7 +57,7 @@ class ToolUse:
         it spells the call's opening and closing tag (see `tag_terminals`)."""
         # Text may not start like a call: small models (Qwen2.5-Coder-0.5B) often write a call as bare
         # JSON or in a Markdown fence instead of in tags; either way it must then be a valid call.
-        text = 'TEXT: /[^<{`](?s:.)*/\n'
+        text = 'TEXT: /[^<{`](?s:.)*/\n'  # none of CALL_STARTS, nor a fence
         if self.choice == "none":
             return "start: TEXT\n" + text
         allowed = [t for t in self.tools if self.choice in ("auto", "required", t.name)]

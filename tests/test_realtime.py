@@ -52,6 +52,11 @@ class Talk:
         except (openai.WebSocketConnectionClosedError, websockets.ConnectionClosed):  # the SDK raises either
             pass
 
+    async def ask(self, part: dict) -> None:
+        """A user message of one content part (input_text or input_audio), then response.create."""
+        await self.conn.conversation.item.create(item={"type": "message", "role": "user", "content": [part]})
+        await self.conn.response.create()
+
     def of(self, kind: str) -> list[dict]:
         return [e for e in self.events if e["type"] == kind]
 
@@ -133,9 +138,7 @@ def test_text_in_audio_out(served):
     async def go():
         async with connect(served) as conn:
             talk = Talk(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "Hello there"}]})
-            await conn.response.create()
+            await talk.ask({"type": "input_text", "text": "Hello there"})
             await talk.wait("response.done")
             await conn.close()
             return talk
@@ -152,9 +155,7 @@ def test_response_cancel_mid_reply(served):
     async def go():
         async with connect(served) as conn:
             talk = Talk(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "Go on"}]})
-            await conn.response.create()
+            await talk.ask({"type": "input_text", "text": "Go on"})
             await talk.wait("response.output_audio_transcript.delta")
             await conn.response.cancel()
             await talk.wait("response.done")
@@ -173,9 +174,7 @@ def test_truncate_keeps_only_what_was_heard_for_the_next_turn(served):
         async with connect(served) as conn:
             talk = Talk(conn)
             for n, text in enumerate(["Count", "And then?"], 1):
-                await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                          "content": [{"type": "input_text", "text": text}]})
-                await conn.response.create()
+                await talk.ask({"type": "input_text", "text": text})
                 await talk.wait("response.done", n, timeout=30)
                 if n == 1:
                     item = talk.of("response.output_item.done")[0]["item"]["id"]
@@ -276,9 +275,7 @@ def test_bad_events_get_error_events_and_the_session_goes_on(served):
             for text in bad:
                 await conn.send_raw(text)  # the SDK's own way to send what its types would not let through
             await talk.wait("error", len(bad))
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "Still there?"}]})
-            await conn.response.create()
+            await talk.ask({"type": "input_text", "text": "Still there?"})
             await talk.wait("response.done")
             await conn.close()
             return talk
@@ -305,9 +302,7 @@ def test_function_calling_round_trip(served):
             talk = Talk(conn)
             await conn.session.update(session={"type": "realtime", "tools": [weather]})
             await talk.wait("session.updated")
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "What's the weather in Paris?"}]})
-            await conn.response.create()
+            await talk.ask({"type": "input_text", "text": "What's the weather in Paris?"})
             await talk.wait("response.done")
             served.stages.lm.tool_calls = []  # the answer speaks
             call = talk.of("response.function_call_arguments.done")[0]
@@ -357,9 +352,7 @@ def test_an_audio_item_is_transcribed_and_answered(served):
     async def go():
         async with connect(served) as conn:
             talk = Talk(conn)
-            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
-                {"type": "input_audio", "audio": base64.b64encode(at_24k()).decode()}]})
-            await conn.response.create()
+            await talk.ask({"type": "input_audio", "audio": base64.b64encode(at_24k()).decode()})
             await talk.wait("response.done")
             await conn.close()
             return talk

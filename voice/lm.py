@@ -93,19 +93,18 @@ class LocalChat:
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncIterator[Block]:
+        from engine.tools import calls_in, starts_a_call
         overrides = {"mode": mode} if mode else {}
         declared, constraint = None, None
         if tools:
-            from engine.tools import calls_in
             declared, grammar, starts = self.lm.tool_grammar(tools)
             constraint = await asyncio.to_thread(self.lm.engine.grammars.lark, grammar)
             constraint.gate_first(starts, self.lm.config.tool_call_log_odds)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
                                                  tools=declared, priority=self.priority(urgent), **overrides):
-            if tools and not text and piece.text.startswith(("<", "{")):
-                calling = True  # the grammar lets text start with neither: these are calls, spoken never
             text += piece.text
+            calling = bool(tools) and starts_a_call(text)  # calls are never spoken
             if piece.text and not calling:
                 yield Block(piece.text, piece.tokens, piece.steps)
         if calling:

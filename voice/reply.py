@@ -159,7 +159,7 @@ class ReplyRunner:
                     raise speaker.exception()  # TTS failed: no point in generating more
                 calls += block.calls
                 if block.text:
-                    self._say(reply, block.text, splitter, phrases)
+                    self._say(reply, block.text, splitter.push(block.text), phrases)
                     await reply.released.wait()
                     self.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
                                         block.steps))
@@ -174,10 +174,11 @@ class ReplyRunner:
         return calls
 
     @staticmethod
-    def _say(reply: Reply, text: str, splitter: PhraseSplitter, phrases: asyncio.Queue) -> None:
+    def _say(reply: Reply, text: str, complete: list[str], phrases: asyncio.Queue) -> None:
+        """`text` is the reply's next block; `complete` the phrases it completes, for the speaker."""
         reply.blocks += 1
         reply.text += text
-        for phrase in splitter.push(text):
+        for phrase in complete:
             phrases.put_nowait(phrase)
             reply.phrased = True
 
@@ -192,12 +193,9 @@ class ReplyRunner:
             cfg = self.config.tools
             _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
             if pending and cfg.filler.strip():
-                filler = cfg.filler.strip() + " "
-                reply.blocks += 1
-                reply.text += filler
-                phrases.put_nowait(filler.strip())
-                reply.phrased = True
-                self.emit(ReplyText(reply.turn, time.monotonic(), filler, reply.blocks))
+                filler = cfg.filler.strip()
+                self._say(reply, filler + " ", [filler], phrases)  # a phrase of its own
+                self.emit(ReplyText(reply.turn, time.monotonic(), filler + " ", reply.blocks))
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:

@@ -527,14 +527,15 @@ class Connection:
         self.last_item = call["id"]
 
     def _assistant(self, r: dict, status: str) -> dict:
+        """The spoken message item; `status` is the response's (cancelled: the item is incomplete)."""
         content = [{"type": "output_audio" if not self.beta else "audio", "transcript": r["transcript"]}] \
             if status != "in_progress" else []
+        status = {"cancelled": "incomplete"}.get(status, status)
         return {"id": r["item"], "type": "message", "object": "realtime.item", "role": "assistant", "status": status,
                 "content": content}
 
     def _response_object(self, r: dict, status: str, details: dict | None = None) -> dict:
-        output = [] if status == "in_progress" else r["calls"] + (
-            [self._assistant(r, "completed" if status == "completed" else "incomplete")] if r["item"] else [])
+        output = [] if status == "in_progress" else r["calls"] + ([self._assistant(r, status)] if r["item"] else [])
         return {"id": r["id"], "object": "realtime.response", "status": status, "status_details": details,
                 "output": output, "conversation_id": self.id, "output_modalities": ["audio"],
                 "max_output_tokens": "inf", "usage": None, "metadata": None,
@@ -548,7 +549,7 @@ class Connection:
             self.send({"type": "response.output_audio_transcript.done", **where, "transcript": r["transcript"]})
             self.send({"type": "response.content_part.done", **where,
                        "part": {"type": "audio", "transcript": r["transcript"]}})
-            item = self._assistant(r, "completed" if status == "completed" else "incomplete")
+            item = self._assistant(r, status)
             self.send({"type": "response.output_item.done", "response_id": r["id"], "output_index": r["index"],
                        "item": item})
             self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": item})

@@ -147,8 +147,8 @@ def cmd_draft(a) -> int:
     base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32)  # fp32 targets, as on CPU
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
-    data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch)
-    corpus = train_draft.read_corpus(base, distilled, a.window, limit=len(prompts))
+    data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
+    corpus = train_draft.read_corpus(base, distilled, a.window)
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
                                        seed=a.seed)
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/adapt", help="run folder: distilled data, checkpoints, adapter")
     p.add_argument("--distill", type=int, default=800, help="number of prompts to distil teacher replies for")
     p.add_argument("--distill-batch", type=int, default=32)
+    p.add_argument("--distill-minutes", type=float, default=0.0,
+                   help="stop distilling after this long and train on what is there (0: distil every prompt)")
     p.add_argument("--reply-tokens", type=int, default=40, help="teacher reply length limit")
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--no-shift", action="store_true", help="predict tokens in place instead of the next token")
@@ -235,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--knowledge-prompts", type=int, default=1186,
                    help="short factual questions (templated, none from the answer sets) distilled after them")
     p.add_argument("--distill-batch", type=int, default=32)
+    p.add_argument("--distill-minutes", type=float, default=0.0,
+                   help="stop distilling after this long and train on what is there (0: distil every prompt)")
     p.add_argument("--reply-tokens", type=int, default=48, help="teacher reply length limit")
     p.add_argument("--block", type=int, default=4, help="tokens drafted per forward")
     p.add_argument("--window", type=int, default=16, help="base positions the head reads")

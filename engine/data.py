@@ -42,23 +42,31 @@ def chat(prompt: str, system: str = VOICE_SYSTEM_PROMPT) -> list[dict]:
 
 
 def distill(teacher: LoadedModel, prompts: list[str], out: Path, max_new_tokens: int = 48,
-            batch_size: int = 32, log=print) -> None:
-    """Append the teacher's greedy replies to `out` (JSONL); resumes where a previous run stopped."""
-    done = sum(1 for _ in out.open()) if out.exists() else 0
+            batch_size: int = 32, max_minutes: float = 0.0, log=print) -> None:
+    """Append the teacher's greedy replies to `out` (JSONL) for every prompt it lacks, so a run resumes
+    where a previous one stopped and a longer prompt list only adds; `max_minutes` (0: no limit) stops
+    after the batch that crosses it, leaving the rest for a later run."""
+    have = {json.loads(line)["prompt"] for line in out.open()} if out.exists() else set()
+    todo = [p for p in prompts if p not in have]
+    if not todo:
+        return
+    log(f"distilling {len(todo)} replies ({len(have)} already in {out})")
     tok = teacher.tokenizer
     start = time.perf_counter()
     with out.open("a") as f:
-        for i in range(done, len(prompts), batch_size):
-            batch = prompts[i:i + batch_size]
+        for i in range(0, len(todo), batch_size):
+            batch = todo[i:i + batch_size]
             ids = [tok.encode_chat(chat(p)) for p in batch]
             replies = generate_ar_batch(teacher.model, ids, max_new_tokens, tok.eos_ids)
             for p, r in zip(batch, replies):
                 f.write(json.dumps({"prompt": p, "reply_ids": r, "reply": tok.decode(r)}) + "\n")
             f.flush()
-            n = i + len(batch) - done
-            rate = n / (time.perf_counter() - start)
-            log(f"distill {i + len(batch)}/{len(prompts)}  {rate:.1f} replies/s  "
-                f"eta {(len(prompts) - i - len(batch)) / rate / 60:.1f} min")
+            n = i + len(batch)
+            elapsed = time.perf_counter() - start
+            log(f"distill {n}/{len(todo)}  {n / elapsed:.1f} replies/s  eta {(len(todo) - n) * elapsed / n / 60:.1f} min")
+            if max_minutes and elapsed / 60 >= max_minutes and n < len(todo):
+                log(f"distilling stopped after {max_minutes:g} min; {len(todo) - n} replies left for a later run")
+                return
 
 
 def training_examples(teacher: LoadedModel, distilled: Path, seed: int = 0

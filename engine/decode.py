@@ -354,7 +354,7 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         proposal = Proposal(forced_draft(constraint))
         if not proposal.ids:
             proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
-                                       cfg.temperature, generator)
+                                       cfg.temperature, generator, cfg.draft_threshold)
 
 
 def forced_draft(constraint: Constraint | None) -> list[int]:

@@ -7,7 +7,10 @@ little arithmetic and nothing else, so replies are the base model's whatever the
 - `DraftHead`: a small block-diffusion head that reads the frozen base model's last hidden
   states (DFlash/EAGLE-like). One parallel pass drafts a whole block: `block` mask rows, one
   per offset, attend to the last `window` positions (each the base's hidden state there plus
-  the embedding of the token that followed it) and to each other. Training needs only forward
+  the embedding of the token that followed it) and to each other. A *chained* head (`chain`)
+  also gives each row the token before it and lets it see only the rows before it: trained on
+  the true previous tokens (exact for greedy verify, which only ever keeps a row whose earlier
+  rows were right), drafting row by row from its own tokens. Training needs only forward
   passes of the base (`engine.train_draft`), and its logits cover a truncated vocabulary (the
   tokens the base actually says), so drafting costs a fraction of a base forward.
 - `LookupDrafter`: prompt lookup (copy what followed the last occurrence of the current
@@ -61,6 +64,7 @@ class DraftArgs:
     n_heads: int = 8
     hidden_dim: int = 1536
     norm_eps: float = 1e-5
+    chain: bool = False  # each row reads the token before it and sees only earlier rows
 
 
 class DraftLayer(nn.Module):
@@ -93,6 +97,9 @@ class DraftHead(nn.Module):
         self.fuse = nn.Linear(2 * args.dim, args.dim, bias=False)
         self.ctx_pos = nn.Parameter(torch.zeros(args.window, args.dim))
         self.queries = nn.Parameter(torch.randn(args.block, args.dim) * 0.02)
+        if args.chain:
+            self.prev_norm = RMSNorm(args.dim, args.norm_eps)
+            self.prev_in = nn.Linear(args.dim, args.dim, bias=False)
         self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
@@ -103,37 +110,62 @@ class DraftHead(nn.Module):
         """Tokens drafted per pass."""
         return self.args.block
 
-    def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor) -> Tensor:
-        """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, block, draft_vocab]."""
-        b = hidden.shape[0]
+    def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
+        """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, rows, draft_vocab].
+        Chained: `prev_emb` [B, rows <= block, dim] embeds the token before each drafted row."""
+        b, w = valid.shape
         ctx = self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
-        mask = torch.cat([valid, valid.new_ones(b, self.args.block)], 1)[:, None, None, :]
-        x = self.queries.expand(b, -1, -1)
+        if self.args.chain:
+            rows = prev_emb.shape[1]
+            x = self.queries[:rows] + self.prev_in(self.prev_norm(prev_emb))
+            among = torch.ones(rows, rows, dtype=torch.bool, device=valid.device).tril()
+        else:
+            rows = self.args.block
+            x = self.queries.expand(b, -1, -1)
+            among = valid.new_ones(rows, rows)
+        mask = torch.cat([valid[:, None, :].expand(b, rows, w), among.expand(b, rows, rows)], -1)[:, None]
         for layer in self.layers:
             x = layer(x, ctx, mask)
         return self.head(self.norm(x))
 
     @torch.inference_mode()
     def propose(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, temperature: float,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
-        every position but the last (each paired with the token after it, the last one's being ids[-1])."""
+        every position but the last (each paired with the token after it, the last one's being ids[-1]).
+        A chained head stops drafting at the first token it is less than `threshold` sure of."""
         w, device = self.args.window, hidden.device
         n = min(w, hidden.shape[0])
-        h = hidden[-n:].float()
         nxt = torch.tensor(ids[-n:], device=device)
         pad = w - n
-        valid = torch.arange(w, device=device) >= pad
-        h = F.pad(h, (0, 0, pad, 0))[None]
+        valid = (torch.arange(w, device=device) >= pad)[None]
+        h = F.pad(hidden[-n:].float(), (0, 0, pad, 0))[None]
         e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
-        logits = self(h, e, valid[None])[0, :k].float()
+        if not self.args.chain:
+            return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)
+        drafted = Proposal([], [] if temperature > 0 else None, [])
+        while len(drafted.ids) < k:
+            prev = embed(torch.tensor([ids[-1]] + drafted.ids, device=device)).float()[None]
+            one = self._pick(self(h, e, valid, prev)[0, -1:].float(), temperature, generator)
+            drafted.ids += one.ids
+            drafted.confidence += one.confidence
+            if one.probs is not None:
+                drafted.probs.append(one.probs)
+            if one.confidence[0] < threshold:
+                break
+        if drafted.probs is not None:
+            drafted.probs = torch.cat(drafted.probs) if drafted.probs else torch.zeros(0, self.args.vocab_size)
+        return drafted
+
+    def _pick(self, logits: Tensor, temperature: float, generator: torch.Generator | None) -> Proposal:
+        """Greedy or sampled tokens from draft-vocabulary logits [rows, draft_vocab]."""
         if temperature <= 0:
             confidence, best = logits.softmax(-1).max(-1)
             return Proposal(self.vocab_ids[best].tolist(), None, confidence.tolist())
         q = (logits / temperature).softmax(-1).cpu()  # sampled with the decoder's CPU generator
         vocab = self.vocab_ids.cpu()
         picks = torch.multinomial(q, 1, generator=generator).squeeze(-1)
-        full = torch.zeros(k, self.args.vocab_size)
+        full = torch.zeros(len(q), self.args.vocab_size)
         full[:, vocab] = q
         return Proposal(vocab[picks].tolist(), full, q.gather(-1, picks[:, None]).squeeze(-1).tolist())
 
@@ -170,7 +202,8 @@ class LookupDrafter:
     ngram = 2
     block = 4
 
-    def propose(self, embed, hidden, ids: list[int], k: int, temperature: float, generator) -> Proposal:
+    def propose(self, embed, hidden, ids: list[int], k: int, temperature: float, generator,
+                threshold: float = 0.0) -> Proposal:
         n = self.ngram
         if len(ids) <= n:
             return Proposal([])

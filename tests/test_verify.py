@@ -49,7 +49,7 @@ class SometimesRight:
         self.rng = torch.Generator().manual_seed(seed)
         self.proposed = self.wrong = 0
 
-    def propose(self, embed, hidden, ids, k, temperature, generator) -> Proposal:
+    def propose(self, embed, hidden, ids, k, temperature, generator, threshold=0.0) -> Proposal:
         at = len(ids) - self.prompt_len
         out = []
         for token in self.reference[at:at + k]:
@@ -106,7 +106,7 @@ class RandomProposals:
         g = torch.Generator().manual_seed(seed)
         self.q = torch.softmax(torch.randn(VOCAB, generator=g) * 3, -1)
 
-    def propose(self, embed, hidden, ids, k, temperature, generator) -> Proposal:
+    def propose(self, embed, hidden, ids, k, temperature, generator, threshold=0.0) -> Proposal:
         picks = torch.multinomial(self.q, k, replacement=True, generator=generator).tolist()
         return Proposal(picks, self.q.expand(k, -1))
 
@@ -139,6 +139,57 @@ def test_sampled_verify_matches_the_base_distribution_end_to_end(tiny):
                                                    max_new_tokens=3, block_size=3, seed=seed), drafter)
         counts[ids[1]] += 1
     # 3,000 draws over the ~30 tokens that carry the mass: sampling noise alone gives a TV of ~0.04-0.06
+    assert total_variation(counts / n, exact) < 0.08
+
+
+def chained_head(dim: int, vocab: int, seed: int) -> DraftHead:
+    """An untrained chained head (random weights, sharpened logits) over the whole vocabulary."""
+    from engine.draft import DraftArgs
+    torch.manual_seed(seed)
+    head = DraftHead(DraftArgs(dim=dim, vocab_size=vocab, draft_vocab=vocab, n_heads=4, hidden_dim=2 * dim,
+                               chain=True), torch.arange(vocab)).eval()
+    with torch.no_grad():
+        head.head.weight.mul_(20)
+    return head
+
+
+def test_a_chained_head_drafts_row_by_row_what_its_parallel_training_pass_predicts():
+    """Training runs all rows at once on the true previous tokens; drafting runs them one by one on
+    its own: both must give each row the same logits, and a row must not see the rows after it."""
+    head = chained_head(32, 50, 0)
+    embed = torch.nn.Embedding(50, 32)
+    hidden, ids = torch.randn(9, 32), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    with torch.no_grad():
+        drafted = head.propose(embed, hidden, ids, 4, 0.0, None)
+        h, e = hidden[None, -9:], embed(torch.tensor(ids[-9:]))[None]
+        h, e = torch.nn.functional.pad(h, (0, 0, 7, 0)), torch.nn.functional.pad(e, (0, 0, 7, 0))
+        valid = (torch.arange(16) >= 7)[None]
+        prev = embed(torch.tensor([ids[-1]] + drafted.ids[:3]))[None]
+        parallel = head(h, e, valid, prev)[0]
+        assert parallel.argmax(-1).tolist() == drafted.ids
+        changed = prev.clone()
+        changed[0, 3] = embed(torch.tensor(drafted.ids[2] + 1))
+        assert torch.equal(head(h, e, valid, changed)[0, :3], parallel[:3])  # earlier rows unchanged
+        assert not torch.equal(head(h, e, valid, changed)[0, 3], parallel[3])  # the row reads its token
+    assert len(set(drafted.ids)) > 1 and len(drafted.confidence) == 4
+    # `threshold`: drafting stops at the first token the head is less sure of
+    cut = head.propose(embed, hidden, ids, 4, 0.0, None, threshold=min(drafted.confidence[:3]) + 1e-6)
+    assert 1 <= len(cut.ids) < 4 and cut.ids == drafted.ids[:len(cut.ids)]
+
+
+def test_sampled_verify_with_a_chained_head_matches_the_base_distribution(tiny):
+    """Each chained row is drawn given the rows before it; speculative sampling needs exactly those q's."""
+    prompt = [40, 41, 42, 43, 44, 45, 46]
+    temperature = 0.35
+    exact = second_token_distribution(tiny, prompt, temperature)
+    head = chained_head(tiny.model.args.dim, VOCAB, 3)
+    n = 3000
+    counts = torch.zeros(VOCAB)
+    for seed in range(n):
+        ids, _ = decode(tiny, prompt, DecodeConfig(mode="diffusion", rule="verify", temperature=temperature,
+                                                   max_new_tokens=3, block_size=3, draft_threshold=0.0, seed=seed),
+                        head)
+        counts[ids[1]] += 1
     assert total_variation(counts / n, exact) < 0.08
 
 

@@ -1,6 +1,8 @@
-"""Which drafter: the LoRA adapter drafting a mask block vs the draft head, at the same positions.
+"""Which drafter: the LoRA adapter drafting a mask block vs draft heads, at the same positions.
 
-    .venv/bin/python bench/drafters.py --run runs/draft-smollm2-v2 --json bench/results/drafters.json
+    .venv/bin/python bench/drafters.py --base small --run runs/draft-smollm2-v2 --json bench/results/drafters.json
+    .venv/bin/python bench/drafters.py --base qwen2.5-0.5b --run runs/draft-qwen05 --adapter '' \
+        --heads runs/draft-qwen05/drafter.safetensors,runs/chain-qwen05/drafter.safetensors
 
 On the held-out 5% of a draft run's distilled replies (the base model's own greedy replies,
 never trained on by the head), at every 4th reply position p: given the reply through p, each
@@ -10,8 +12,9 @@ that equals the base's reply. Reported: tokens per forward = 1 + mean kept, per 
 - adapter (TiDAR-like): the base with the shipped LoRA adapter merged, fed the clean reply
   before p, then [t_p, mask, mask, mask] as one block (exactly what its decoder sees). At
   inference it costs a forward of the whole adapted model per draft.
-- head (DFlash/EAGLE-like): the trained draft head on the base's hidden states (a small
-  fraction of a forward).
+- head (DFlash/EAGLE-like): a trained draft head on the base's hidden states (a small
+  fraction of a forward); `--heads` compares several (a parallel and a chained one) on the
+  held-out replies of `--run`, which none of them may have trained on.
 - lookup: prompt lookup, for reference.
 """
 
@@ -92,27 +95,37 @@ def lookup_kept(seq: list[int], p_len: int, block: int) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="runs/draft-smollm2-v2", help="the `engine draft` run folder of the head")
-    p.add_argument("--adapter", default=str(DEFAULT_ADAPTER))
+    p.add_argument("--base", default="small", help="the model the heads draft for (a --model value)")
+    p.add_argument("--run", default="runs/draft-smollm2-v2", help="the `engine draft` run folder (held-out replies)")
+    p.add_argument("--heads", default="", help="comma-separated head files (default: the run's drafter)")
+    p.add_argument("--adapter", default=str(DEFAULT_ADAPTER), help="the mask-denoising adapter ('' to skip; "
+                                                                   "SmolLM2's only)")
     p.add_argument("--limit", type=int, default=0, help="held-out replies to use (0: all)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     run = Path(a.run)
-    base = load("default", adapter="", drafter="")
-    adapted = load("default", adapter=a.adapter, drafter="")
-    head = load_head(run / "drafter.safetensors", base.model.args.dim, base.model.args.vocab_size)
-    block = head.args.block
-    corpus = read_corpus(base, run / "distilled.jsonl", head.args.window)
+    base = load(a.base, adapter="", drafter="")
+    adapted = load(a.base, adapter=a.adapter, drafter="") if a.adapter else None
+    paths = a.heads.split(",") if a.heads else [str(run / "drafter.safetensors")]
+    heads = {("head" if len(paths) == 1 else f"head {Path(h).parent.name}/{Path(h).name}"):
+             load_head(h, base.model.args.dim, base.model.args.vocab_size) for h in paths}
+    first = next(iter(heads.values()))
+    block = first.args.block
+    if any((h.args.block, h.args.window) != (block, first.args.window) for h in heads.values()):
+        raise SystemExit("--heads must draft the same block from the same window to be compared")
+    corpus = read_corpus(base, run / "distilled.jsonl", first.args.window)
     held, _ = split(corpus, 0)
     held = held[:a.limit] if a.limit else held
-    kept = {"adapter": [], "head": [], "lookup": []}
+    kept = {**({"adapter": []} if adapted else {}), **{name: [] for name in heads}, "lookup": []}
     for i, e in enumerate(held, 1):
         s0, p_len, n = corpus.starts[e], corpus.prompt_lens[e], corpus.lengths[e]
         seq = corpus.ids[s0:s0 + n].tolist()
-        kept["adapter"] += adapter_kept(adapted, seq, p_len, block)
-        kept["head"] += head_kept(head, base.model.embed_tokens, corpus, e, block)
+        if adapted:
+            kept["adapter"] += adapter_kept(adapted, seq, p_len, block)
+        for name, head in heads.items():
+            kept[name] += head_kept(head, base.model.embed_tokens, corpus, e, block)
         kept["lookup"] += lookup_kept(seq, p_len, block)
         if i % 25 == 0 or i == len(held):
             print(f"[{i}/{len(held)}] " + "  ".join(f"{k} {1 + sum(v) / len(v):.3f}" for k, v in kept.items()),

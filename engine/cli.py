@@ -149,7 +149,12 @@ def cmd_draft(a) -> int:
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
     data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
     corpus = train_draft.read_corpus(base, distilled, a.window)
+    if a.text_replies:
+        text = out / "text.jsonl"
+        data.write_text_replies(base.tokenizer, data.chitchat_pairs("train", a.text_replies, a.seed), text)
+        corpus = train_draft.Corpus.join([corpus, train_draft.read_corpus(base, text, a.window, greedy=True)])
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
+                                       chain=a.chain,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
                                        seed=a.seed)
     result = train_draft.train(base, corpus, cfg, out, device)
@@ -207,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/adapt", help="run folder: distilled data, checkpoints, adapter")
     p.add_argument("--distill", type=int, default=800, help="number of prompts to distil teacher replies for")
     p.add_argument("--distill-batch", type=int, default=32)
-    p.add_argument("--distill-minutes", type=float, default=0.0,
-                   help="stop distilling after this long and train on what is there (0: distil every prompt)")
     p.add_argument("--reply-tokens", type=int, default=40, help="teacher reply length limit")
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--no-shift", action="store_true", help="predict tokens in place instead of the next token")
@@ -236,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="distil only the first N of those (shuffled) prompts (0: all)")
     p.add_argument("--knowledge-prompts", type=int, default=1186,
                    help="short factual questions (templated, none from the answer sets) distilled after them")
+    p.add_argument("--text-replies", type=int, default=0,
+                   help="also read this many people's chitchat replies through the base and learn its greedy "
+                        "next token at every position: one forward each, no generation, so many more "
+                        "positions per CPU second than distilling (chitchat train split)")
     p.add_argument("--distill-batch", type=int, default=32)
     p.add_argument("--distill-minutes", type=float, default=0.0,
                    help="stop distilling after this long and train on what is there (0: distil every prompt)")
@@ -244,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=16, help="base positions the head reads")
     p.add_argument("--layers", type=int, default=2, help="head layers")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (most frequent)")
+    p.add_argument("--chain", action=argparse.BooleanOptionalAction, default=True,
+                   help="chained head: each drafted token reads the one before it (default; --no-chain: all "
+                        "rows in one pass, the first heads' design)")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (the LR schedule spans them)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -37,6 +37,29 @@ def chitchat_prompts(split: str, heldout_percent: int = 5) -> list[str]:
     return prompts
 
 
+def chitchat_pairs(split: str, n: int, seed: int = 0, heldout_percent: int = 5) -> list[tuple[str, str]]:
+    """`n` (turn, the person's reply to it) pairs of chitchat conversations (each 3-30 words), shuffled:
+    text a draft head can learn the base's next tokens on (`engine.train_draft.read_corpus`)."""
+    import chitchat_dataset
+    pairs = []
+    for conv_id, conv in chitchat_dataset.Dataset().items():
+        in_heldout = int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % 100 < heldout_percent
+        if in_heldout != (split == "heldout"):
+            continue
+        turns = [" ".join(u["text"].strip() for u in turn).strip() for turn in conv["messages"]]
+        pairs += [(a, b) for a, b in zip(turns, turns[1:]) if 3 <= len(a.split()) <= 30 and 3 <= len(b.split()) <= 30]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:n]
+
+
+def write_text_replies(tokenizer, pairs: list[tuple[str, str]], out: Path) -> None:
+    """The pairs as JSONL rows shaped like distilled ones (prompt, reply_ids), extending `out`."""
+    have = sum(1 for _ in out.open()) if out.exists() else 0
+    with out.open("a") as f:
+        for prompt, reply in pairs[have:]:
+            f.write(json.dumps({"prompt": prompt, "reply_ids": tokenizer.encode(reply), "reply": reply}) + "\n")
+
+
 def chat(prompt: str, system: str = VOICE_SYSTEM_PROMPT) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
 

@@ -64,7 +64,7 @@ class DraftArgs:
     n_heads: int = 8
     hidden_dim: int = 1536
     norm_eps: float = 1e-5
-    chain: bool = False  # each row reads the token before it and sees only earlier rows
+    chain: bool = False  # each row reads the token before it and sees only earlier rows (heads saved before it: False)
 
 
 class DraftLayer(nn.Module):
@@ -113,8 +113,15 @@ class DraftHead(nn.Module):
     def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
         """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, rows, draft_vocab].
         Chained: `prev_emb` [B, rows <= block, dim] embeds the token before each drafted row."""
+        return self.rows(self.context(hidden, next_emb), valid, prev_emb)
+
+    def context(self, hidden: Tensor, next_emb: Tensor) -> Tensor:
+        """The features every draft row attends to: [B, W, dim]."""
+        return self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
+
+    def rows(self, ctx: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
+        """Logits of the draft rows over the context `ctx` (see `forward`)."""
         b, w = valid.shape
-        ctx = self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
         if self.args.chain:
             rows = prev_emb.shape[1]
             x = self.queries[:rows] + self.prev_in(self.prev_norm(prev_emb))
@@ -143,10 +150,11 @@ class DraftHead(nn.Module):
         e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
         if not self.args.chain:
             return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)
+        ctx = self.context(h, e)
         drafted = Proposal([], [] if temperature > 0 else None, [])
         while len(drafted.ids) < k:
             prev = embed(torch.tensor([ids[-1]] + drafted.ids, device=device)).float()[None]
-            one = self._pick(self(h, e, valid, prev)[0, -1:].float(), temperature, generator)
+            one = self._pick(self.rows(ctx, valid, prev)[0, -1:].float(), temperature, generator)
             drafted.ids += one.ids
             drafted.confidence += one.confidence
             if one.probs is not None:

@@ -8,6 +8,8 @@
 3. Train: at each reply position p (the token the base just committed), the head sees the
    hidden states of the `window` positions before p, each with the token after it, and learns
    the base's next `block` tokens. Earlier offsets weigh more: a draft is accepted left to right.
+   A chained head's row j also reads the true token before it (teacher forcing): greedy verify
+   keeps row j only when rows 0..j-1 were right, i.e. exactly when its drafted inputs were true.
 
 Checkpoints to `--out` and resumes from it, on CPU or CUDA. The figure that matters is the
 teacher-forced accepted length on held-out replies (`tokens_per_forward` = 1 + accepted):
@@ -40,7 +42,7 @@ class DraftTrainConfig:
     window: int = 16
     n_layers: int = 2
     draft_vocab: int = 8192
-    chain: bool = False
+    chain: bool = True  # see engine.draft; False: the parallel head
     batch: int = 256
     lr: float = 2e-3
     warmup_steps: int = 50
@@ -52,108 +54,140 @@ class DraftTrainConfig:
 
 @dataclass
 class Corpus:
-    """Every example's ids and the base's hidden states, padded in front by `window` zero rows."""
+    """Every example's ids, the base's hidden states and its greedy next token at each position,
+    padded in front by `window` zero rows."""
 
     ids: torch.Tensor  # [N] all examples' tokens, each example preceded by `window` pad ids (0)
     hidden: torch.Tensor  # [N, dim] fp16, zero rows in front of each example
+    targets: torch.Tensor  # [N] the base's greedy token after each position; -1 where not known
     starts: list[int]  # where each example's own tokens begin in `ids`
-    prompt_lens: list[int]
+    train_from: list[int]  # the example's first position a head learns to draft after
     lengths: list[int]
+    distilled: list[bool]  # the base's own reply (held-out figures come from these only)
 
     def positions(self, examples: list[int]) -> torch.Tensor:
-        """Global indices of every reply position p that has at least one target after it."""
+        """Global indices of every training position p of `examples` that has a target after it."""
         out = []
         for e in examples:
-            s, p_len, n = self.starts[e], self.prompt_lens[e], self.lengths[e]
-            out.append(torch.arange(s + p_len, s + n - 1))
-        return torch.cat(out)
+            s, n = self.starts[e], self.lengths[e]
+            out.append(torch.arange(s + self.train_from[e], s + n - 1))
+        pos = torch.cat(out)
+        return pos[self.targets[pos] >= 0]
+
+    @staticmethod
+    def join(parts: list["Corpus"]) -> "Corpus":
+        offsets = [sum(len(c.ids) for c in parts[:i]) for i in range(len(parts))]
+        return Corpus(torch.cat([c.ids for c in parts]), torch.cat([c.hidden for c in parts]),
+                      torch.cat([c.targets for c in parts]),
+                      [o + s for c, o in zip(parts, offsets) for s in c.starts],
+                      [t for c in parts for t in c.train_from], [n for c in parts for n in c.lengths],
+                      [d for c in parts for d in c.distilled])
 
 
 SHARD = 500  # replies per saved shard of hidden states
 
 
 @torch.inference_mode()
-def read_corpus(base: LoadedModel, distilled: Path, window: int, log=print) -> Corpus:
-    """Run the base over every distilled reply; shards of the hidden states are
-    saved beside `distilled` so an interrupted or repeated run only reads what is new."""
-    rows = [json.loads(line) for line in distilled.open()]
+def read_corpus(base: LoadedModel, path: Path, window: int, greedy: bool = False, log=print) -> Corpus:
+    """Run the base over every reply in `path` (JSONL of prompt + reply_ids). `greedy=False`: the
+    replies are the base's own greedy ones (`distill`), so each reply token is the target after the
+    one before it. `greedy=True`: any text (people's replies): the base's argmax at every position
+    from the user's message on is computed and becomes the target, so a head learns what the base
+    would say next after text it did not write, for the cost of one forward and no generation.
+    Shards are saved beside `path` so an interrupted or repeated run only reads what is new."""
+    rows = [json.loads(line) for line in path.open()]
+    prefix = "" if path.stem == "distilled" else f"{path.stem}-"
     shards = []
     t0, done = time.perf_counter(), 0
     for first in range(0, len(rows), SHARD):
         part = rows[first:first + SHARD]
-        path = distilled.parent / f"hidden-{first:06d}.pt"
-        if path.exists() and (saved := torch.load(path, weights_only=True))["n"] == len(part):
+        shard_path = path.parent / f"{prefix}hidden-{first:06d}.pt"
+        if shard_path.exists() and (saved := torch.load(shard_path, weights_only=True))["n"] == len(part):
             shards.append(saved)
             continue
-        shard = _read_rows(base, part, window)
+        shard = _read_rows(base, part, window, greedy)
         if len(part) == SHARD:
-            torch.save(shard, path)
+            torch.save(shard, shard_path)
         shards.append(shard)
         done += len(part)
-        log(f"read {first + len(part)}/{len(rows)} replies through the base ({done / (time.perf_counter() - t0):.1f}/s)")
-    ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
-    for shard in shards:
-        ids.append(shard["ids"])
-        hidden.append(shard["hidden"])
-        starts += [offset + s for s in shard["starts"].tolist()]
-        prompt_lens += shard["prompt_lens"].tolist()
-        lengths += shard["lengths"].tolist()
-        offset += len(shard["ids"])
-    return Corpus(torch.cat(ids), torch.cat(hidden), starts, prompt_lens, lengths)
+        log(f"read {first + len(part)}/{len(rows)} of {path.name} through the base "
+            f"({done / (time.perf_counter() - t0):.1f}/s)")
+    eos_ids = base.tokenizer.eos_ids
+    parts = []
+    for first, shard in zip(range(0, len(rows), SHARD), shards):
+        ids, starts = shard["ids"], shard["starts"].tolist()
+        lengths, prompt_lens = shard["lengths"].tolist(), shard["prompt_lens"].tolist()
+        if "targets" in shard:
+            targets, train_from = shard["targets"].long(), shard["train_from"].tolist()
+        else:  # distilled: the base's greedy token after position i is the reply's token i + 1
+            targets = torch.full_like(ids, -1)
+            for i, (s, p_len, n) in enumerate(zip(starts, prompt_lens, lengths)):
+                targets[s + p_len - 1:s + n - 1] = ids[s + p_len:s + n]
+                reply = rows[first + i]["reply_ids"]
+                if not reply or reply[-1] not in eos_ids:  # cut off at the token limit: the base would go on
+                    targets[s + n - 2] = -1
+            train_from = prompt_lens
+        parts.append(Corpus(ids, shard["hidden"], targets, starts, train_from, lengths, [not greedy] * len(starts)))
+    return Corpus.join(parts)
 
 
-def _read_rows(base: LoadedModel, rows: list[dict], window: int) -> dict:
+def _read_rows(base: LoadedModel, rows: list[dict], window: int, greedy: bool) -> dict:
     """Causal forwards through a KV cache: the prefix every example shares (the system prompt) is
     computed once, each example adds only its own tokens; `CacheState.hidden` keeps every row's state."""
     tok, model = base.tokenizer, base.model
     eos = tok.turn_end_id
     state = CacheState.new(model, 1024)
-    ids, hidden, starts, prompt_lens, lengths, offset = [], [], [], [], [], 0
+    ids, hidden, targets, starts, prompt_lens, train_from, lengths, offset = [], [], [], [], [], [], [], 0
     for row in rows:
         prompt = tok.encode_chat(chat(row["prompt"]))
         reply = [t for t in row["reply_ids"] if t not in tok.eos_ids] + [eos]
         seq = prompt + reply
+        shared = state.cached_prefix(seq + [eos])  # the system prompt, after the first example
         run(model, state, state.reuse_for(seq + [eos]), False, [])  # the extra token keeps all of seq new-or-cached
-        h = state.hidden[:len(seq)].float().cpu()
+        h = state.hidden[:len(seq)].float()
+        if greedy:
+            best = model.lm_head(model.norm(h[shared:].to(model.lm_head.weight.dtype))).argmax(-1).cpu()
+            best[-1] = -1  # nothing is drafted after the turn's end
+            targets.append(torch.cat([torch.full((window + shared,), -1), best]))
+            train_from.append(shared)
         ids += [0] * window + seq
-        hidden += [torch.zeros(window, h.shape[-1], dtype=torch.float16), h.half()]
+        hidden += [torch.zeros(window, h.shape[-1], dtype=torch.float16), h.cpu().half()]
         starts.append(offset + window)
         prompt_lens.append(len(prompt))
         lengths.append(len(seq))
         offset += window + len(seq)
-    return {"n": len(rows), "ids": torch.tensor(ids), "hidden": torch.cat(hidden), "starts": torch.tensor(starts),
-            "prompt_lens": torch.tensor(prompt_lens), "lengths": torch.tensor(lengths)}
+    shard = {"n": len(rows), "ids": torch.tensor(ids), "hidden": torch.cat(hidden), "starts": torch.tensor(starts),
+             "prompt_lens": torch.tensor(prompt_lens), "lengths": torch.tensor(lengths)}
+    if greedy:
+        shard |= {"targets": torch.cat(targets).int(), "train_from": torch.tensor(train_from)}
+    return shard
 
 
-def draft_vocabulary(corpus: Corpus, examples: list[int], size: int, eos_ids: set[int]) -> torch.Tensor:
-    """The `size` most frequent reply tokens (EOS always in): all a head ever needs to propose."""
-    counts: dict[int, int] = {}
-    for e in examples:
-        s = corpus.starts[e]
-        for t in corpus.ids[s + corpus.prompt_lens[e]:s + corpus.lengths[e]].tolist():
-            counts[t] = counts.get(t, 0) + 1
-    top = [t for t, _ in sorted(counts.items(), key=lambda kv: -kv[1])[:size]]
-    top += [t for t in eos_ids if t not in top]
-    return torch.tensor(sorted(top))
+def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids: set[int]) -> torch.Tensor:
+    """The `size` tokens the base most often says next at `positions` (EOS always in): all a head ever
+    needs to propose."""
+    counts = torch.bincount(corpus.targets[positions])
+    top = counts.argsort(descending=True)[:size]
+    top = [t for t in top[counts[top] > 0].tolist()] + [t for t in eos_ids]
+    return torch.tensor(sorted(set(top)))
 
 
-def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Tensor, cfg: DraftTrainConfig,
-             ends: torch.Tensor, device):
+def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Tensor, cfg: DraftTrainConfig, device):
     """Inputs and targets for bonus positions `positions` (global indices into the corpus)."""
     w, k = cfg.window, cfg.block
     ctx = positions[:, None] - w + torch.arange(w)[None]  # positions p-w .. p-1
     hidden = corpus.hidden[ctx].float()
     nxt = corpus.ids[ctx + 1]
     valid = corpus.ids.new_ones(ctx.shape, dtype=torch.bool) & (hidden.abs().sum(-1) > 0)
-    tgt_pos = positions[:, None] + 1 + torch.arange(k)[None]
-    in_example = tgt_pos < ends[:, None]
-    last = len(corpus.ids) - 1
-    targets = to_draft[corpus.ids[tgt_pos.clamp(max=last)]]
-    targets[~in_example] = -100
+    # row j drafts the base's token after position p + j (past an example's end: the next one's
+    # padding or the corpus's last token, whose targets are -1)
+    row_pos = (positions[:, None] + torch.arange(k)[None]).clamp(max=len(corpus.ids) - 1)
+    wanted = corpus.targets[row_pos]
+    targets = torch.where(wanted >= 0, to_draft[wanted.clamp(min=0)], -100)
     with torch.no_grad():
         emb = embed(nxt.to(embed.weight.device)).float()
         # chained: row j reads the true token before it (positions p .. p+k-1)
-        prev = embed(corpus.ids[(tgt_pos - 1).clamp(max=last)].to(embed.weight.device)).float() if cfg.chain else None
+        prev = embed(corpus.ids[row_pos].to(embed.weight.device)).float() if cfg.chain else None
     return (hidden.to(device), emb.to(device), valid.to(device), targets.to(device),
             prev.to(device) if prev is not None else None)
 
@@ -172,11 +206,13 @@ def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[to
 
 
 def split(corpus: Corpus, seed: int) -> tuple[list[int], list[int]]:
-    """(held-out, training) example indices: 5% of the replies never trained on."""
-    examples = list(range(len(corpus.starts)))
+    """(held-out, training) example indices: 5% of the base's own replies never trained on (the
+    figure that predicts decoding); every other example trains."""
+    examples = [e for e, own in enumerate(corpus.distilled) if own]
     random.Random(seed).shuffle(examples)
     n_held = max(1, len(examples) // 20)
-    return examples[:n_held], examples[n_held:]
+    others = [e for e, own in enumerate(corpus.distilled) if not own]
+    return examples[:n_held], examples[n_held:] + others
 
 
 def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device="cpu", log=print) -> dict:
@@ -187,7 +223,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     if saved:
         vocab = saved["vocab_ids"]
     else:
-        vocab = draft_vocabulary(corpus, train_set, cfg.draft_vocab, base.tokenizer.eos_ids)
+        vocab = draft_vocabulary(corpus, corpus.positions(train_set), cfg.draft_vocab, base.tokenizer.eos_ids)
     a = base.model.args
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
                                window=cfg.window, n_layers=cfg.n_layers, norm_eps=a.norm_eps, chain=cfg.chain), vocab)
@@ -203,9 +239,6 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         log(f"resumed at step {step}")
     to_draft = torch.full((a.vocab_size,), -100, dtype=torch.long)
     to_draft[vocab] = torch.arange(len(vocab))
-    ends = torch.zeros(len(corpus.ids), dtype=torch.long)
-    for s, n in zip(corpus.starts, corpus.lengths):
-        ends[s:s + n] = s + n
     train_pos, held_pos = corpus.positions(train_set), corpus.positions(held)
     weights = torch.tensor(OFFSET_WEIGHTS[:cfg.block], device=device)
     embed = base.model.embed_tokens
@@ -219,7 +252,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         with torch.no_grad():
             for i in range(0, len(held_pos), 1024):
                 pos = held_pos[i:i + 1024]
-                total += int(loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, ends[pos], device),
+                total += int(loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, device),
                                                weights)[1].sum())
         head.train()
         return 1 + total / len(held_pos)
@@ -241,7 +274,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         for group in opt.param_groups:
             group["lr"] = lr
         pos = train_pos[torch.randint(len(train_pos), (cfg.batch,), generator=gen)]
-        loss, accepted = loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, ends[pos], device),
+        loss, accepted = loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, device),
                                            weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()

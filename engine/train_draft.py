@@ -42,7 +42,7 @@ class DraftTrainConfig:
     window: int = 16
     n_layers: int = 2
     draft_vocab: int = 8192
-    chain: bool = True  # see engine.draft; False: the parallel head
+    chain: bool = False  # see engine.draft (more tokens per forward, a head pass per drafted token)
     batch: int = 256
     lr: float = 2e-3
     warmup_steps: int = 50
@@ -106,8 +106,7 @@ def read_corpus(base: LoadedModel, path: Path, window: int, greedy: bool = False
             shards.append(saved)
             continue
         shard = _read_rows(base, part, window, greedy)
-        if len(part) == SHARD:
-            torch.save(shard, shard_path)
+        torch.save(shard, shard_path)  # a short last shard too: `n` tells a later, longer file to redo it
         shards.append(shard)
         done += len(part)
         log(f"read {first + len(part)}/{len(rows)} of {path.name} through the base "

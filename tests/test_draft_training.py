@@ -101,7 +101,8 @@ def test_a_chained_head_trains_on_both_and_resumes(tiny, distilled, tmp_path):
                           read_corpus(tiny, tmp_path / "text.jsonl", WINDOW, greedy=True, log=quiet)])
     held, trained = split(corpus, 0)
     assert all(corpus.distilled[e] for e in held) and len(trained) == 2 * len(PROMPTS) - len(held)
-    cfg = DraftTrainConfig(block=3, window=WINDOW, n_layers=1, batch=16, max_steps=4, eval_every=2, warmup_steps=1)
+    cfg = DraftTrainConfig(block=3, window=WINDOW, n_layers=1, batch=16, max_steps=4, eval_every=2, warmup_steps=1,
+                           chain=True)
     lines: list[str] = []
     first = train(tiny, corpus, cfg, tmp_path / "out", log=lines.append)
     assert first["steps"] == 4 and 1.0 <= first["heldout_tokens_per_forward"] <= 4.0

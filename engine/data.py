@@ -19,35 +19,35 @@ VOICE_SYSTEM_PROMPT = ("You are a friendly voice assistant. Answer in one or two
                        "without lists or markdown.")
 
 
-def chitchat_prompts(split: str, heldout_percent: int = 5) -> list[str]:
-    """Opening user turns of chitchat conversations (3-30 words), for `train` or `heldout`."""
+def _chitchat_turns(split: str, heldout_percent: int) -> list[list[str]]:
+    """Each chitchat conversation of `split` (`train` or `heldout`) as its turns' texts. The split is by
+    a stable hash of the conversation's id, so held-out turns never leak into training."""
     try:
         import chitchat_dataset
     except ImportError:
         raise SystemExit("chitchat prompts need the [train] extra: pip install 'diffusion-voice[train]'") from None
-    prompts = []
+    out = []
     for conv_id, conv in chitchat_dataset.Dataset().items():
         in_heldout = int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % 100 < heldout_percent
-        if in_heldout != (split == "heldout"):
-            continue
-        for turn in conv["messages"][:4]:
-            text = " ".join(u["text"].strip() for u in turn).strip()
-            if 3 <= len(text.split()) <= 30:
-                prompts.append(text)
-    return prompts
+        if in_heldout == (split == "heldout"):
+            out.append([" ".join(u["text"].strip() for u in turn).strip() for turn in conv["messages"]])
+    return out
+
+
+def _spoken_length(text: str) -> bool:
+    return 3 <= len(text.split()) <= 30
+
+
+def chitchat_prompts(split: str, heldout_percent: int = 5) -> list[str]:
+    """Opening user turns of chitchat conversations (3-30 words), for `train` or `heldout`."""
+    return [t for turns in _chitchat_turns(split, heldout_percent) for t in turns[:4] if _spoken_length(t)]
 
 
 def chitchat_pairs(split: str, n: int, seed: int = 0, heldout_percent: int = 5) -> list[tuple[str, str]]:
     """`n` (turn, the person's reply to it) pairs of chitchat conversations (each 3-30 words), shuffled:
     text a draft head can learn the base's next tokens on (`engine.train_draft.read_corpus`)."""
-    import chitchat_dataset
-    pairs = []
-    for conv_id, conv in chitchat_dataset.Dataset().items():
-        in_heldout = int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % 100 < heldout_percent
-        if in_heldout != (split == "heldout"):
-            continue
-        turns = [" ".join(u["text"].strip() for u in turn).strip() for turn in conv["messages"]]
-        pairs += [(a, b) for a, b in zip(turns, turns[1:]) if 3 <= len(a.split()) <= 30 and 3 <= len(b.split()) <= 30]
+    pairs = [(a, b) for turns in _chitchat_turns(split, heldout_percent) for a, b in zip(turns, turns[1:])
+             if _spoken_length(a) and _spoken_length(b)]
     random.Random(seed).shuffle(pairs)
     return pairs[:n]
 

@@ -151,19 +151,17 @@ class DraftHead(nn.Module):
         if not self.args.chain:
             return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)
         ctx = self.context(h, e)
-        drafted = Proposal([], [] if temperature > 0 else None, [])
-        while len(drafted.ids) < k:
-            prev = embed(torch.tensor([ids[-1]] + drafted.ids, device=device)).float()[None]
+        ids_out, confidence, probs = [], [], []
+        while len(ids_out) < k:
+            prev = embed(torch.tensor([ids[-1]] + ids_out, device=device)).float()[None]
             one = self._pick(self.rows(ctx, valid, prev)[0, -1:].float(), temperature, generator)
-            drafted.ids += one.ids
-            drafted.confidence += one.confidence
+            ids_out += one.ids
+            confidence += one.confidence
             if one.probs is not None:
-                drafted.probs.append(one.probs)
+                probs.append(one.probs)
             if one.confidence[0] < threshold:
                 break
-        if drafted.probs is not None:
-            drafted.probs = torch.cat(drafted.probs) if drafted.probs else torch.zeros(0, self.args.vocab_size)
-        return drafted
+        return Proposal(ids_out, torch.cat(probs) if probs else None, confidence)
 
     def _pick(self, logits: Tensor, temperature: float, generator: torch.Generator | None) -> Proposal:
         """Greedy or sampled tokens from draft-vocabulary logits [rows, draft_vocab]."""

@@ -141,8 +141,9 @@ def _read_rows(base: LoadedModel, rows: list[dict], window: int, greedy: bool) -
         prompt = tok.encode_chat(chat(row["prompt"]))
         reply = [t for t in row["reply_ids"] if t not in tok.eos_ids] + [eos]
         seq = prompt + reply
-        shared = state.cached_prefix(seq + [eos])  # the system prompt, after the first example
-        run(model, state, state.reuse_for(seq + [eos]), False, [])  # the extra token keeps all of seq new-or-cached
+        new = state.reuse_for(seq + [eos])  # the extra token keeps all of seq new-or-cached
+        shared = len(seq) + 1 - len(new)  # the system prompt, after the first example
+        run(model, state, new, False, [])
         h = state.hidden[:len(seq)].float()
         if greedy:
             best = model.lm_head(model.norm(h[shared:].to(model.lm_head.weight.dtype))).argmax(-1).cpu()
@@ -167,8 +168,7 @@ def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids
     needs to propose."""
     counts = torch.bincount(corpus.targets[positions])
     top = counts.argsort(descending=True)[:size]
-    top = [t for t in top[counts[top] > 0].tolist()] + [t for t in eos_ids]
-    return torch.tensor(sorted(set(top)))
+    return torch.tensor(sorted(set(top[counts[top] > 0].tolist()) | set(eos_ids)))
 
 
 def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Tensor, cfg: DraftTrainConfig, device):

@@ -16,6 +16,10 @@ that equals the base's reply. Reported: tokens per forward = 1 + mean kept, per 
   fraction of a forward); `--heads` compares several (a parallel and a chained one) on the
   held-out replies of `--run`, which none of them may have trained on.
 - lookup: prompt lookup, for reference.
+
+Each head's *decoded* figure follows: the held-out replies walked as greedy `verify` decodes
+them, at the decoder's draft threshold (`engine.train_draft.held_out_figures`), which is what
+`engine bench` measures on such replies; the every-`block`-positions figure above overstates it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.bench import write_json  # noqa: E402
 from engine.draft import LookupDrafter, load_head  # noqa: E402
 from engine.loading import DEFAULT_ADAPTER, load  # noqa: E402
-from engine.train_draft import read_corpus, split  # noqa: E402
+from engine.decode import DecodeConfig  # noqa: E402
+from engine.train_draft import held_out_figures, read_corpus, split  # noqa: E402
 
 
 @torch.inference_mode()
@@ -69,7 +74,7 @@ def adapter_kept(adapted, seq: list[int], prompt_len: int, block: int) -> list[i
 
 @torch.inference_mode()
 def head_kept(head, embed, corpus, e: int, block: int) -> list[int]:
-    s0, p_len, n = corpus.starts[e], corpus.prompt_lens[e], corpus.lengths[e]
+    s0, p_len, n = corpus.starts[e], corpus.train_from[e], corpus.lengths[e]
     seq = corpus.ids[s0:s0 + n].tolist()
     hidden = corpus.hidden[s0:s0 + n].float()
     kept = []
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
     held = held[:a.limit] if a.limit else held
     kept = {**({"adapter": []} if adapted else {}), **{name: [] for name in heads}, "lookup": []}
     for i, e in enumerate(held, 1):
-        s0, p_len, n = corpus.starts[e], corpus.prompt_lens[e], corpus.lengths[e]
+        s0, p_len, n = corpus.starts[e], corpus.train_from[e], corpus.lengths[e]
         seq = corpus.ids[s0:s0 + n].tolist()
         if adapted:
             kept["adapter"] += adapter_kept(adapted, seq, p_len, block)
@@ -134,6 +139,12 @@ def main(argv=None) -> int:
                      "kept_histogram": [v.count(k) for k in range(block + 1)]} for name, v in kept.items()}
     print("tokens per forward (teacher-forced, greedy, held-out replies): " +
           ", ".join(f"{k} {r['tokens_per_forward']:.3f}" for k, r in result.items()))
+    threshold = DecodeConfig.draft_threshold
+    for name, head in heads.items():
+        result[name]["decoded_tokens_per_forward"] = held_out_figures(head, corpus, held, base.model.embed_tokens,
+                                                                      threshold)[1]
+    print(f"decoded tokens per forward (greedy verify, draft threshold {threshold:g}): " +
+          ", ".join(f"{k} {result[k]['decoded_tokens_per_forward']:.3f}" for k in heads))
     write_json(Path(a.json) if a.json else None, {"run": str(run), "held_out_replies": len(held), "block": block,
                                                   "results": result})
     return 0

@@ -2,7 +2,8 @@
 
 On a tiny random checkpoint: the corpus's targets are the base's own greedy next tokens, whether
 read off the base's greedy replies or computed over text it did not write; a chained head trains
-on both, its held-out figure comes from the base's replies only, and a second run resumes.
+on both, its held-out figure comes from the base's replies only, and a second run resumes; the
+decoded held-out figure is exactly what greedy `verify` decoding with the head then does.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import pytest
 import torch
 
 from engine.data import chat
-from engine.decode import generate_ar_batch
+from engine.decode import CacheState, DecodeConfig, generate, generate_ar_batch
 from engine.draft import load_head
 from engine.loading import load
 from engine.model import visibility_mask
-from engine.train_draft import Corpus, DraftTrainConfig, read_corpus, split, train
+from engine.train_draft import Corpus, DraftTrainConfig, held_out_figures, read_corpus, split, train
 
 import tinyckpt
 from tinyckpt import EOS_ID
@@ -112,3 +113,26 @@ def test_a_chained_head_trains_on_both_and_resumes(tiny, distilled, tmp_path):
     again = train(tiny, corpus, DraftTrainConfig(**{**cfg.__dict__, "max_steps": 6}), tmp_path / "out",
                   log=lines.append)
     assert "resumed at step 4" in lines and again["steps"] == 6
+
+
+@pytest.mark.parametrize("chain", [False, True])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_the_decoded_figure_is_what_verify_decoding_does(tiny, distilled, tmp_path, chain, threshold):
+    """Per reply, tokens per forward from walking the corpus equals greedy verify decoding's own count,
+    with a head that keeps some drafts and misses others: the figure is a prediction, not a proxy."""
+    corpus = read_corpus(tiny, distilled, WINDOW, log=quiet)
+    cfg = DraftTrainConfig(block=3, window=WINDOW, n_layers=1, batch=32, max_steps=40, eval_every=1000,
+                           warmup_steps=1, chain=chain, lr=5e-3)
+    train(tiny, corpus, cfg, tmp_path / "out", log=quiet)
+    head = load_head(tmp_path / "out" / "drafter.safetensors", tiny.model.args.dim, tiny.model.args.vocab_size)
+    tok, model = tiny.tokenizer, tiny.model
+    decode = DecodeConfig(max_new_tokens=12, draft_threshold=threshold)
+    per_reply = []
+    for e, prompt in enumerate(PROMPTS):
+        blocks = list(generate(model, CacheState.new(model, 256), tok.encode_chat(chat(prompt)), decode, tiny.spec,
+                               tok.eos_ids, head))
+        tokens = sum(len(b.token_ids) for b in blocks)
+        predicted = held_out_figures(head, corpus, [e], model.embed_tokens, threshold)[1]
+        assert predicted == pytest.approx(tokens / blocks[-1].forwards), prompt
+        per_reply.append(tokens / blocks[-1].forwards)
+    assert max(per_reply) > 1.0 and min(per_reply) < 3.5  # drafts were kept, and some were not

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,16 +42,22 @@ class Tokenizer:
         return "tools" in self.chat_template
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = _tojson
-        return env.from_string(self.chat_template).render(
+        return _compiled(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token, eos_token=self.eos_token)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(chat_template: str) -> jinja2.Template:
+    """The template compiled once (compiling Qwen2.5's took ~20 ms, on every request's time to first audio)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    env.filters["tojson"] = _tojson
+    return env.from_string(chat_template)
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:

@@ -22,6 +22,7 @@ next turn can extend; the last finished block simply rides in with the next turn
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -118,6 +119,17 @@ class CacheState:
             if start < keep < end:
                 return start
         return keep
+
+    def fork(self, model: Transformer) -> "CacheState":
+        """A new state holding this one's cached tokens (their cache rows copied), to go on separately."""
+        other = CacheState.new(model, self.capacity)
+        n = len(self.ids)
+        for mine, theirs in zip(self.caches, other.caches):
+            theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
+        if self.hidden is not None:
+            other.hidden[:n] = self.hidden[:n]
+        other.ids, other.blocks = list(self.ids), list(self.blocks)
+        return other
 
     def reuse_for(self, prompt: list[int]) -> list[int]:
         """Keep the longest cached prefix of `prompt`, drop the rest of the cache; return what is new."""
@@ -417,34 +429,28 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
                       temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
     """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state.
 
-    Prompts are left-padded; RoPE only sees relative positions, so a shared position axis
-    with pad keys masked out gives each row the same result as decoding it alone.
+    The prefix all prompts share (the system prompt) is computed once and copied into each
+    reply's own cache; every step is then one batched forward (`run_many`) over the replies
+    still going, so each reply is the one decoding it alone gives, a finished reply stops
+    costing anything, and no row is padding.
     """
-    n, width = len(prompts), max(len(p) for p in prompts)
-    device = model.embed_tokens.weight.device
-    caches = model.new_caches(n, width + max_new_tokens)
-    tokens = torch.zeros(n, width, dtype=torch.long)
-    valid = torch.ones(n, width + max_new_tokens, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        tokens[i, width - len(p):] = torch.tensor(p)
-        valid[i, : width - len(p)] = False
-    tokens, valid = tokens.to(device), valid.to(device)
-    pos = torch.arange(width, device=device)
-    mask = (visibility_mask(pos + 1, width)[None] & valid[:, None, :width]
-            | torch.eye(width, dtype=torch.bool, device=device))
-    logits = model(tokens, pos, mask[:, None], slice(-1, None), caches)[:, -1].float()
+    shared = list(os.path.commonprefix(prompts))[:min(len(p) for p in prompts) - 1]  # each keeps a new token
+    root = CacheState.new(model, max(len(p) for p in prompts) + max_new_tokens)
+    if shared:
+        run(model, root, shared, False, [])
+    states = [root.fork(model) for _ in prompts]
+    pending = [p[len(shared):] for p in prompts]
     replies: list[list[int]] = [[] for _ in prompts]
-    alive = torch.ones(n, dtype=torch.bool)
+    going = list(range(len(prompts)))
     for step in range(max_new_tokens):
-        token, _ = pick(logits, temperature, generator)
-        for i in alive.nonzero().squeeze(-1).tolist():
-            replies[i].append(int(token[i]))
-            alive[i] = int(token[i]) not in stop_ids
-        if not alive.any() or step == max_new_tokens - 1:
+        results = run_many(model, [Forward(states[i], pending[i]) for i in going])
+        token, _ = pick(torch.stack([last for last, _ in results]), temperature, generator)
+        for i, t in zip(going, token.tolist()):
+            replies[i].append(t)
+            pending[i] = [t]
+        going = [i for i in going if replies[i][-1] not in stop_ids]
+        if not going:
             break
-        p = width + step
-        logits = model(token[:, None], torch.tensor([p], device=device), valid[:, None, None, : p + 1],
-                       slice(None), caches)[:, -1].float()
     return replies
 
 

@@ -280,13 +280,19 @@ def test_topk1_is_sequential_unmasking(tiny, shift, context):
 
 
 def test_ar_batch_equals_one_at_a_time(tiny):
-    prompts = [random_ids(n, 30 + n) for n in (3, 9, 6)]
-    batch = generate_ar_batch(tiny.model, prompts, 8, {tinyckpt.EOS_ID})
-    for prompt, reply in zip(prompts, batch):
-        state = CacheState.new(tiny.model, 64)
-        single = [b.token_ids[0] for b in generate_ar(tiny.model, state, prompt, DecodeConfig(mode="ar", max_new_tokens=8),
-                                                       {tinyckpt.EOS_ID})]
-        assert reply == single
+    prompts = [random_ids(n, 30 + n) for n in (3, 9, 6, 5, 7)]
+    free = generate_ar_batch(tiny.model, prompts, 8, set())
+    # stop tokens some replies say early, so they leave the batch while the others go on
+    stop_sets = [{tinyckpt.EOS_ID}, {free[0][2], free[3][4]}]
+    for stop_ids in stop_sets:
+        batch = generate_ar_batch(tiny.model, prompts, 8, stop_ids)
+        for prompt, reply in zip(prompts, batch):
+            state = CacheState.new(tiny.model, 64)
+            single = [b.token_ids[0] for b in generate_ar(tiny.model, state, prompt,
+                                                           DecodeConfig(mode="ar", max_new_tokens=8), stop_ids)]
+            assert reply == single
+    lengths = [len(r) for r in generate_ar_batch(tiny.model, prompts, 8, stop_sets[1])]
+    assert min(lengths) < 8 and max(lengths) == 8  # some left early, some decoded to the limit
 
 
 # --- 5. cancellation and multi-turn prefix reuse on the real model -------------------------------

@@ -252,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2, help="head layers")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (most frequent)")
     p.add_argument("--chain", action="store_true",
-                   help="chained head: each drafted token reads the one before it (more tokens per forward, but "
-                        "a head pass per token; on a 2-core CPU no faster overall, see BENCHMARKS.md)")
+                   help="chained head: each drafted token reads the one before it (more tokens per forward, a "
+                        "head pass per token; default's shipped head is one, see BENCHMARKS.md)")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (the LR schedule spans them)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

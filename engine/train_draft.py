@@ -46,14 +46,13 @@ class DraftTrainConfig:
     window: int = 16
     n_layers: int = 2
     draft_vocab: int = 8192
-    chain: bool = False  # see engine.draft (more tokens per forward, a head pass per drafted token)
+    chain: bool = False  # see engine.draft (more tokens per forward, a head pass per drafted token; default's head)
     batch: int = 256
     lr: float = 2e-3
     warmup_steps: int = 50
     max_steps: int = 1500
     max_minutes: float = 0.0
     eval_every: int = 250
-    draft_threshold: float = DecodeConfig.draft_threshold  # the decoded figure sends the rows the decoder would
     seed: int = 0
 
 
@@ -298,7 +297,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
 
     def evaluate() -> tuple[float, float]:
         head.eval()
-        figures = held_out_figures(head, corpus, held, embed, cfg.draft_threshold, device)
+        figures = held_out_figures(head, corpus, held, embed, DecodeConfig.draft_threshold, device)
         head.train()
         return figures
 
@@ -314,7 +313,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
 
     def report(figures: tuple[float, float], when: str) -> None:
         log(f"{when} held-out tokens/forward: decoded {figures[1]:.3f} (greedy verify, draft threshold "
-            f"{cfg.draft_threshold:g}), teacher-forced {figures[0]:.3f} (every position, every row)")
+            f"{DecodeConfig.draft_threshold:g}), teacher-forced {figures[0]:.3f} (every position, every row)")
 
     start, history, figures = time.perf_counter(), [], None
     gen = torch.Generator().manual_seed(cfg.seed + step)

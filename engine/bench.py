@@ -15,7 +15,9 @@ load does not favour one of them. Per request:
   how the decoder really prefills. `setup_ms` is what comes before it (tokenising, allocating
   the conversation's KV cache) and `forward_ms` the median duration of the later forwards.
 - `tok_s`: reply tokens / total request time; `tokens_per_forward`: reply tokens / forwards
-  (prefill included). Summaries aggregate tokens/s and tokens/forward over all requests
+  (prefill included). `decode_tok_s`: the tokens after the first piece / the time after it: the
+  decoding speed alone, since both modes share the same prompt prefill (which is most of a
+  short reply's time). Summaries aggregate tokens/s and tokens/forward over all requests
   (sum of tokens / sum of time or forwards) and give p50/p95 of the latencies.
 
 Timings are wall-clock on whatever else the machine is doing; `machine` records the load
@@ -151,12 +153,14 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
         timer.spans.clear()
     start = time.perf_counter()
     first = first_n = None
+    first_tokens = 0
     last = None
     ids: list[int] = []
     text: list[str] = []
     for piece in engine.generate_sync(messages, cfg, Conversation()):
         now = time.perf_counter()
-        first = first or now
+        if first is None:
+            first, first_tokens = now, piece.tokens
         if first_n is None and piece.tokens >= FIRST_N:
             first_n = now
         ids += piece.token_ids
@@ -170,6 +174,7 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
            "ttfb8_ms": ((first_n or end) - start) * 1000,
            "total_ms": (end - start) * 1000,
            "tok_s": tokens / (end - start) if end > start else float("nan"),
+           "decode_tokens": tokens - first_tokens, "decode_ms": (end - (first or end)) * 1000,
            "tokens_per_forward": tokens / forwards if forwards else float("nan"),
            "finish_reason": last.finish_reason if last else None,
            "prompt_tokens": last.prompt_tokens if last else 0,
@@ -186,7 +191,9 @@ def summarize_mode(rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["total_ms"] for r in rows) / 1000
     forwards = sum(r["forwards"] for r in rows)
+    decode_seconds = sum(r["decode_ms"] for r in rows) / 1000
     out = {"n": len(rows), "tok_s": tokens / seconds if seconds else float("nan"),
+           "decode_tok_s": sum(r["decode_tokens"] for r in rows) / decode_seconds if decode_seconds else float("nan"),
            "tokens_per_forward": tokens / forwards if forwards else float("nan"),
            "reply_tokens_mean": tokens / len(rows) if rows else float("nan"),
            "tok_s_p50": percentile([r["tok_s"] for r in rows], 50)}
@@ -202,10 +209,11 @@ TABLE = (("TTFB p50 (ms)", "ttfb_ms_p50", 1), ("TTFB p95 (ms)", "ttfb_ms_p95", 1
          (f"first {FIRST_N} tokens p50 (ms)", "ttfb8_ms_p50", 1), (f"first {FIRST_N} tokens p95 (ms)", "ttfb8_ms_p95", 1),
          ("prefill forward p50 (ms)", "prefill_ms_p50", 1), ("setup before it p50 (ms)", "setup_ms_p50", 1),
          ("later forwards p50 (ms)", "forward_ms_p50", 1), ("request total p50 (ms)", "total_ms_p50", 1),
-         ("tokens/s", "tok_s", 2), ("tokens/forward", "tokens_per_forward", 2),
+         ("tokens/s", "tok_s", 2), ("tokens/s after the first piece", "decode_tok_s", 2),
+         ("tokens/forward", "tokens_per_forward", 2),
          ("reply tokens (mean)", "reply_tokens_mean", 1))
 RATIO_KEYS = ("ttfb_ms_p50", "ttfb_ms_p95", "ttfb8_ms_p50", "prefill_ms_p50", "forward_ms_p50", "total_ms_p50",
-              "tok_s", "tokens_per_forward")
+              "tok_s", "decode_tok_s", "tokens_per_forward")
 
 
 def format_table(summary: dict) -> str:

@@ -35,8 +35,13 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=d.threshold, help="confidence threshold for --rule threshold")
     g.add_argument("--topk", type=int, default=d.topk, help="positions committed per step for --rule topk")
     g.add_argument("--draft-threshold", type=float, default=d.draft_threshold,
-                   help="verify: send only the drafted tokens the drafter is at least this sure of (each draft row "
-                        "costs arithmetic; 0 = always the whole block; lossless either way)")
+                   help="verify: send the longest drafted prefix the drafter gives at least this chance of being all "
+                        "right (the product of its tokens' confidences; each draft row costs arithmetic; 0 = always "
+                        "the whole block; lossless either way)")
+    g.add_argument("--draft-tree", type=int, default=d.draft_tree,
+                   help="verify, greedy, chained draft heads: draft a tree of this many tokens (alternatives checked "
+                        "in the same forward) instead of a chain; pays where extra rows are nearly free (a GPU), "
+                        "not on a small CPU (BENCHMARKS.md); 0 = a chain")
     g.add_argument("--max-steps", type=int, default=d.max_steps, help="denoising steps per block before committing the rest "
                                                            "(default: block size)")
     g.add_argument("--no-release-prefix", action="store_true",
@@ -46,7 +51,7 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
 def decode_config(a: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         block_size=a.block_size, first_block_size=a.first_block_size, rule=a.rule,
-                        threshold=a.threshold, topk=a.topk, draft_threshold=a.draft_threshold, max_steps=a.max_steps,
+                        threshold=a.threshold, topk=a.topk, draft_threshold=a.draft_threshold, draft_tree=a.draft_tree, max_steps=a.max_steps,
                         release_prefix=not a.no_release_prefix)
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.draft import LookupDrafter, Proposal
+from engine.draft import LookupDrafter, Proposal, tree_depths
 from engine.grammar import Constraint
 from engine.model import KVCache, Segment, Transformer, visibility_mask
 
@@ -58,7 +58,8 @@ class DecodeConfig:
     rule: str = "verify"  # verify (lossless, drafted blocks checked by the base) | threshold | topk (lossy)
     threshold: float = 0.9
     topk: int = 1
-    draft_threshold: float = 0.5  # verify: send only drafted tokens the drafter is at least this sure of
+    draft_threshold: float = 0.5  # verify: send the drafted prefix the drafter gives at least this chance of being all right
+    draft_tree: int = 0  # verify, greedy, chained heads: draft a tree of this many tokens instead of a chain (0: a chain)
     max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
     release_prefix: bool = True  # hand out a block's finished left part before the block is done
     seed: int | None = None
@@ -184,6 +185,24 @@ def verify_rule(target: Tensor, proposal: Proposal, temperature: float,
     return out
 
 
+def verify_tree(target: Tensor, proposal: Proposal) -> tuple[list[int], list[int]]:
+    """Greedy, lossless: (tokens to commit, indices of the drafted ones among them) after a tree
+    forward. `target` [1 + len(ids), V]: the base's logits after the last committed token, then
+    after each drafted token. From the root, follow the child that is the base's own choice while
+    there is one; then commit the base's next token."""
+    best = target.argmax(-1).tolist()
+    committed, path, at = [], [], -1
+    while True:
+        token = best[at + 1]
+        committed.append(token)
+        child = next((i for i, (t, parent) in enumerate(zip(proposal.ids, proposal.parents))
+                      if parent == at and t == token), None)
+        if child is None:
+            return committed, path
+        path.append(child)
+        at = child
+
+
 # Mask-block rules (lossy): which masked positions become final this step.
 
 CommitRule = Callable[[Tensor, int], Tensor]  # (confidence of masked positions, steps left) -> bool
@@ -227,14 +246,16 @@ class Forward:
     draft: list[int] = field(default_factory=list)
     context: str = "causal"
     draft_causal: bool = False  # verify: drafted tokens run as causal rows (True) instead of a mask block
+    parents: list[int] | None = None  # verify: the draft is a tree (see `Proposal.parents`); None: a chain
 
     def segment(self) -> Segment:
         state, clean, draft = self.state, self.clean, self.draft
+        if self.parents is not None:
+            return self._tree_segment()
         start = len(state.ids)
         n_clean, n_draft = len(clean), len(draft)
         end = start + n_clean + n_draft
-        if end > state.capacity:
-            raise ContextOverflow(f"conversation needs {end} tokens but the context holds {state.capacity}")
+        self._check(end)
         device = state.caches[0].k.device  # the model's: everything a forward reads lives there
         pos = torch.arange(start, end, device=device)
         if self.context == "bidirectional":
@@ -247,9 +268,52 @@ class Forward:
         else:
             visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end, device=device)])
         rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft, device=device)
-        row_lengths = list(range(start + 1, end + 1)) if self.draft_causal and n_draft else None
+        alone = [(None, n) for n in range(start + 1, end + 1)] if self.draft_causal and n_draft else None
         return Segment(torch.tensor(clean + draft, dtype=torch.long, device=device), pos,
-                       visibility_mask(visible, end), state.caches, rows, row_lengths)
+                       visibility_mask(visible, end), state.caches, rows, alone=alone)
+
+    def _tree_segment(self) -> Segment:
+        """The last committed token, then a draft tree's tokens (parents first). A token at depth d
+        sits at position start + d, but its key and value are written past the deepest path (its
+        *home*); before its row attends, its path is laid out at start + 1 .. start + d, so the row
+        sees exactly what an AR step at that position would (see `Attention.attend`)."""
+        state, start = self.state, len(self.state.ids)
+        depth = tree_depths(self.parents)
+        homes = self._tree_homes(start)
+        end = (homes[-1] + 1) if homes else start + 1
+        self._check(end)
+        device = state.caches[0].k.device
+        pos = torch.tensor([start] + [start + d for d in depth], device=device)
+        slots = torch.tensor([start] + homes, device=device)
+        paths: list[list[int]] = []
+        for parent in self.parents:
+            paths.append((paths[parent] if parent >= 0 else []) + [homes[len(paths)]])
+        alone = [(None, start + 1)] + [(torch.tensor(p, device=device), start + 1 + len(p)) for p in paths]
+        visible = torch.tensor([n for _, n in alone], device=device)
+        return Segment(torch.tensor(self.clean + self.draft, dtype=torch.long, device=device), pos,
+                       visibility_mask(visible, end), state.caches, torch.arange(len(pos), device=device),
+                       slots, alone)
+
+    def _tree_homes(self, start: int) -> list[int]:
+        deepest = max(tree_depths(self.parents), default=0)
+        return [start + 1 + deepest + i for i in range(len(self.draft))]
+
+    def _check(self, end: int) -> None:
+        if end > self.state.capacity:
+            raise ContextOverflow(f"conversation needs {end} tokens but the context holds {self.state.capacity}")
+
+    def settle(self, path: list[int]) -> None:
+        """After a tree forward: move the accepted tokens' cache entries and hidden states (`path`:
+        their indices in `draft`, root first) to their positions, right after the committed token."""
+        state = self.state
+        start = len(state.ids) - 1  # `commit` has recorded the committed token
+        homes = self._tree_homes(start)
+        device = state.caches[0].k.device
+        slots = torch.tensor([homes[i] for i in path], dtype=torch.long, device=device)
+        for cache in state.caches:
+            cache.lay_out(slots, start + 1)
+        if state.hidden is not None:  # `commit` wrote draft row i's state at start + 1 + i
+            state.hidden[start + 1:start + 1 + len(path)] = state.hidden[[start + 1 + i for i in path]]
 
     def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
@@ -342,6 +406,7 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
     Yields a `Forward` per step (and is sent its logits) and a `Block` per step's commits."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     k_max = cfg.block_size or drafter.block
+    trees = cfg.draft_tree > 0 and cfg.temperature <= 0 and constraint is None and getattr(drafter, "drafts_trees", False)
     pending, proposal = new_prompt, Proposal(forced_draft(constraint))
     produced = forwards = 0
     while True:
@@ -349,14 +414,20 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         if constraint is not None:  # a drafted token the grammar refuses could never be committed
             drafted = drafted.first(constraint.valid_prefix(drafted.ids))
         k = len(drafted.ids)
-        last, draft_logits = yield Forward(state, pending, draft=drafted.ids, draft_causal=True)
+        forward = Forward(state, pending, draft=drafted.ids, draft_causal=True, parents=drafted.parents)
+        last, draft_logits = yield forward
         forwards += 1
         target = torch.cat([last[None], draft_logits]) if k else last[None]
-        committed = verify_rule(target, drafted, cfg.temperature, generator, constraint)
-        accepted = len(committed) - 1  # drafted tokens the base agreed with: their causal rows are final
+        if drafted.parents is None:
+            committed = verify_rule(target, drafted, cfg.temperature, generator, constraint)
+            path = list(range(len(committed) - 1))  # drafted tokens the base agreed with: their rows are final
+        else:
+            committed, path = verify_tree(target, drafted)
         stop = next((i + 1 for i, token in enumerate(committed) if token in stop_ids), len(committed))
-        committed = committed[:stop]
-        state.ids.extend(committed[:min(accepted, stop)])
+        committed, path = committed[:stop], path[:stop]
+        if drafted.parents is not None:
+            forward.settle(path)
+        state.ids.extend(committed[:len(path)])
         produced += len(committed)
         done = committed[-1] in stop_ids or produced >= cfg.max_new_tokens
         yield Block(committed, 1, forwards, done)
@@ -364,7 +435,10 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
             return
         pending = [committed[-1]]
         proposal = Proposal(forced_draft(constraint))
-        if not proposal.ids:
+        if trees:
+            proposal = drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
+                                            cfg.draft_tree)
+        elif not proposal.ids:
             proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                        cfg.temperature, generator, cfg.draft_threshold)
 

@@ -37,20 +37,66 @@ class Proposal:
     ids: list[int]
     probs: Tensor | None = None  # [len(ids), vocab] over the base vocabulary
     confidence: list[float] | None = None  # the drafter's own probability of each token (None: sure)
+    # A tree (greedy only): each token's parent, an index into `ids` before it (-1: the last committed
+    # token); siblings are alternatives. None: a chain, each token following the one before it.
+    parents: list[int] | None = None
 
     def first(self, n: int) -> "Proposal":
-        """The first `n` drafted tokens (none if n <= 0)."""
+        """The drafted tokens at most `n` deep (none if n <= 0)."""
         n = max(0, n)
+        if self.parents is not None:
+            return self._keep([d <= n for d in tree_depths(self.parents)])
         return Proposal(self.ids[:n], self.probs[:n] if self.probs is not None else None,
                         self.confidence[:n] if self.confidence is not None else None)
 
     def until_unsure(self, threshold: float) -> "Proposal":
-        """The drafted prefix the drafter itself is at least `threshold` sure of: a draft row costs
-        arithmetic, so rows likely to be rejected are not worth sending. Lossless either way (which
-        rows are sent never depends on the base's answer)."""
+        """The drafted tokens whose path the drafter itself gives at least `threshold` probability of
+        being right all through (the product of the confidences along it): a draft row costs a
+        fifth of a forward here, so rows likely to be rejected are not worth sending. Lossless
+        either way (which rows are sent never depends on the base's answer)."""
         if self.confidence is None or threshold <= 0:
             return self
-        return self.first(next((i for i, c in enumerate(self.confidence) if c < threshold), len(self.ids)))
+        if self.parents is not None:
+            joint: list[float] = []
+            for c, parent in zip(self.confidence, self.parents):
+                joint.append(c * (joint[parent] if parent >= 0 else 1.0))
+            return self._keep([j >= threshold for j in joint])
+        return self.first(sure_prefix(self.confidence, threshold))
+
+    def _keep(self, wanted: list[bool]) -> "Proposal":
+        """The tree's tokens that are `wanted` and whose ancestors all are, parents renumbered."""
+        index: dict[int, int] = {-1: -1}
+        ids, confidence, parents = [], [], []
+        for i, (token, parent) in enumerate(zip(self.ids, self.parents)):
+            if wanted[i] and parent in index:
+                index[i] = len(ids)
+                ids.append(token)
+                parents.append(index[parent])
+                if self.confidence is not None:
+                    confidence.append(self.confidence[i])
+        return Proposal(ids, None, confidence if self.confidence is not None else None, parents)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each tree token's depth: 1 for a child of the last committed token."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(depth[parent] + 1 if parent >= 0 else 1)
+    return depth
+
+
+def sure_prefix(confidence: list[float], threshold: float) -> int:
+    """How many leading tokens keep the product of their confidences at least `threshold`."""
+    joint, n = 1.0, 0
+    for c in confidence:
+        joint *= c
+        if joint < threshold:
+            break
+        n += 1
+    return n
+
+
+TREE_WIDTH = 4  # draft trees: paths extended per pass, and alternatives drafted per path
 
 
 @dataclass
@@ -79,12 +125,35 @@ class DraftLayer(nn.Module):
         self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
 
     def forward(self, x: Tensor, ctx: Tensor, mask: Tensor) -> Tensor:
-        b, k, d = x.shape
+        """All rows x [B, rows, dim] at once over the context `ctx` [B, W, dim] (training, parallel heads)."""
         h = self.attn_norm(x)
         kv = torch.cat([self.ctx_norm(ctx), h], 1)
-        split = lambda t: t.view(b, t.shape[1], self.n_heads, d // self.n_heads).transpose(1, 2)  # noqa: E731
-        y = F.scaled_dot_product_attention(split(self.wq(h)), split(self.wk(kv)), split(self.wv(kv)), attn_mask=mask)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, k, d))
+        return self._attend_and_mlp(x, self.heads(self.wq(h)), self.heads(self.wk(kv)), self.heads(self.wv(kv)), mask)
+
+    def context_kv(self, ctx: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """The context's keys and values, as the lists `step` extends."""
+        c = self.ctx_norm(ctx)
+        return [self.heads(self.wk(c))], [self.heads(self.wv(c))]
+
+    def step(self, x: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor) -> Tensor:
+        """One more chained row x [B, 1, dim]: its key and value join `keys`/`values`, so the context and
+        the earlier rows are projected once per proposal instead of once per drafted token (the
+        projections of ~20 rows were most of a proposal's time)."""
+        h = self.attn_norm(x)
+        keys.append(self.heads(self.wk(h)))
+        values.append(self.heads(self.wv(h)))
+        b = x.shape[0]  # several paths of a draft tree share the context's keys and values
+        k, v = (torch.cat([t.expand(b, -1, -1, -1) for t in kv], 2) for kv in (keys, values))
+        return self._attend_and_mlp(x, self.heads(self.wq(h)), k, v, mask)
+
+    def heads(self, t: Tensor) -> Tensor:
+        b, n, d = t.shape
+        return t.view(b, n, self.n_heads, d // self.n_heads).transpose(1, 2)
+
+    def _attend_and_mlp(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        b, rows, d = x.shape
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, rows, d))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -109,6 +178,11 @@ class DraftHead(nn.Module):
     def block(self) -> int:
         """Tokens drafted per pass."""
         return self.args.block
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Only a chained head can grow alternatives from its own drafted tokens (`propose_tree`)."""
+        return self.args.chain
 
     def forward(self, hidden: Tensor, next_emb: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
         """hidden, next_emb [B, W, dim] (oldest first), valid [B, W] -> logits [B, rows, draft_vocab].
@@ -140,28 +214,75 @@ class DraftHead(nn.Module):
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
         every position but the last (each paired with the token after it, the last one's being ids[-1]).
-        A chained head stops drafting at the first token it is less than `threshold` sure of."""
-        w, device = self.args.window, hidden.device
-        n = min(w, hidden.shape[0])
-        nxt = torch.tensor(ids[-n:], device=device)
-        pad = w - n
-        valid = (torch.arange(w, device=device) >= pad)[None]
-        h = F.pad(hidden[-n:].float(), (0, 0, pad, 0))[None]
-        e = F.pad(embed(nxt).float(), (0, 0, pad, 0))[None]
+        A chained head stops drafting once the drafted prefix is less than `threshold` likely right."""
+        h, e, valid = self._window(embed, hidden, ids)
         if not self.args.chain:
             return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)
         ctx = self.context(h, e)
+        cache = [layer.context_kv(ctx) for layer in self.layers]
         ids_out, confidence, probs = [], [], []
         while len(ids_out) < k:
-            prev = embed(torch.tensor([ids[-1]] + ids_out, device=device)).float()[None]
-            one = self._pick(self.rows(ctx, valid, prev)[0, -1:].float(), temperature, generator)
+            prev = embed(torch.tensor([(ids + ids_out)[-1]], device=h.device)).float()[None]
+            x = self._step(len(ids_out), prev, valid, cache)
+            one = self._pick(self.head(self.norm(x))[0].float(), temperature, generator)
             ids_out += one.ids
             confidence += one.confidence
             if one.probs is not None:
                 probs.append(one.probs)
-            if one.confidence[0] < threshold:
+            if sure_prefix(confidence, threshold) < len(confidence):
                 break
         return Proposal(ids_out, torch.cat(probs) if probs else None, confidence)
+
+    @torch.inference_mode()
+    def propose_tree(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal:
+        """Greedy, chained heads: a tree of `nodes` tokens at most `k` deep after `ids` (EAGLE-2-like).
+        Each pass drafts the next token of the TREE_WIDTH likeliest paths so far, TREE_WIDTH
+        alternatives each; of all tokens drafted, the `nodes` likeliest paths are kept (a path's
+        likelihood is the product of its tokens' confidences, so a kept token's parent is kept).
+        Verify then accepts the longest path the base agrees with: one forward checks every
+        alternative, which pays where a forward's cost hardly grows with its rows (a GPU)."""
+        h, e, valid = self._window(embed, hidden, ids)
+        cache = [layer.context_kv(self.context(h, e)) for layer in self.layers]
+        tokens, parents, confidence, joint = [], [], [], []
+        paths, path_joint, last = [-1], torch.ones(1), [ids[-1]]  # the paths being extended
+        for depth in range(min(k, self.args.block)):
+            x = self._step(depth, embed(torch.tensor(last, device=h.device)).float()[:, None], valid, cache)
+            p, best = self.head(self.norm(x))[:, 0].float().softmax(-1).topk(TREE_WIDTH, -1)
+            first = len(tokens)
+            tokens += self.vocab_ids[best].flatten().tolist()
+            parents += [parent for parent in paths for _ in range(TREE_WIDTH)]
+            confidence += p.flatten().tolist()
+            grown = (path_joint[:, None] * p.cpu()).flatten()
+            joint += grown.tolist()
+            keep = grown.topk(min(TREE_WIDTH, len(grown))).indices
+            for keys, values in cache:  # the kept paths' rows so far; keys[0] is the shared context
+                keys[1:] = [t[keep // TREE_WIDTH] for t in keys[1:]]
+                values[1:] = [t[keep // TREE_WIDTH] for t in values[1:]]
+            paths = [first + int(i) for i in keep]
+            path_joint, last = grown[keep], [tokens[i] for i in paths]
+        order = sorted(range(len(tokens)), key=lambda i: -joint[i])[:nodes]
+        chosen = set(order)
+        return Proposal(tokens, None, confidence, parents)._keep([i in chosen for i in range(len(tokens))])
+
+    def _window(self, embed: nn.Embedding, hidden: Tensor, ids: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """The last `window` positions' hidden states and next-token embeddings, padded in front, and
+        which are real: the head's context."""
+        w, device = self.args.window, hidden.device
+        n = min(w, hidden.shape[0])
+        pad = w - n
+        valid = (torch.arange(w, device=device) >= pad)[None]
+        h = F.pad(hidden[-n:].float(), (0, 0, pad, 0))[None]
+        e = F.pad(embed(torch.tensor(ids[-n:], device=device)).float(), (0, 0, pad, 0))[None]
+        return h, e, valid
+
+    def _step(self, row: int, prev: Tensor, valid: Tensor, cache: list) -> Tensor:
+        """Chained row `row` for each of B paths, given the token before it (`prev` [B, 1, dim])."""
+        x = self.queries[row:row + 1] + self.prev_in(self.prev_norm(prev))
+        b = x.shape[0]
+        mask = torch.cat([valid.expand(b, -1), valid.new_ones(b, row + 1)], -1)[:, None, None]
+        for layer, (keys, values) in zip(self.layers, cache):
+            x = layer.step(x, keys, values, mask)
+        return x
 
     def _pick(self, logits: Tensor, temperature: float, generator: torch.Generator | None) -> Proposal:
         """Greedy or sampled tokens from draft-vocabulary logits [rows, draft_vocab]."""

@@ -52,10 +52,16 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, pos: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
-        self.k[:, :, pos] = k
-        self.v[:, :, pos] = v
+    def update(self, slots: Tensor, k: Tensor, v: Tensor, kv_len: int) -> tuple[Tensor, Tensor]:
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
         return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
+
+    def lay_out(self, slots: Tensor, at: int) -> None:
+        """Copy the entries at `slots` to `at`, `at` + 1, ...: a draft tree's path, placed where an
+        AR step would find it (and an accepted path, placed for good)."""
+        self.k[:, :, at:at + len(slots)] = self.k[:, :, slots]
+        self.v[:, :, at:at + len(slots)] = self.v[:, :, slots]
 
 
 class RMSNorm(nn.Module):
@@ -104,12 +110,16 @@ class Attention(nn.Module):
                                        cache))
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor,
-               mask: Tensor, cache: KVCache | None, row_lengths: list[int] | None = None) -> Tensor:
+               mask: Tensor, cache: KVCache | None, slots: Tensor | None = None,
+               alone: list[tuple[Tensor | None, int]] | None = None) -> Tensor:
         """Attention of one sequence's projected rows against its own cache (before o_proj).
 
-        `row_lengths` (causal rows only): row i attends alone to the first row_lengths[i] cache
-        slots, the very call an AR step for that position makes, so a verified row equals the AR
-        row bit for bit (a kernel's result may change with the number of query rows or masked slots)."""
+        The rows' keys and values are written at cache `slots` (default: their positions).
+        `alone` (verify rows): row i attends alone to the first n cache slots, the very call an AR
+        step for that position makes, so a verified row equals the AR row bit for bit (a kernel's
+        result may change with the number of query rows or masked slots). A draft-tree row's
+        entry also names the slots of its path (its ancestors and itself), laid out at the end
+        of those n slots first."""
         a = self.args
         b, t, _ = x.shape
         q = q.view(b, t, a.n_heads, a.head_dim)
@@ -120,12 +130,16 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(pos, k, v, mask.shape[-1])
+            k, v = cache.update(pos if slots is None else slots, k, v, mask.shape[-1])
         gqa = a.n_heads != a.n_kv_heads
-        if row_lengths is not None:
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n],
-                                                          attn_mask=mask[i:i + 1, :n], enable_gqa=gqa)
-                           for i, n in enumerate(row_lengths)], dim=2)
+        if alone is not None:
+            rows = []
+            for i, (path, n) in enumerate(alone):
+                if path is not None:
+                    cache.lay_out(path, n - len(path))
+                rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n],
+                                                           attn_mask=mask[i:i + 1, :n], enable_gqa=gqa))
+            y = torch.cat(rows, dim=2)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return y.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)
@@ -213,7 +227,8 @@ class Segment:
     mask: Tensor  # [T, S]
     caches: list[KVCache]
     logits_rows: Tensor  # rows of this segment whose logits are wanted
-    row_lengths: list[int] | None = None  # causal rows attending one at a time (see `Attention.attend`)
+    slots: Tensor | None = None  # cache slots the rows are written to (None: their positions)
+    alone: list[tuple[Tensor | None, int]] | None = None  # verify rows attending one at a time (`Attention.attend`)
 
 
 def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[Tensor, Tensor]]:
@@ -233,7 +248,7 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[
         for seg, n, (cos, sin) in zip(segments, sizes, ropes):
             rows = slice(start, start + n)
             outs.append(attn.attend(h[:, rows], q[:, rows], k[:, rows], v[:, rows], cos, sin, seg.pos, seg.mask,
-                                    seg.caches[i], seg.row_lengths))
+                                    seg.caches[i], seg.slots, seg.alone))
             start += n
         x = x + attn.o_proj(torch.cat(outs, dim=1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -208,9 +208,9 @@ def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[to
 
 def kept(logits: torch.Tensor, targets: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     """Drafted tokens greedy verify keeps at each position [B]: the agreeing prefix of the rows sent
-    (the decoder sends the rows before the first one the head is less than `threshold` sure of)."""
+    (the decoder sends the longest prefix whose confidences multiply to at least `threshold`)."""
     confidence, best = logits.softmax(-1).max(-1)
-    hits = (best == targets) & (targets != -100) & (confidence >= threshold)
+    hits = (best == targets) & (targets != -100) & (confidence.cumprod(-1) >= threshold)
     return hits.int().cumprod(-1).sum(-1)
 
 

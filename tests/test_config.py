@@ -51,7 +51,15 @@ def test_a_forward_is_built_on_the_cache_device():
         segment = Forward(state, [4, 5], False, [6, 7, 8], "causal", draft_causal).segment()
         assert {t.device.type for t in (segment.tokens, segment.pos, segment.mask, segment.logits_rows)} == {"meta"}
         assert segment.mask.shape == (5, 8)
-    assert Forward(state, [4, 5], False, [6, 7, 8], "causal", True).segment().row_lengths == [4, 5, 6, 7, 8]
+    chain = Forward(state, [4, 5], False, [6, 7, 8], "causal", True).segment()
+    assert chain.alone == [(None, n) for n in (4, 5, 6, 7, 8)] and chain.slots is None
+    # a tree (6 and 7 both follow 4, 8 follows 7): rows at their depths' positions, keys written past
+    # the deepest path, each row seeing its own path laid out after the cached prefix
+    on_cpu = CacheState([KVCache(1, 2, 32, 8, torch.float32) for _ in range(2)], None, [1, 2, 3])
+    tree = Forward(on_cpu, [4], False, [6, 7, 8], "causal", True, parents=[-1, -1, 1]).segment()
+    assert tree.pos.tolist() == [3, 4, 4, 5] and tree.slots.tolist() == [3, 6, 7, 8]
+    assert [(p if p is None else p.tolist(), n) for p, n in tree.alone] == [(None, 4), ([6], 5), ([7], 5), ([7, 8], 6)]
+    assert tree.mask.shape == (4, 9)
 
 
 def test_unknown_options_are_named(tmp_path: Path):

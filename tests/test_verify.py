@@ -73,6 +73,129 @@ def test_greedy_verify_commits_only_what_the_base_would(tiny, seed):
     assert forwards < ar_forwards  # every accepted draft token saved a forward
 
 
+class TreeOfGuesses:
+    """Draft trees around the reference reply in which the right token is never a first child: at
+    each depth a wrong token (with a wrong child of its own) comes first, then the right one, and
+    now and then the right one is missing. A chain drafter would have nothing accepted."""
+
+    drafts_trees = True
+    block = 4
+
+    def __init__(self, prompt_len: int, reference: list[int], seed: int):
+        self.prompt_len, self.reference = prompt_len, reference
+        self.rng = torch.Generator().manual_seed(seed)
+        self.trees = 0
+
+    def propose_tree(self, embed, hidden, ids, k, nodes) -> Proposal:
+        at = len(ids) - self.prompt_len
+        tokens, parents, parent, wrongs = [], [], -1, []
+        for token in self.reference[at:at + k]:
+            wrong = (token + 1 + int(torch.randint(0, 50, (1,), generator=self.rng))) % (MASK_ID - 4)
+            tokens.append(wrong)
+            parents.append(parent)
+            wrongs.append(len(tokens) - 1)
+            if float(torch.rand(1, generator=self.rng)) < 0.2:
+                break
+            tokens.append(token)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        for w in wrongs:  # the wrong tokens' own children come last
+            tokens.append((tokens[w] + 7) % (MASK_ID - 4))
+            parents.append(w)
+        self.trees += 1
+        return Proposal(tokens, None, [1.0] * len(tokens), parents)
+
+    def propose(self, embed, hidden, ids, k, temperature, generator, threshold=0.0) -> Proposal:
+        return Proposal([])  # asked for a chain: nothing
+
+
+def decode_together(loaded, prompts: list[list[int]], cfg: DecodeConfig, drafters: list) -> list[list[int]]:
+    """Several conversations decoded in shared forwards (`run_many`), as the engine's scheduler runs them."""
+    from engine.decode import Forward, plan, run_many
+    states = [CacheState.new(loaded.model, 256) for _ in prompts]
+    steps = [plan(s, p, cfg, loaded.spec, {EOS_ID}, d, loaded.model.embed_tokens)
+             for s, p, d in zip(states, prompts, drafters)]
+    replies: list[list[int]] = [[] for _ in prompts]
+
+    def advance(i: int, result):
+        try:
+            item = steps[i].send(result)
+            while not isinstance(item, Forward):
+                replies[i] += item.token_ids
+                item = steps[i].send(None)
+            return item
+        except StopIteration:
+            return None
+
+    waiting = {i: f for i in range(len(steps)) if (f := advance(i, None)) is not None}
+    while waiting:
+        results = run_many(loaded.model, list(waiting.values()))
+        waiting = {i: f for i, r in zip(list(waiting), results) if (f := advance(i, r)) is not None}
+    return replies
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_tree_verify_commits_only_what_the_base_would(tiny, seed):
+    """Each forward checks every alternative of a draft tree; the accepted path's cache rows are moved
+    to their positions, so the rest of the reply is still the AR one."""
+    prompt = torch.randint(0, MASK_ID - 4, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ar, ar_forwards = decode(tiny, prompt, DecodeConfig(mode="ar", max_new_tokens=40))
+    drafter = TreeOfGuesses(len(prompt), ar, seed)
+    cfg = DecodeConfig(mode="diffusion", rule="verify", max_new_tokens=40, draft_tree=16)
+    ids, forwards = decode(tiny, prompt, cfg, drafter)
+    assert ids == ar
+    assert drafter.trees > 0 and forwards < ar_forwards / 2  # second children were accepted, deep ones too
+    # and the hidden states a draft head reads are each position's own, as after AR steps
+    states = {}
+    for name, c in (("ar", DecodeConfig(mode="ar", max_new_tokens=40)), ("tree", cfg)):
+        states[name] = CacheState.new(tiny.model, 256)
+        list(generate(tiny.model, states[name], prompt, c, tiny.spec, {EOS_ID}, TreeOfGuesses(len(prompt), ar, seed)))
+    n = len(states["ar"].ids)
+    assert states["tree"].ids == states["ar"].ids
+    torch.testing.assert_close(states["tree"].hidden[:n], states["ar"].hidden[:n], atol=1e-4, rtol=1e-4)
+    # sampling keeps a chain (speculative sampling of trees is another rule): the tree drafter is not asked
+    sampled = TreeOfGuesses(len(prompt), ar, seed)
+    decode(tiny, prompt, DecodeConfig(rule="verify", max_new_tokens=8, draft_tree=16, temperature=0.7, seed=0),
+           sampled)
+    assert sampled.trees == 0
+
+
+def test_tree_verify_batched_across_conversations_equals_each_alone(tiny):
+    prompts = [torch.randint(0, MASK_ID - 4, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 14, 5)]
+    ar = [decode(tiny, p, DecodeConfig(mode="ar", max_new_tokens=30))[0] for p in prompts]
+    cfg = DecodeConfig(rule="verify", max_new_tokens=30, draft_tree=16)
+    drafters = [TreeOfGuesses(len(p), a, i) for i, (p, a) in enumerate(zip(prompts, ar))]
+    assert decode_together(tiny, prompts, cfg, drafters) == ar
+    assert all(d.trees > 3 for d in drafters)
+
+
+def test_a_draft_tree_is_cut_by_depth_and_by_the_likelihood_of_each_path():
+    # root -> a (0.9), b (0.3); a -> c (0.5), d (0.4); c -> e (0.9): paths a .9, b .3, c .45, d .36, e .405
+    tree = Proposal([10, 11, 12, 13, 14], None, [0.9, 0.3, 0.5, 0.4, 0.9], [-1, -1, 0, 0, 2])
+    assert (tree.until_unsure(0.35).ids, tree.until_unsure(0.35).parents) == ([10, 12, 13, 14], [-1, 0, 0, 1])
+    assert (tree.until_unsure(0.4).ids, tree.until_unsure(0.4).parents) == ([10, 12, 14], [-1, 0, 1])
+    assert (tree.first(2).ids, tree.first(2).parents) == ([10, 11, 12, 13], [-1, -1, 0, 0])
+    assert tree.first(0).ids == [] and tree.until_unsure(0.0).ids == tree.ids
+
+
+def test_a_chained_head_grows_a_tree_around_its_own_chain():
+    """The tree's likeliest path is the chain the head drafts alone; the others are its alternatives."""
+    head = chained_head(32, 50, 1)
+    embed = torch.nn.Embedding(50, 32)
+    hidden, ids = torch.randn(9, 32), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    with torch.no_grad():
+        chain = head.propose(embed, hidden, ids, 4, 0.0, None)
+        tree = head.propose_tree(embed, hidden, ids, 4, 12)
+    assert len(tree.ids) == 12 and len(set(zip(tree.ids, tree.parents))) == 12
+    at, path = -1, []
+    for _ in range(4):  # follow the likeliest child down
+        children = [i for i, p in enumerate(tree.parents) if p == at]
+        at = max(children, key=lambda i: tree.confidence[i])
+        path.append(tree.ids[at])
+    assert path == chain.ids
+
+
 def test_lookup_drafter_is_lossless_and_saves_forwards_on_repeated_text(tiny):
     prompt = [5, 6, 7, 8, 9, 10] * 6
     ar, ar_forwards = decode(tiny, prompt, DecodeConfig(mode="ar", max_new_tokens=30))
@@ -216,12 +339,16 @@ def test_default_greedy_verify_equals_greedy_ar(default_engine):
         replies = {}
         for name, cfg in (("ar", DecodeConfig(mode="ar", max_new_tokens=48)),
                           ("verify", DecodeConfig(max_new_tokens=48)),
-                          ("verify, all drafts", DecodeConfig(max_new_tokens=48, draft_threshold=0.0))):
+                          ("verify, all drafts", DecodeConfig(max_new_tokens=48, draft_threshold=0.0)),
+                          ("verify, trees", DecodeConfig(max_new_tokens=48, draft_tree=12, draft_threshold=0.0))):
             pieces = list(default_engine.generate_sync(chat(prompt), cfg, Conversation()))
             replies[name] = [t for p in pieces for t in p.token_ids]
             if name == "verify, all drafts":
                 tokens, forwards = tokens + pieces[-1].tokens, forwards + pieces[-1].forwards
+        trees = replies.pop("verify, trees")
         assert replies["verify"] == replies["ar"] == replies["verify, all drafts"], prompt
+        if default_engine.loaded.drafter.drafts_trees:  # chained heads (default's): trees too
+            assert trees == replies["ar"], prompt
     # the head's drafts are accepted, so forwards are saved (prompt lookup gets ~1.0 on these prompts)
     assert tokens / forwards > 1.25, tokens / forwards
 

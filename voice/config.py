@@ -83,7 +83,7 @@ class LmConfig:
     block_size: int = 0  # 0: the drafter's / model's
     first_block_size: int = 0  # 0: same as block_size (threshold/topk)
     threshold: float = 0.9
-    draft_threshold: float = 0.5  # verify: drafted tokens the draft head is less sure of are not sent
+    draft_threshold: float = 0.5  # verify: the drafted prefix sent is at least this likely all right
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
     threads: int = 1  # local: torch CPU threads (ASR and TTS run beside it on the same cores)
     device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)

@@ -11,7 +11,9 @@ The default commit rule is `verify` (lossless): a drafter (`engine.draft`) propo
 block, the block runs as *causal* rows of the base model in the forward that also writes the
 previous step's last token, and the longest prefix that agrees with the base model's own
 choice at each row is committed, plus the base's own next token. Greedy replies are token for
-token the AR replies; sampled ones keep the base's distribution (speculative sampling). The
+token the AR replies; sampled ones keep the base's distribution (speculative sampling). Greedy
+decoding can also check a draft *tree* (`draft_tree`): alternatives for the same positions in one
+forward, the longest path the base agrees with committed (`verify_tree`). The
 `threshold` and `topk` rules denoise mask blocks with a diffusion-trained checkpoint (an
 adapter or a native diffusion LM) and are lossy.
 

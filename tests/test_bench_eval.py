@@ -97,6 +97,10 @@ def test_bench_smoke(tmp_path, capsys):
         assert len(s["per_prompt"]) == 2
         for row in s["per_prompt"]:
             assert 0 < row["tokens"] <= CFG.max_new_tokens and row["text"]
+            # decoding after the first piece: the rest of the reply, in the rest of the time
+            assert row["decode_tokens"] < row["tokens"] and row["decode_ms"] < row["total_ms"]
+        if sum(r["decode_tokens"] for r in s["per_prompt"]):
+            assert finite_positive(s["decode_tok_s"])
     assert summary["ar"]["tokens_per_forward"] == pytest.approx(1.0)  # one token per forward, prefill included
     assert all(finite_positive(v) for k, v in summary["ratios"].items() if k != "forward_ms_p50"), summary["ratios"]
     machine = data["machine"]

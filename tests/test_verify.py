@@ -322,10 +322,11 @@ PROMPTS = ["What is the capital of Spain?", "How do I make a cup of tea?", "Tell
            "hey what's up, any plans for the weekend?"]
 
 
-@pytest.fixture(scope="module", params=[("small", "none"), ("small", "fp16"), ("small", "int8"), ("default", "fp16")],
+@pytest.fixture(scope="module", params=[("small", "none"), ("small", "fp16"), ("small", "int8"), ("default", "none"),
+                                        ("default", "fp16")],
                 ids=lambda p: "-".join(p))
 def default_engine(request):
-    """Every precision on the small model; the default model as shipped (fp16)."""
+    """Every precision on the small model; the default model in fp32 and as shipped (fp16)."""
     name, quantize = request.param
     assert shipped_drafter(name), f"{name} ships a draft head"
     return Engine.load(name, quantize=quantize)

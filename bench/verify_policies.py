@@ -14,9 +14,7 @@ ratios to AR; replies are checked to be AR's (greedy verify is lossless).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -24,10 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data import chat  # noqa: E402
-from engine.decode import CacheState, DecodeConfig, generate  # noqa: E402
-from engine.loading import load  # noqa: E402
+from engine.bench import read_prompts, summarize_mode, timed_request  # noqa: E402
+from engine.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
+from engine.decode import DecodeConfig  # noqa: E402
 from engine.quantize import DEFAULT_QUANTIZE  # noqa: E402
+from engine.stream import Engine  # noqa: E402
 
 
 def parse_policy(text: str, base: DecodeConfig) -> tuple[str, DecodeConfig]:
@@ -54,44 +53,27 @@ def main() -> None:
                     help="NAME=field=value,... (DecodeConfig fields; verify by default); repeatable")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    loaded = load(a.model, max_seq_len=1024, quantize=a.quantize)
-    model, tok = loaded.model, loaded.tokenizer
+    engine = Engine.load(a.model, quantize=a.quantize)
     base = DecodeConfig(max_new_tokens=a.max_new_tokens)
     policies = dict([("AR", replace(base, mode="ar"))] + [parse_policy(p, base) for p in a.policy or ["verify="]])
-    prompts = [json.loads(line)["prompt"] for line in open(a.prompts)]
-    totals = {name: {"tokens": 0, "forwards": 0, "seconds": 0.0, "after": 0, "after_seconds": 0.0, "same": 0}
-              for name in policies}
+    prompts = read_prompts(Path(a.prompts), 0)
     names = list(policies)
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    for name in names:  # warm-up, as `engine bench` does
+        timed_request(engine, chat(prompts[0], VOICE_SYSTEM_PROMPT), policies[name])
     for i, prompt in enumerate(prompts):
-        ids = tok.encode_chat(chat(prompt))
-        replies = {}
+        messages = chat(prompt, VOICE_SYSTEM_PROMPT)
         for name in names[i % len(names):] + names[:i % len(names)]:
-            start, first, out, forwards = time.perf_counter(), None, [], 0
-            for block in generate(model, CacheState.new(model, 1024), ids, policies[name], loaded.spec,
-                                  tok.eos_ids, loaded.drafter):
-                if first is None:
-                    first, first_tokens = time.perf_counter(), len(block.token_ids)
-                out += block.token_ids
-                forwards = block.forwards
-            end = time.perf_counter()
-            t = totals[name]
-            t["tokens"] += len(out)
-            t["forwards"] += forwards
-            t["seconds"] += end - start
-            t["after"] += len(out) - first_tokens
-            t["after_seconds"] += end - first
-            replies[name] = out
-        for name in names:
-            totals[name]["same"] += replies[name] == replies["AR"]
-        print(f"[{i + 1}/{len(prompts)}] {len(replies['AR'])} tokens", file=sys.stderr)
-    ar = totals["AR"]
-    ar_rate, ar_after = ar["tokens"] / ar["seconds"], ar["after"] / ar["after_seconds"]
-    print(f"{loaded.name} ({loaded.weights}), {a.threads} thread(s), {len(prompts)} prompts, one interleaved run")
+            rows[name].append(timed_request(engine, messages, policies[name]))
+        print(f"[{i + 1}/{len(prompts)}] {rows['AR'][-1]['tokens']} tokens", file=sys.stderr)
+    summary = {name: summarize_mode(r) for name, r in rows.items()}
+    ar = summary["AR"]
+    print(f"{engine.name} ({engine.loaded.weights}), {a.threads} thread(s), {len(prompts)} prompts, one interleaved run")
     print(f"{'setting':24}{'tok/fwd':>9}{'tok/s':>8}{'x AR':>7}{'after 1st':>11}{'x AR':>7}{'same as AR':>12}")
-    for name, t in totals.items():
-        rate, after = t["tokens"] / t["seconds"], t["after"] / t["after_seconds"]
-        print(f"{name:24}{t['tokens'] / t['forwards']:>9.2f}{rate:>8.2f}{rate / ar_rate:>7.3f}{after:>11.2f}"
-              f"{after / ar_after:>7.3f}{t['same']:>7}/{len(prompts)}")
+    for name, s in summary.items():
+        same = sum(r["token_ids"] == ar_row["token_ids"] for r, ar_row in zip(rows[name], rows["AR"]))
+        print(f"{name:24}{s['tokens_per_forward']:>9.2f}{s['tok_s']:>8.2f}{s['tok_s'] / ar['tok_s']:>7.3f}"
+              f"{s['decode_tok_s']:>11.2f}{s['decode_tok_s'] / ar['decode_tok_s']:>7.3f}{same:>7}/{len(prompts)}")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "the whole block; lossless either way)")
     g.add_argument("--draft-tree", type=int, default=d.draft_tree,
                    help="verify, greedy, chained draft heads: draft a tree of this many tokens (alternatives checked "
-                        "in the same forward) instead of a chain; pays where extra rows are nearly free (a GPU), "
-                        "not on a small CPU (BENCHMARKS.md); 0 = a chain")
+                        "in the same forward) instead of a chain; --draft-threshold still drops paths the head thinks less "
+                        "likely (0 sends the whole tree); pays where extra rows are nearly free (a GPU), not on a "
+                        "small CPU (BENCHMARKS.md); 0 = a chain")
     g.add_argument("--max-steps", type=int, default=d.max_steps, help="denoising steps per block before committing the rest "
                                                            "(default: block size)")
     g.add_argument("--no-release-prefix", action="store_true",

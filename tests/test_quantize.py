@@ -1,5 +1,8 @@
-"""int8 linear layers (engine/quantize.py): a faithful approximation of the fp32 model, usable
-by both decoders and by batched steps, and a clean fallback where the kernels cannot run."""
+"""Fast linear layers (engine/quantize.py): int8 a faithful approximation of the fp32 model, usable
+by both decoders and by batched steps; fp16 and int8 rows independent of each other on this CPU's
+kernels (checked at run time); a clean fallback to fp32 where the kernels cannot run or cannot keep that."""
+
+import copy
 
 import pytest
 import torch
@@ -67,18 +70,98 @@ def test_int8_tracks_fp32_on_the_real_model(pair):
     assert max(kls) < 0.2, kls
 
 
-@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (576, 49152)])
-def test_fp16_rows_do_not_depend_on_each_other(shape):
-    """fbgemm's fp16 linear: a row's output is bit for bit the same alone or among 1-16 rows."""
-    if q.supported("fp16"):
-        pytest.skip(q.supported("fp16"))
+def rows_independent(layer: nn.Module, rows: torch.Tensor) -> bool:
+    """Every row's output, bit for bit, is the one it has alone, among the first 2-16 rows (so at
+    every place of every count up to 16: fbgemm's AVX2 kernels change with both)."""
+    with torch.no_grad():
+        alone = torch.cat([layer(rows[i:i + 1]) for i in range(len(rows))])
+        return all(torch.equal(layer(rows[:m]), alone[:m]) for m in range(2, len(rows) + 1))
+
+
+def fp16_layer(shape: tuple[int, int], group: int | None = None) -> nn.Module:
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(*shape))
+    if group is None:
+        q.fp16_linears(layer)  # as this CPU needs
+    else:
+        q._fp16(layer, group)
+    return layer
+
+
+ROWS = {shape: torch.randn(16, shape[0], generator=torch.Generator().manual_seed(1))
+        * torch.logspace(-2, 2, 16)[:, None]  # very different magnitudes per row
+        for shape in [(576, 1536), (1536, 576), (576, 49152)]}
+
+
+@pytest.mark.parametrize("shape", list(ROWS))
+def test_fp16_rows_do_not_depend_on_each_other(shape):
+    """Where fp16 is offered, its layers (fbgemm's fp16 linear, handed rows as this CPU needs) give a
+    row the same output alone or among others; where it is not, the model stays fp32."""
+    why_not = q.supported("fp16")
+    if why_not:
+        model = nn.Sequential(nn.Linear(*shape))
+        assert q.quantize(model, "fp16") == "fp32" and type(model[0]) is nn.Linear, why_not
+        return
+    assert rows_independent(fp16_layer(shape), ROWS[shape])
+
+
+def test_fp16_row_grouping_is_the_first_that_keeps_rows_independent():
+    """The run-time probe's choice, checked on a real layer: each grouping tried before it (fbgemm as
+    is, on AVX2) really does let rows depend on each other; rows are handed over in that grouping."""
+    group = q.fp16_row_group()
+    if not group:
+        pytest.skip(q.supported("fp16"))
+    shape = (576, 1536)
+    for cheaper in q.FP16_ROW_GROUPS[:q.FP16_ROW_GROUPS.index(group)]:
+        assert not rows_independent(fp16_layer(shape, cheaper), ROWS[shape]), cheaper
+    # and so fp16_linears hands them over: the layer's answers stay the linear's, for any number of rows
+    torch.manual_seed(0)
+    fp32 = nn.Linear(*shape)
+    layer = nn.Sequential(copy.deepcopy(fp32))
     q.fp16_linears(layer)
-    rows = torch.randn(16, shape[0]) * torch.logspace(-2, 2, 16)[:, None]
-    together = layer(rows)
-    for m in (1, 2, 5, 8):
-        assert all(torch.equal(layer(rows[i:i + m])[0], together[i]) for i in range(0, 16 - m))
+    assert [m.group for m in layer.modules() if isinstance(m, q.RowGroups)] == ([group] if group > 1 else [])
+    assert not any(type(m) is nn.Linear for m in layer.modules())
+    with torch.no_grad():
+        for n in (1, 5, 7):
+            x = ROWS[shape][None, :n]
+            y, want = layer(x), fp32(x)
+            assert y.shape == want.shape == (1, n, shape[1])
+            assert torch.allclose(y, want, rtol=1e-2, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.fixture
+def fresh_fp16_probe():
+    q.fp16_row_group.cache_clear()
+    yield
+    q.fp16_row_group.cache_clear()
+
+
+def test_where_no_grouping_keeps_fp16_rows_independent_the_model_stays_fp32(monkeypatch, caplog, fresh_fp16_probe):
+    monkeypatch.setattr(q, "_rows_independent", lambda group: False)
+    assert "fp16" in q.supported("fp16") and q.fp16_row_group() == 0
+    model, drafter = nn.Sequential(nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8))
+    with caplog.at_level("WARNING", logger="engine.quantize"):
+        assert q.quantize(model, "fp16") == "fp32"
+    assert "fp16 requested but" in caplog.text and "running fp32" in caplog.text
+    q.quantize_like(drafter, "fp16")  # a draft head follows: it stays fp32 too
+    assert type(model[0]) is nn.Linear and type(drafter[0]) is nn.Linear
+
+
+def test_int8_is_offered_only_where_its_matmul_is_exact():
+    """`torch._int_mm` saturates without VNNI (oneDNN sums int8 products in pairs, in 16 bits): int8
+    is offered only where it is exact, at the extremes (products of 127s); elsewhere it stays fp32."""
+    a = torch.full((3, 256), 127, dtype=torch.int8)
+    a[1], a[2, ::2] = -127, -127
+    b = torch.full((256, 16), 127, dtype=torch.int8)
+    b[:, 8:] = -127
+    try:
+        exact = torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+    except (RuntimeError, NotImplementedError):
+        exact = False
+    assert (q.supported("int8") == "") == exact, q.supported("int8")
+    if not exact:
+        model = nn.Sequential(nn.Linear(16, 16))
+        assert q.quantize(model, "int8") == "fp32" and type(model[0]) is nn.Linear
 
 
 def test_int8_rows_do_not_depend_on_each_other():

@@ -16,6 +16,7 @@ from engine.data import chat
 from engine.decode import CacheState, DecodeConfig, Proposal, generate, verify_rule
 from engine.draft import DraftHead, LookupDrafter
 from engine.loading import load, shipped_drafter
+from engine.quantize import supported
 from engine.stream import Conversation, Engine
 
 import tinyckpt
@@ -329,6 +330,9 @@ def default_engine(request):
     """Every precision on the small model; the default model in fp32 and as shipped (fp16)."""
     name, quantize = request.param
     assert shipped_drafter(name), f"{name} ships a draft head"
+    why_not = supported(quantize) if quantize != "none" else ""
+    if why_not:  # the model would stay fp32: the `none` case again
+        pytest.skip(why_not)
     return Engine.load(name, quantize=quantize)
 
 
@@ -350,8 +354,14 @@ def test_default_greedy_verify_equals_greedy_ar(default_engine):
         assert replies["verify"] == replies["ar"] == replies["verify, all drafts"], prompt
         if default_engine.loaded.drafter.drafts_trees:  # chained heads (default's): trees too
             assert trees == replies["ar"], prompt
-    # the head's drafts are accepted, so forwards are saved (prompt lookup gets ~1.0 on these prompts)
-    assert tokens / forwards > 1.25, tokens / forwards
+    # The head's drafts are accepted, so forwards are saved. With no draft accepted a forward commits
+    # one token: 1.0 at most (prompt lookup gets ~1.0 on these prompts). > 1.1 asks for one accepted
+    # draft token per ten forwards. The figure itself is not a property of the head alone: kernels
+    # that round differently (AVX2 vs AVX-512; int8's activation rounding passes such differences on)
+    # change which token wins a near-tie, so the replies, and what is accepted of them, change. On
+    # these 4 prompts `small` measured 1.22-1.31 across CPUs and precisions (`default` 1.91), all with
+    # verify == AR; a bound inside that spread (1.25 was) fails on some CPUs for no fault of the head.
+    assert tokens / forwards > 1.1, tokens / forwards
 
 
 def test_a_head_shipped_in_fp16_loads_and_drafts_like_the_original(tmp_path):

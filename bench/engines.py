@@ -353,7 +353,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for every engine (default 1: shared box)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="reply length limit (default 96, as engine bench)")
-    p.add_argument("--model", default="default", help="our engine's model (default: packaged SmolLM2 GGUF)")
+    p.add_argument("--model", default="default", help="our engine's model, by name or GGUF path (default: default)")
     p.add_argument("--adapter", default="none",
                    help="ours_diffusion LoRA adapter: 'none' (default: the base weights, verified drafts), "
                         "'default' (the shipped one, for lossy rules) or a path")
@@ -362,12 +362,13 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=0, help="diffusion block size (0: the model's)")
     p.add_argument("--first-block-size", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="fp16",
-                   help="our engine's linear layers (default int8, as the voice service ships)")
-    p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: the packaged one)")
+    p.add_argument("--quantize", choices=["none", "fp16", "int8", "gguf"], default="gguf",
+                   help="our engine's kernels: gguf = the GGUF as packaged on llama.cpp's (default); none/fp16/int8 = PyTorch")
+    p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: --model's)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),
                    help="interpreter for ours_* and transformers (default: .venv)")
-    p.add_argument("--llamacpp-python", default=str(LLAMACPP_PYTHON), help="interpreter with llama_cpp (bench/setup.sh)")
+    p.add_argument("--llamacpp-python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else LLAMACPP_PYTHON),
+                   help="interpreter with llama_cpp (default: the project's .venv, which has it)")
     p.add_argument("--json", default=str(RESULTS / "engines.json"), help="results file ('' for none)")
     p.add_argument("--no-latest", action="store_true", help="do not update bench/results/latest.json")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -375,16 +376,14 @@ def main(argv=None) -> int:
     if a.worker:
         return worker_main(a)
 
-    from engine.loading import packaged_smollm2_gguf
-    a.gguf = a.gguf or str(packaged_smollm2_gguf())
+    from engine.loading import gguf_path
+    a.gguf = a.gguf or str(gguf_path(a.model))  # the peers run exactly the weights of --model
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise SystemExit(f"unknown engine(s) {bad}; choose from {ENGINES}")
     if "llamacpp" in engines and not Path(a.llamacpp_python).exists():
         raise SystemExit(f"{a.llamacpp_python} is missing: run bench/setup.sh llamacpp (or leave out llamacpp)")
-    if a.model != "default" and {"transformers", "llamacpp"} & set(engines) and not a.gguf:
-        raise SystemExit("with --model other than default, give the peers the same weights with --gguf")
     mach = machine()
     reqs, eos, tok = shared_prompts(a)
     for r in reqs:

@@ -26,13 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.data import chat  # noqa: E402
 from engine.decode import CacheState, run  # noqa: E402
 from engine.loading import load  # noqa: E402
-from engine.quantize import DEFAULT_QUANTIZE  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--quantize", default=DEFAULT_QUANTIZE)
+    ap.add_argument("--quantize", default="fp16")  # verify runs on PyTorch's kernels
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--rows", default="0,1,2,3,4,8,16", help="drafted rows per forward to time")

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.bench import read_prompts, summarize_mode, timed_request  # noqa: E402
 from engine.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
 from engine.decode import DecodeConfig  # noqa: E402
-from engine.quantize import DEFAULT_QUANTIZE  # noqa: E402
 from engine.stream import Engine  # noqa: E402
 
 
@@ -45,7 +44,7 @@ def parse_policy(text: str, base: DecodeConfig) -> tuple[str, DecodeConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--quantize", default=DEFAULT_QUANTIZE)
+    ap.add_argument("--quantize", default="fp16")  # verify runs on PyTorch's kernels
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", default="engine/prompts/heldout.jsonl")
     ap.add_argument("--max-new-tokens", type=int, default=48)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from engine.decode import COMMIT_RULES, DecodeConfig
-from engine.quantize import CHOICES, DEFAULT_QUANTIZE
+from engine.loading import DEFAULT_QUANTIZE, QUANTIZE
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -69,10 +69,11 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                         "(default: the model's shipped head, prompt lookup if it has none)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
-    p.add_argument("--quantize", choices=CHOICES, default=DEFAULT_QUANTIZE,
-                   help="faster CPU linear layers whose rows stay independent (so verify stays lossless): fp16 "
-                        "weights (fbgemm; replies ~ fp32's) or int8 weights with per-row int8 activations, or none "
-                        f"(fp32); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, as the voice service)")
+    p.add_argument("--quantize", choices=QUANTIZE, default=DEFAULT_QUANTIZE,
+                   help="gguf: the GGUF as packaged on llama.cpp's kernels (CPU, AR decoding only, the fastest "
+                        "here); or PyTorch's linear layers, whose rows stay independent so verify stays lossless: "
+                        "fp16 weights (fbgemm), int8 weights with per-row int8 activations, or none (fp32; "
+                        f"bf16 on a GPU); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, as the voice service)")
 
 
 def cmd_generate(a) -> int:
@@ -209,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--modes", default="ar,diffusion", help="with --answers: decoding modes to compare")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-        p.set_defaults(func=func)
+        # they compare AR with the diffusion decoders, which run on PyTorch's kernels (gguf: AR only)
+        p.set_defaults(func=func, quantize="fp16")
 
     p = sub.add_parser("adapt", help="train a block-diffusion LoRA adapter on an AR checkpoint",
                        description="Distil the AR teacher's replies to chitchat prompts, then train LoRA + a mask "

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from engine.draft import LookupDrafter, Proposal, tree_depths
 from engine.grammar import Constraint
+from engine.llamacpp import LlamaCppModel, Slot
 from engine.model import KVCache, Segment, Transformer, visibility_mask
 
 
@@ -88,7 +89,8 @@ class Block:
 
 @dataclass
 class CacheState:
-    """One conversation's KV cache and the tokens whose rows in it are final."""
+    """One conversation's KV cache and the tokens whose rows in it are final: PyTorch's `caches`,
+    or a `slot` (its sequence) in llama.cpp's shared cache."""
 
     caches: list[KVCache]
     hidden: Tensor | None = None  # [capacity, dim]: the base's last hidden state at each position (for drafters)
@@ -96,20 +98,27 @@ class CacheState:
     # (start, end) of cached stretches whose rows attend forward within the stretch (block_causal
     # blocks): cutting one would keep rows that saw dropped tokens, so reuse stops at its start
     blocks: list[tuple[int, int]] = field(default_factory=list)
+    slot: Slot | None = None
 
     @classmethod
-    def new(cls, model: Transformer, max_seq_len: int | None = None) -> "CacheState":
+    def new(cls, model: Transformer | LlamaCppModel, max_seq_len: int | None = None) -> "CacheState":
+        if isinstance(model, LlamaCppModel):
+            state = cls([], None)
+            state.slot = model.new_slot(state, max_seq_len or model.args.max_seq_len)
+            return state
         caches = model.new_caches(1, max_seq_len)
         return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim, device=caches[0].k.device))
 
     @property
     def capacity(self) -> int:
-        return self.caches[0].k.shape[2]
+        return self.slot.capacity if self.slot is not None else self.caches[0].k.shape[2]
 
     def clear(self) -> None:
         """Forget every cached token (all rows become scratch): as good as a new state, without allocating."""
         self.ids.clear()
         self.blocks.clear()
+        if self.slot is not None:
+            self.slot.model.forget(self.slot)
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """How much of `prompt` is already cached (at least its last token always stays new)."""
@@ -123,10 +132,12 @@ class CacheState:
                 return start
         return keep
 
-    def fork(self, model: Transformer) -> "CacheState":
+    def fork(self, model: Transformer | LlamaCppModel) -> "CacheState":
         """A new state holding this one's cached tokens (their cache rows copied), to go on separately."""
         other = CacheState.new(model, self.capacity)
         n = len(self.ids)
+        if self.slot is not None:
+            model.fork(self.slot, other.slot, n)
         for mine, theirs in zip(self.caches, other.caches):
             theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
         if self.hidden is not None:
@@ -330,9 +341,13 @@ class Forward:
 
 
 @torch.inference_mode()
-def run_many(model: Transformer, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
-    """Run several sequences' forwards as one batched pass (see `engine.model.forward_segments`)."""
-    outputs = model(segments=[f.segment() for f in forwards])
+def run_many(model: Transformer | LlamaCppModel, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Run several sequences' forwards as one batched pass (see `engine.model.forward_segments`,
+    or `engine.llamacpp.LlamaCppModel.forward`)."""
+    if isinstance(model, LlamaCppModel):
+        outputs = model.forward(forwards)
+    else:
+        outputs = model(segments=[f.segment() for f in forwards])
     return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, outputs)]
 
 

@@ -22,7 +22,7 @@ import torch
 from engine.decode import DiffusionSpec
 from engine.model import ModelArgs, Transformer, rope_tables
 from engine.packages import MissingPackageError, PackagedFile, assemble, numbered_pieces
-from engine.quantize import quantize as quantize_model
+from engine.quantize import CHOICES as QUANTIZE_TORCH, quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 WEIGHTS = Path(__file__).parent / "weights"
@@ -94,6 +94,13 @@ def shipped_drafter(name: str) -> Path | None:
     return path if path and path.exists() else None
 
 
+# How the weights run: "gguf" = the GGUF as packaged on llama.cpp's kernels (engine.llamacpp; CPU,
+# AR only), the CPU default: measured 2-2.5x PyTorch fp16's decode speed on `default`, loaded in
+# ~1 s (BENCHMARKS.md, "The LM on llama.cpp's kernels"); the others are PyTorch linear layers
+# (engine.quantize): for GPUs, for verify and the diffusion decoders, for training.
+QUANTIZE = ("gguf", *QUANTIZE_TORCH)
+DEFAULT_QUANTIZE = "gguf"
+
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -121,8 +128,11 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
     """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id) onto `device` (see
     `pick_device`) in `dtype` (default: `weights_dtype(device)`). `adapter`: a LoRA file to
     merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
-    head file, "" for prompt lookup, None for the model's shipped head. `quantize`
-    (engine.quantize, CPU only) applies last."""
+    head file, "" for prompt lookup, None for the model's shipped head. `quantize`: "gguf" runs
+    the GGUF on llama.cpp (CPU, AR only, no drafter); the others (engine.quantize, CPU only)
+    apply to the PyTorch model last."""
+    if quantize not in QUANTIZE:
+        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     device = pick_device(device)
     dtype = dtype or weights_dtype(device)
     model = ALIASES.get(name, name)
@@ -132,6 +142,8 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         adapter = DEFAULT_ADAPTER
     if drafter is None:
         drafter = shipped_drafter(model) or ""
+    if quantize == "gguf":
+        return _load_on_llamacpp(name, model, max_seq_len, device, adapter)
     if model == "smollm2-135m":
         loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
     elif model in PACKAGED_MODELS:
@@ -166,6 +178,69 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         from engine.quantize import quantize_like
         quantize_like(loaded.drafter, loaded.weights)
     return loaded
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file a model name (or alias) or a path names."""
+    model = ALIASES.get(name, name)
+    if model == "smollm2-135m":
+        return packaged_smollm2_gguf()
+    if model in PACKAGED_MODELS:
+        return packaged_gguf(model)
+    path = Path(name)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{name!r} is not a GGUF model: quantize 'gguf' (llama.cpp's kernels) runs only "
+                             f"GGUF files and the named models ({', '.join(MODEL_NAMES)})")
+    if not path.exists():
+        raise ModelLoadError(f"no such GGUF file: {path}")
+    return path
+
+
+def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter) -> LoadedModel:
+    """The GGUF as packaged, on llama.cpp's kernels (engine.llamacpp, AR only); our tokenizer."""
+    from engine import llamacpp
+    if device != "cpu":
+        raise ModelLoadError("quantize 'gguf' runs on the CPU; on a GPU use quantize 'none' (PyTorch)")
+    if adapter:
+        raise ModelLoadError("the mask-denoising adapter needs the PyTorch model (quantize none|fp16|int8)")
+    why_not = llamacpp.available()
+    if why_not:
+        raise ModelLoadError(why_not)
+    path = gguf_path(name)
+    tokenizer = gguf_tokenizer(path)
+    try:
+        lm = llamacpp.LlamaCppModel(path, max_seq_len)
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from err
+    spec = DiffusionSpec(mask_id=_default_mask_id(tokenizer), block_size=4, shift=True, context="causal")
+    return LoadedModel(lm, tokenizer, spec, name if model in MODEL_NAMES else str(path), weights="gguf")
+
+
+def gguf_tokenizer(path: Path) -> Tokenizer:
+    """`path`'s tokenizer (`tokenizer_from_gguf`), kept beside the assembled models after the first
+    read: reading a GGUF's metadata with the `gguf` library takes ~10 s (a 150k-token vocabulary
+    as numpy views). Keyed by the file's name, size and modification time."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engine.packages import cache_dir
+    stat = path.stat()
+    cached = cache_dir() / "tokenizers" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.json"
+    if cached.exists():
+        try:
+            d = json.loads(cached.read_text())
+            return Tokenizer(HFTokenizer.from_str(d["backend"]), d["chat_template"], set(d["eos_ids"]),
+                             d["bos_token"], d["eos_token"], set(d["special_ids"]))
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged, or written by another version: read the file again
+    _, fields, _ = _read_gguf(path)
+    tok = tokenizer_from_gguf(fields)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".part")
+    tmp.write_text(json.dumps({"backend": tok.backend.to_str(), "chat_template": tok.chat_template,
+                               "eos_ids": sorted(tok.eos_ids), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                               "special_ids": sorted(tok.special_ids)}))
+    tmp.replace(cached)
+    return tok
 
 
 def _download(repo_id: str) -> Path:
@@ -292,7 +367,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+def _read_gguf(path: Path):
+    """(reader, metadata fields, architecture) of a GGUF file we can run."""
     import gguf
     try:
         reader = gguf.GGUFReader(str(path))
@@ -302,6 +378,11 @@ def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
     arch = fields.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
+    return reader, fields, arch
+
+
+def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+    reader, fields, arch = _read_gguf(path)
     try:
         return _load_gguf(path, reader, fields, arch, max_seq_len, dtype, device)
     except (KeyError, TypeError, ValueError) as err:  # missing metadata, truncated tensor data

@@ -39,8 +39,7 @@ import torch
 from torch import Tensor, nn
 
 log = logging.getLogger("engine.quantize")
-CHOICES = ("none", "fp16", "int8")
-DEFAULT_QUANTIZE = "fp16"  # measured fastest at the same answers (BENCHMARKS.md); voice.config.LmConfig agrees
+CHOICES = ("none", "fp16", "int8")  # PyTorch's; engine.loading adds "gguf" (llama.cpp's kernels)
 
 
 class Int8RowLinear(nn.Module):

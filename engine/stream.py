@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
+from engine.llamacpp import LlamaCppModel
 from engine.tools import Tool, for_template
 from engine.loading import LoadedModel, load
 
@@ -133,6 +134,10 @@ class Engine:
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
         self.defaults = defaults or DecodeConfig()
+        self.ar_only = isinstance(self.model, LlamaCppModel)  # engine/llamacpp.py says why
+        if self.ar_only and self.defaults.mode != "ar":
+            log.info("%s runs on llama.cpp's kernels: decoding AR", loaded.name)
+            self.defaults = replace(self.defaults, mode="ar")
         self.max_batch, self.max_defer_s = max_batch, max_defer_s
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
@@ -162,6 +167,9 @@ class Engine:
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Generator, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
+        if self.ar_only and cfg.mode != "ar":
+            raise ValueError(f"{self.name} runs on llama.cpp's kernels, which decode AR only: ask for mode 'ar', "
+                             "or load it with quantize none|fp16|int8 for the diffusion decoders")
         prompt = self.prompt_ids(messages, tools)
         if conversation.active is not None:
             self._close(conversation.active)

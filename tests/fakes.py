@@ -74,6 +74,8 @@ class FakeChat:
 
 
 class FakeLM:
+    modes = ("ar", "diffusion")
+
     def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")):
         self.blocks = list(blocks)
         self.delay_s = 0.0

@@ -79,9 +79,9 @@ def test_bad_values_are_rejected(tmp_path: Path):
 def test_voice_and_engine_decode_defaults_agree():
     """voice.config may not import the engine (torch); the shared defaults are checked here instead."""
     from engine.decode import DecodeConfig
-    from engine.quantize import CHOICES, DEFAULT_QUANTIZE
+    from engine.loading import DEFAULT_QUANTIZE, QUANTIZE
     from voice.config import LmConfig
     lm, decode = LmConfig(), DecodeConfig()
-    assert lm.quantize == DEFAULT_QUANTIZE and DEFAULT_QUANTIZE in CHOICES
+    assert lm.quantize == DEFAULT_QUANTIZE and DEFAULT_QUANTIZE in QUANTIZE
     assert (lm.rule, lm.block_size, lm.first_block_size, lm.threshold, lm.draft_threshold) == \
         (decode.rule, decode.block_size, decode.first_block_size, decode.threshold, decode.draft_threshold)

@@ -43,6 +43,7 @@ class LocalLM:
         import torch
 
         from engine.decode import DecodeConfig
+        from engine.llamacpp import LlamaCppModel
         from engine.stream import Engine
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -55,7 +56,15 @@ class LocalLM:
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
         self.engine.max_defer_s = self.scheduler.max_defer_s
+        if isinstance(self.engine.model, LlamaCppModel):  # llama.cpp: threads are chosen per step
+            busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
+            self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
         self._grammars: dict[str, tuple] = {}
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The decoding modes a session may ask for: llama.cpp's kernels decode AR only."""
+        return ("ar",) if self.engine.ar_only else ("ar", "diffusion")
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
@@ -122,6 +131,8 @@ class LocalChat:
 
 class RemoteLM:
     """Any OpenAI-compatible chat endpoint (our `engine serve`, a hosted diffusion LM, SGLang...)."""
+
+    modes = ("ar", "diffusion")  # the endpoint decides how it decodes
 
     def __init__(self, config: LmConfig):
         import openai

@@ -68,6 +68,10 @@ class Scheduler:
         """Is anyone waiting in silence?"""
         return bool(self._waiting)
 
+    def stages_busy(self) -> bool:
+        """Has any stage's worker (speech recognition, synthesis) a job running or queued?"""
+        return any(worker.busy for worker in self._workers)
+
     def hold_s(self, since: float) -> float:
         """How much longer a job nobody waits for, ready since `since`, should be held (0: run it)."""
         if not self.busy():

@@ -1,0 +1,278 @@
+"""The forward on llama.cpp's kernels (ggml): the GGUF stays low-bit and memory-mapped.
+
+A CPU decoding step is bound by reading weights. PyTorch can only multiply the packaged GGUF
+after dequantising it (2.5x the bytes as fp16, 4x as fp32); ggml multiplies the quantised blocks
+directly, dequantising in registers. This module runs our decoders (`engine.decode`) on
+llama.cpp's C API, reached through llama-cpp-python's low-level bindings: one context whose
+unified KV cache holds every conversation as a sequence, one `llama_decode` per batched step.
+
+It runs AR decoding only. Measured on this path (BENCHMARKS.md, "The LM on llama.cpp's kernels"):
+- a drafted row costs about as much as a whole step (ggml's quantised dot products dequantise
+  the weights again for every row: 1 row 24 ms, 2 rows 56 ms, 4 rows 108 ms on `default`), so
+  verifying drafts cannot beat AR here, whatever the draft head's acceptance;
+- ggml's attention is not batch-invariant: a lone row over 512 or more cached positions takes a
+  split-KV kernel, 64 rows or more a tiled one, so a verified row is not always bit-equal to the
+  AR row, and lossless verify could not be promised.
+Verify (the draft head) stays on the PyTorch model (`engine.model`), where a row is cheap and
+rows are independent of their batch: GPUs, and `quantize fp16|int8` on CPUs.
+
+What a `Forward` needs and how it maps: the conversation's cache is a sequence id (`Slot`); rows
+past `state.ids` (an old turn's tail) are removed from the sequence before the next step writes
+there; only the last row is an output (its logits). A fork (the shared system prompt of a batch
+of replies) is `llama_memory_seq_cp`, which in a unified cache shares cells instead of copying.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+log = logging.getLogger("engine.llamacpp")
+
+SEQUENCES = 64  # conversations whose caches are alive at once (llama.cpp allows up to 256)
+BATCH = 512  # tokens per llama_decode call; a longer prefill is decoded in several calls
+IDLE_EVICT_S = 30.0  # a cache unused this long may be dropped when the shared cache is full
+
+
+def available() -> str:
+    """'' if llama.cpp's bindings load here, else why not."""
+    try:
+        _bindings()
+    except (ImportError, OSError, RuntimeError) as err:
+        return f"llama.cpp is unavailable ({type(err).__name__}: {err}); install llama-cpp-python (./dev setup)"
+    return ""
+
+
+_lib = None
+_log_callback = None
+
+
+def _bindings():
+    """llama-cpp-python's ctypes module, initialised once, its warnings routed to our log."""
+    global _lib, _log_callback
+    if _lib is None:
+        # ggml's OpenMP threads sleep between steps instead of spinning on the cores that speech
+        # recognition and synthesis need (read once, when the library loads)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from llama_cpp import llama_cpp as lib
+
+        @lib.llama_log_callback
+        def forward_log(level: int, text: bytes, _user) -> None:
+            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+                log.log(logging.WARNING if level == 3 else logging.ERROR, "%s",
+                        text.decode("utf-8", "replace").rstrip())
+
+        _log_callback = forward_log  # a ctypes callback must outlive every call into the library
+        lib.llama_log_set(forward_log, ctypes.c_void_p(0))
+        lib.llama_backend_init()
+        _lib = lib
+    return _lib
+
+
+def system_info() -> str:
+    """The kernels llama.cpp was built with (e.g. 'CPU : SSE3 = 1 | AVX2 = 1 | ...')."""
+    return _bindings().llama_print_system_info().decode()
+
+
+@dataclass
+class Args:
+    """What the decoders and the engine read of a model (`Transformer.args`'s subset)."""
+
+    dim: int
+    vocab_size: int
+    max_seq_len: int
+
+
+class Slot:
+    """One conversation's sequence in the shared KV cache. It is given back when its `CacheState`
+    is collected, and may lose its cells (and the state its tokens) after sitting idle while the
+    cache is full (`LlamaCppModel._evict`)."""
+
+    def __init__(self, model: "LlamaCppModel", capacity: int, state) -> None:
+        self.model, self.capacity = model, capacity
+        self.seq: int | None = None
+        self.cells = 0  # positions written to the sequence
+        self.last_used = time.monotonic()
+        self.state = weakref.ref(state)
+
+
+class LlamaCppModel:
+    """A GGUF on llama.cpp: the `model` of a `LoadedModel` loaded with `quantize="gguf"`."""
+
+    embed_tokens = None  # no draft head reads it: this path decodes AR only
+
+    def __init__(self, path: Path, max_seq_len: int, kv_tokens: int = 0) -> None:
+        lib = _bindings()
+        self.path = Path(path)
+        # CPU threads for the next step, asked per step: the voice service gives the LM both cores
+        # while no speech recognition or synthesis is waiting for one (voice.lm.LocalLM)
+        self.threads: Callable[[], int] = torch.get_num_threads
+        params = lib.llama_model_default_params()
+        params.use_mmap = True  # the weights stay in the page cache as packaged, shared between processes
+        start = time.perf_counter()
+        self._model = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise ValueError(f"llama.cpp could not load {path}")
+        trained = lib.llama_model_n_ctx_train(self._model)
+        self.args = Args(lib.llama_model_n_embd(self._model), lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
+                         min(max_seq_len, trained) if trained > 0 else max_seq_len)
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = kv_tokens or 4 * self.args.max_seq_len
+        cparams.n_batch = cparams.n_ubatch = BATCH
+        cparams.n_seq_max = SEQUENCES
+        cparams.kv_unified = True  # conversations share the cells: a forked prefix costs nothing
+        cparams.n_threads = cparams.n_threads_batch = self.threads()
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            lib.llama_model_free(self._model)
+            raise ValueError(f"llama.cpp could not make a context of {cparams.n_ctx} tokens for {path}")
+        self.kv_tokens = lib.llama_n_ctx(self._ctx)
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._batch = lib.llama_batch_init(BATCH, 0, 1)
+        self._free_seqs = list(range(SEQUENCES - 1, -1, -1))
+        self._slots: set[Slot] = set()
+        self._lock = threading.Lock()  # slots are given back from any thread (garbage collection)
+        self._lib = lib
+        log.info("llama.cpp: %s in %.1f s, KV cache of %d tokens; %s", self.path.name,
+                 time.perf_counter() - start, self.kv_tokens, system_info())
+
+    def __del__(self) -> None:
+        lib = getattr(self, "_lib", None)
+        if lib is not None:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._ctx)
+            lib.llama_model_free(self._model)
+
+    # --- conversation caches ------------------------------------------------------------------
+
+    def new_slot(self, state, capacity: int) -> Slot:
+        """A sequence for `state` (a CacheState), given back when `state` is collected."""
+        slot = Slot(self, min(capacity, self.args.max_seq_len), state)
+        weakref.finalize(state, self._release, slot)
+        with self._lock:
+            self._slots.add(slot)
+        return slot
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            self._slots.discard(slot)
+            self._drop(slot)
+
+    def _drop(self, slot: Slot) -> None:
+        """Free a slot's cells and sequence id (the caller holds the lock)."""
+        if slot.seq is not None:
+            self._lib.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+            self._free_seqs.append(slot.seq)
+            slot.seq, slot.cells = None, 0
+
+    def forget(self, slot: Slot) -> None:
+        """Drop every cell of the slot (its state was cleared)."""
+        with self._lock:
+            self._drop(slot)
+
+    def fork(self, src: Slot, dst: Slot, n: int) -> None:
+        """`dst`'s sequence starts with `src`'s first `n` positions (shared cells, no copy)."""
+        with self._lock:
+            self._seq_for(dst, in_use={src})
+            self._lib.llama_memory_seq_rm(self._mem, dst.seq, -1, -1)
+            if n:
+                self._lib.llama_memory_seq_cp(self._mem, src.seq, dst.seq, 0, n)
+            dst.cells = n
+
+    def _seq_for(self, slot: Slot, in_use: set[Slot]) -> int:
+        """The slot's sequence id, taking a free one (or an idle slot's) if it has none."""
+        if slot.seq is None:
+            if not self._free_seqs:
+                self._evict(in_use | {slot}, enough=lambda: bool(self._free_seqs))
+            slot.seq = self._free_seqs.pop()
+        return slot.seq
+
+    def _evict(self, in_use: set[Slot], enough: Callable[[], bool]) -> None:
+        """Drop the caches of the slots idle longest (at least IDLE_EVICT_S: a reply being decoded
+        is never idle that long) until `enough()`; their states forget their tokens, so their next
+        turn prefills again."""
+        now = time.monotonic()
+        idle = sorted((s for s in self._slots if s not in in_use and s.seq is not None
+                       and now - s.last_used >= IDLE_EVICT_S), key=lambda s: s.last_used)
+        for slot in idle:
+            if enough():
+                return
+            state = slot.state()
+            if state is not None:
+                state.ids.clear()
+                state.blocks.clear()
+            self._drop(slot)
+        if not enough():
+            from engine.decode import ContextOverflow
+            raise ContextOverflow(f"the LM's cache is full ({self.kv_tokens} tokens, {len(self._slots)} conversations, "
+                                  "none idle): serve fewer sessions or give [lm] max_seq_len more room")
+
+    def _make_room(self, forwards) -> None:
+        """Cells past each state's cached tokens are stale: drop them; then make sure the step's
+        new rows fit in the shared cache."""
+        in_use = {f.state.slot for f in forwards}
+        for f in forwards:
+            slot, keep = f.state.slot, len(f.state.ids)
+            self._seq_for(slot, in_use)
+            if slot.cells > keep:
+                self._lib.llama_memory_seq_rm(self._mem, slot.seq, keep, -1)
+                slot.cells = keep
+        needed = sum(len(f.clean) for f in forwards)
+        self._evict(in_use, enough=lambda: sum(s.cells for s in self._slots) + needed <= self.kv_tokens)
+
+    # --- the forward -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, forwards) -> list[tuple[Tensor, None]]:
+        """Each forward's clean tokens through llama_decode (batched; a long prefill in several
+        calls); per forward: (logits of its last row [1, vocab], no hidden states)."""
+        rows: list[tuple[int, int, int, bool]] = []  # (forward, token, position, output)
+        for i, f in enumerate(forwards):
+            if f.draft or f.parents is not None:
+                raise ValueError("llama.cpp decodes AR only (engine/llamacpp.py says why); verify and "
+                                 "mask-denoising blocks need the PyTorch model (quantize none|fp16|int8)")
+            start, n = len(f.state.ids), len(f.clean)
+            if start + n > f.state.capacity:
+                from engine.decode import ContextOverflow
+                raise ContextOverflow(f"conversation needs {start + n} tokens but the context holds {f.state.capacity}")
+            rows += [(i, token, start + j, j == n - 1) for j, token in enumerate(f.clean)]
+        with self._lock:
+            self._make_room(forwards)
+            logits = self._decode(rows, [f.state.slot.seq for f in forwards])
+            for f in forwards:
+                f.state.slot.cells = len(f.state.ids) + len(f.clean)
+                f.state.slot.last_used = time.monotonic()
+        return [(row[None], None) for row in logits]
+
+    def _decode(self, rows, seqs: list[int]) -> Tensor:
+        """llama_decode over `rows` in calls of at most BATCH; the output rows' logits, in order."""
+        lib, batch, vocab = self._lib, self._batch, self.args.vocab_size
+        threads = self.threads()
+        lib.llama_set_n_threads(self._ctx, threads, threads)
+        logits = []
+        for start in range(0, len(rows), BATCH):
+            chunk = rows[start:start + BATCH]
+            for j, (i, token, pos, output) in enumerate(chunk):
+                batch.token[j], batch.pos[j], batch.logits[j] = token, pos, output
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = seqs[i]
+            batch.n_tokens = len(chunk)
+            status = lib.llama_decode(self._ctx, batch)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed ({status}) on {len(chunk)} tokens")
+            outputs = sum(row[3] for row in chunk)
+            if outputs:
+                logits.append(torch.from_numpy(np.ctypeslib.as_array(lib.llama_get_logits(self._ctx),
+                                                                     shape=(outputs, vocab)).copy()))
+        return torch.cat(logits)

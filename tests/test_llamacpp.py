@@ -1,0 +1,153 @@
+"""The LM on llama.cpp's kernels (engine/llamacpp.py), on the packaged GGUFs as shipped.
+
+What the decoders rely on: logits that follow the model (checked against the PyTorch model on
+the same GGUF), per-conversation sequences in one shared cache, an earlier turn's stale tail
+dropped before the next turn writes there, forks that share a prefix, batching across
+conversations, a full cache that evicts idle conversations rather than failing busy ones, the
+threads asked per step, and a clear refusal of what this path does not run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import llamacpp
+from engine.data import chat
+from engine.decode import CacheState, ContextOverflow, DecodeConfig, Forward, generate_ar_batch, run_many
+from engine.loading import ModelLoadError, load
+from engine.stream import Conversation, Engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+if llamacpp.available():
+    pytest.skip(llamacpp.available(), allow_module_level=True)
+
+REPLY = "Sure! Start with a glass of water, stretch for five minutes, then have a calm breakfast."
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load("small", max_seq_len=512, quantize="gguf")
+
+
+def prompt_ids(loaded, text: str) -> list[int]:
+    return loaded.tokenizer.encode_chat(chat(text), add_generation_prompt=True)
+
+
+def step(model, state: CacheState, tokens: list[int]) -> torch.Tensor:
+    return run_many(model, [Forward(state, tokens)])[0][0]
+
+
+def reply_logits(loaded, text: str) -> torch.Tensor:
+    """Logits at each position of a fixed reply: the prompt's prefill, then one token per step."""
+    prompt = prompt_ids(loaded, text)
+    ids = loaded.tokenizer.encode_chat(chat(text) + [{"role": "assistant", "content": REPLY}])
+    state = CacheState.new(loaded.model, 512)
+    return torch.stack([step(loaded.model, state, prompt)] + [step(loaded.model, state, [t])
+                                                              for t in ids[len(prompt):-1]])
+
+
+@pytest.mark.parametrize("name", ["small", "default"])
+def test_logits_follow_the_pytorch_model_on_the_same_gguf(name, small):
+    """Same weights, other kernels (ggml quantises activations too): nearly every next-token
+    choice agrees with the fp32 reference and the distributions stay near."""
+    ours = small if name == "small" else load(name, max_seq_len=512, quantize="gguf")
+    reference = load(name, max_seq_len=512, quantize="none", drafter="")
+    agree = total = 0
+    for text in ("What's a good way to start my morning?", "Wow. And what do octopuses eat?"):
+        a, b = reply_logits(ours, text), reply_logits(reference, text)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(a)
+        kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean")
+        assert kl < 0.1, (name, text, float(kl))
+    assert agree / total >= 0.9, agree / total
+
+
+def test_a_new_turn_drops_the_stale_tail_of_the_last(small):
+    """Turn 1's reply was cut (barge-in): turn 2's prompt keeps only part of it. The cells past
+    the kept prefix must be gone before turn 2 writes there, or its rows would see them."""
+    first = prompt_ids(small, "Tell me a story about a cat.")
+    state = CacheState.new(small.model, 512)
+    step(small.model, state, first)
+    reply = [int(step(small.model, state, [t]).argmax()) for t in [first[-1]] * 0] or []
+    last = step(small.model, state, [small.tokenizer.encode("Once upon a time")[0]])
+    for _ in range(6):
+        token = int(last.argmax())
+        last = step(small.model, state, [token])
+        reply.append(token)
+    second = small.tokenizer.encode_chat(chat("Tell me a story about a cat.") + [
+        {"role": "assistant", "content": "Once upon"}, {"role": "user", "content": "A dog, please."}],
+        add_generation_prompt=True)
+    new = state.reuse_for(second)
+    assert 0 < len(new) < len(second)  # the shared prefix stays cached
+    resumed = step(small.model, state, new)
+    fresh = step(small.model, CacheState.new(small.model, 512), second)
+    assert int(resumed.argmax()) == int(fresh.argmax())
+    assert torch.allclose(resumed.softmax(-1), fresh.softmax(-1), atol=2e-3)
+
+
+def test_conversations_batched_together_each_get_their_own_reply(small):
+    prompts = [prompt_ids(small, text) for text in ("What is the capital of Spain?", "How do I make tea?",
+                                                    "Name three colours.")]
+    alone = [generate_ar_batch(small.model, [p], 20, small.tokenizer.eos_ids)[0] for p in prompts]
+    together = generate_ar_batch(small.model, prompts, 20, small.tokenizer.eos_ids)
+    assert len({tuple(r) for r in alone}) == 3
+    assert together == alone
+
+
+def test_a_fork_shares_the_prefix_and_goes_on_separately(small):
+    prompt = prompt_ids(small, "Tell me a story about a cat.")
+    root = CacheState.new(small.model, 512)
+    step(small.model, root, prompt[:-3])
+    a, b = root.fork(small.model), root.fork(small.model)
+    assert a.ids == b.ids == prompt[:-3] and len({a.slot.seq, b.slot.seq, root.slot.seq}) == 3
+    la, lb = step(small.model, a, prompt[-3:]), step(small.model, b, [prompt[0]] * 3)
+    ref = step(small.model, CacheState.new(small.model, 512), prompt)
+    assert int(la.argmax()) == int(ref.argmax()) and torch.allclose(la.softmax(-1), ref.softmax(-1), atol=2e-3)
+    assert not torch.allclose(lb, la)
+
+
+def test_a_full_cache_evicts_idle_conversations_not_busy_ones():
+    loaded = load("small", max_seq_len=256, quantize="gguf")
+    prompt = prompt_ids(loaded, "What is the capital of Spain?")
+    loaded.model.kv_tokens = 2 * len(prompt) + 10  # as if the shared cache were this small
+    idle, busy = CacheState.new(loaded.model, 256), CacheState.new(loaded.model, 256)
+    step(loaded.model, idle, prompt)
+    step(loaded.model, busy, prompt)
+    with pytest.raises(ContextOverflow, match="cache is full"):  # nobody has been idle long enough
+        step(loaded.model, CacheState.new(loaded.model, 256), prompt)
+    idle.slot.last_used -= llamacpp.IDLE_EVICT_S
+    third = CacheState.new(loaded.model, 256)
+    step(loaded.model, third, prompt)
+    assert idle.ids == [] and idle.slot.seq is None  # evicted: its next turn prefills again
+    assert busy.ids == prompt and third.ids == prompt
+    third.slot.last_used -= llamacpp.IDLE_EVICT_S  # the evicted one comes back: the idle one makes room
+    assert step(loaded.model, idle, prompt).shape[-1] == loaded.model.args.vocab_size
+    assert third.ids == [] and busy.ids == prompt
+
+
+def test_threads_are_asked_for_every_step(small):
+    state = CacheState.new(small.model, 512)
+    asked = []
+    small.model.threads = lambda: asked.append(2) or 2
+    try:
+        step(small.model, state, prompt_ids(small, "Hi!"))
+        assert asked and small.model._lib.llama_n_threads(small.model._ctx) == 2
+    finally:
+        small.model.threads = torch.get_num_threads
+
+
+def test_the_engine_decodes_ar_and_refuses_what_llamacpp_cannot_run(small):
+    engine = Engine(small, max_seq_len=512)
+    assert small.weights == "gguf" and engine.defaults.mode == "ar"  # the default diffusion mode became AR
+    pieces = list(engine.generate_sync(chat("What is the capital of Spain?"), max_new_tokens=12))
+    assert pieces[-1].done and "".join(p.text for p in pieces).strip()
+    with pytest.raises(ValueError, match="AR only"):
+        list(engine.generate_sync(chat("Hello"), DecodeConfig(mode="diffusion")))
+    with pytest.raises(ValueError, match="AR only"):
+        run_many(small.model, [Forward(CacheState.new(small.model, 512), [1, 2], draft=[3, 4], draft_causal=True)])
+    with pytest.raises(ModelLoadError, match="not a GGUF model"):
+        load("/tmp", quantize="gguf")
+    with pytest.raises(ModelLoadError, match="adapter"):
+        load("small", quantize="gguf", adapter="default")

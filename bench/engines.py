@@ -5,9 +5,10 @@
 Engines (each in its own subprocess, so peak RSS is its own and nothing is shared):
 
   ours_diffusion  engine.stream.Engine, block diffusion (the `default` model: packaged GGUF and
-                  its draft head, lossless `verify`; --adapter merges a LoRA adapter for lossy rules)
+                  its draft head, lossless `verify`, on PyTorch's kernels: --diffusion-quantize;
+                  --adapter merges a LoRA adapter for lossy rules)
   ours_ar         engine.stream.Engine, autoregressive, on the *base* GGUF (no adapter), i.e.
-                  exactly the weights the two peers load
+                  exactly the weights the two peers load (--quantize gguf: on llama.cpp's kernels)
   transformers    AutoModelForCausalLM.from_pretrained(folder, gguf_file=..., dtype=float32),
                   greedy `generate` with a streamer that timestamps every token
   llamacpp        llama-cpp-python (bench/.venv-llamacpp, llama.cpp built from source for this
@@ -87,7 +88,7 @@ class OursWorker:
         adapter = a.adapter if mode == "diffusion" else a.ar_adapter
         if adapter == "none":
             adapter = ""
-        self.engine = Engine.load(a.model, adapter=adapter, quantize=a.quantize)
+        self.engine = Engine.load(a.model, adapter=adapter, quantize=a.quantize if mode == "ar" else a.diffusion_quantize)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
         from engine.bench import effective_adapter
@@ -245,7 +246,7 @@ class Worker:
                 "--threads", str(a.threads), "--max-new-tokens", str(a.max_new_tokens), "--model", a.model,
                 "--adapter", a.adapter, "--ar-adapter", a.ar_adapter, "--block-size", str(a.block_size),
                 "--first-block-size", str(a.first_block_size), "--threshold", str(a.threshold),
-                "--quantize", a.quantize]
+                "--quantize", a.quantize, "--diffusion-quantize", a.diffusion_quantize]
         n = str(a.threads)
         env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n,
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
@@ -364,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--quantize", choices=["none", "fp16", "int8", "gguf"], default="gguf",
                    help="our engine's kernels: gguf = the GGUF as packaged on llama.cpp's (default); none/fp16/int8 = PyTorch")
+    p.add_argument("--diffusion-quantize", choices=["none", "fp16", "int8"], default="fp16",
+                   help="ours_diffusion's kernels: verify runs on PyTorch's (default fp16)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: --model's)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),
                    help="interpreter for ours_* and transformers (default: .venv)")

@@ -95,11 +95,22 @@ def shipped_drafter(name: str) -> Path | None:
 
 
 # How the weights run: "gguf" = the GGUF as packaged on llama.cpp's kernels (engine.llamacpp; CPU,
-# AR only), the CPU default: measured 2-2.5x PyTorch fp16's decode speed on `default`, loaded in
-# ~1 s (BENCHMARKS.md, "The LM on llama.cpp's kernels"); the others are PyTorch linear layers
-# (engine.quantize): for GPUs, for verify and the diffusion decoders, for training.
-QUANTIZE = ("gguf", *QUANTIZE_TORCH)
-DEFAULT_QUANTIZE = "gguf"
+# AR only); the others are PyTorch linear layers (engine.quantize): verify and the diffusion
+# decoders, GPUs, training. "auto" picks by measurement (BENCHMARKS.md, "The LM on llama.cpp's
+# kernels"): fp16 + verify where PyTorch runs AVX-512 (its fp16 GEMM prefills 3x faster than
+# ggml, and verify decodes about as fast as llama.cpp), gguf elsewhere (AVX2: fbgemm's fp16 step
+# is several times slower than ggml's), bf16/fp16 weights on a GPU.
+QUANTIZE = ("auto", "gguf", *QUANTIZE_TORCH)
+DEFAULT_QUANTIZE = "auto"
+
+
+def resolve_quantize(how: str, device: str) -> str:
+    """`how`, with "auto" made concrete for `device` ("cpu" | "cuda") on this machine."""
+    if how != "auto":
+        return how
+    if device != "cpu":
+        return "none"
+    return "fp16" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "gguf"
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -130,11 +141,12 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
     merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
     head file, "" for prompt lookup, None for the model's shipped head. `quantize`: "gguf" runs
     the GGUF on llama.cpp (CPU, AR only, no drafter); the others (engine.quantize, CPU only)
-    apply to the PyTorch model last."""
-    if quantize not in QUANTIZE:
-        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
+    apply to the PyTorch model last; "auto" picks one for this machine (`resolve_quantize`)."""
     device = pick_device(device)
     dtype = dtype or weights_dtype(device)
+    if quantize not in QUANTIZE:
+        raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
+    quantize = resolve_quantize(quantize, device)
     model = ALIASES.get(name, name)
     if adapter == "default":
         if model != "smollm2-135m":

@@ -75,6 +75,7 @@ class FakeChat:
 
 class FakeLM:
     modes = ("ar", "diffusion")
+    mode = "diffusion"
 
     def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")):
         self.blocks = list(blocks)

@@ -522,7 +522,10 @@ def test_healthz_and_metrics(service):
     status, ctype, body = service.get("/healthz")
     assert status == 200 and ctype.startswith("application/json")
     health = json.loads(body)
-    assert health["status"] == "ok" and health["lm"] == "local" and health["mode"] == "diffusion"
+    from engine.loading import resolve_quantize  # auto: lossless verify on PyTorch's AVX-512 kernels, else AR on llama.cpp's
+    on_llamacpp = resolve_quantize(service.config.lm.quantize, "cpu") == "gguf"
+    assert health["status"] == "ok" and health["lm"] == "local"
+    assert health["mode"] == ("ar" if on_llamacpp else "diffusion")
 
     async def turn():  # make sure at least one turn has been timed, whatever ran before
         async with connect(service) as ws:

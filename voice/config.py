@@ -77,7 +77,7 @@ class LmConfig:
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
     system_prompt: str = ("You are a friendly voice assistant. Answer in one or two short spoken sentences, "
                           "without lists or markdown.")
-    mode: str = "ar"  # ar | diffusion (the draft head's blocks, verified; needs quantize none|fp16|int8)
+    mode: str = "diffusion"  # diffusion (the draft head's blocks, verified) | ar; quantize gguf decodes AR only
     max_new_tokens: int = 48
     rule: str = "verify"  # verify: lossless (replies are the AR replies, fewer forwards) | threshold | topk (lossy)
     block_size: int = 0  # 0: the drafter's / model's
@@ -89,9 +89,9 @@ class LmConfig:
     idle_threads: int = 0  # local, quantize gguf: CPU threads while they have none (0: every core)
     device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
-    # local: gguf = the packaged GGUF on llama.cpp's kernels (CPU, AR only; the fastest on a CPU) |
-    # fp16 | int8 | none = PyTorch linear layers (verify and GPUs; BENCHMARKS.md)
-    quantize: str = "gguf"
+    # local: auto = fp16 where PyTorch runs AVX-512, else gguf (bf16 on a GPU) | gguf = the packaged GGUF on
+    # llama.cpp's kernels (CPU, AR only) | fp16 | int8 | none = PyTorch linear layers (verify; BENCHMARKS.md)
+    quantize: str = "auto"
     # local, with [tools]: a reply calls a tool only when the model puts e**this times more probability
     # on starting a call than on speaking (greedy alone calls far too often: docs/TOOLS.md)
     tool_call_log_odds: float = 1.2
@@ -108,8 +108,8 @@ class LmConfig:
             raise ValueError(f"lm.rule must be 'verify', 'threshold' or 'topk', not {self.rule!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"lm.device must be 'cpu', 'cuda' or 'auto', not {self.device!r}")
-        if self.quantize not in ("none", "fp16", "int8", "gguf"):
-            raise ValueError(f"lm.quantize must be 'gguf', 'fp16', 'int8' or 'none', not {self.quantize!r}")
+        if self.quantize not in ("auto", "gguf", "fp16", "int8", "none"):
+            raise ValueError(f"lm.quantize must be 'auto', 'gguf', 'fp16', 'int8' or 'none', not {self.quantize!r}")
         if self.backend == "local" and self.quantize == "gguf" and self.mode != "ar":
             raise ValueError("lm.quantize 'gguf' (llama.cpp's kernels) decodes AR only: set lm.mode = 'ar', or "
                              "lm.quantize = 'fp16' (or 'none' on a GPU) for the diffusion decoders")

@@ -66,6 +66,11 @@ class LocalLM:
         """The decoding modes a session may ask for: llama.cpp's kernels decode AR only."""
         return ("ar",) if self.engine.ar_only else ("ar", "diffusion")
 
+    @property
+    def mode(self) -> str:
+        """How replies are decoded unless a session asks otherwise."""
+        return self.engine.defaults.mode
+
     def chat(self) -> "LocalChat":
         return LocalChat(self)
 
@@ -137,6 +142,7 @@ class RemoteLM:
     def __init__(self, config: LmConfig):
         import openai
         self.config = config
+        self.mode = config.mode
         self.client = openai.AsyncOpenAI(base_url=config.url, api_key=os.environ.get(config.api_key_env, "none"),
                                          max_retries=0, timeout=30.0)  # we retry ourselves, and say so in /healthz
         self.ok = True

@@ -124,8 +124,8 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
 
     async def healthz(request: Request):
         stages = state["stages"]
-        body = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model, "mode": config.lm.mode,
-                "auth": auth.enabled}
+        body = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model,
+                "mode": stages.lm.mode if stages is not None else config.lm.mode, "auth": auth.enabled}
         if request.client is not None and is_loopback(request.client.host) and \
                 "x-forwarded-for" not in request.headers:  # not through a proxy on this machine
             body["pid"] = os.getpid()  # for `voice soak` on the same machine

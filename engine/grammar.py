@@ -27,6 +27,9 @@ from engine.tokenizer import Tokenizer
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+_BIT = torch.arange(32, dtype=torch.int32)  # bit i of a bitmask word is token 32 * word + i
+
+
 class GrammarError(ValueError):
     """The schema cannot be compiled into a grammar."""
 
@@ -59,10 +62,13 @@ class Constraint:
         return row
 
     def _masked(self, logits: Tensor) -> Tensor:
+        """The bitmask applied with plain tensor ops, not llguidance's torch.compile'd kernel: its
+        generated OpenMP code next to llama.cpp's (engine.llamacpp) in one process masked every
+        token or crashed the process (one torch thread; "double free or corruption")."""
         llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        row = logits.float().clone()[None]
-        llguidance.torch.apply_token_bitmask_inplace(row, self.bitmask)
-        return row[0]
+        bits = (self.bitmask[0, :, None] >> _BIT) & 1
+        allowed = bits.reshape(-1)[:logits.shape[-1]].bool()
+        return logits.float().masked_fill(~allowed, float("-inf"))
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

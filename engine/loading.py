@@ -97,20 +97,22 @@ def shipped_drafter(name: str) -> Path | None:
 # How the weights run: "gguf" = the GGUF as packaged on llama.cpp's kernels (engine.llamacpp; CPU,
 # AR only); the others are PyTorch linear layers (engine.quantize): verify and the diffusion
 # decoders, GPUs, training. "auto" picks by measurement (BENCHMARKS.md, "The LM on llama.cpp's
-# kernels"): fp16 + verify where PyTorch runs AVX-512 (its fp16 GEMM prefills 3x faster than
-# ggml, and verify decodes about as fast as llama.cpp), gguf elsewhere (AVX2: fbgemm's fp16 step
-# is several times slower than ggml's), bf16/fp16 weights on a GPU.
+# kernels"): fp16 + verify with the model's draft head where PyTorch runs AVX-512 (its fp16 GEMM
+# prefills 3x faster than ggml, so first words come sooner); the GGUF on llama.cpp elsewhere
+# (AVX2: 2.3x the decode speed of fbgemm's fp16, a third of the memory) and for a model with no
+# draft head (nothing to verify); bf16/fp16 weights on a GPU.
 QUANTIZE = ("auto", "gguf", *QUANTIZE_TORCH)
 DEFAULT_QUANTIZE = "auto"
 
 
-def resolve_quantize(how: str, device: str) -> str:
-    """`how`, with "auto" made concrete for `device` ("cpu" | "cuda") on this machine."""
+def resolve_quantize(how: str, device: str, name: str = "default") -> str:
+    """`how`, with "auto" made concrete for model `name` on `device` ("cpu" | "cuda") here."""
     if how != "auto":
         return how
     if device != "cpu":
         return "none"
-    return "fp16" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "gguf"
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return "fp16" if avx512 and shipped_drafter(name) else "gguf"
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -146,7 +148,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
     dtype = dtype or weights_dtype(device)
     if quantize not in QUANTIZE:
         raise ModelLoadError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
-    quantize = resolve_quantize(quantize, device)
+    quantize = resolve_quantize(quantize, device, name)
     model = ALIASES.get(name, name)
     if adapter == "default":
         if model != "smollm2-135m":

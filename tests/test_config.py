@@ -85,3 +85,17 @@ def test_voice_and_engine_decode_defaults_agree():
     assert lm.quantize == DEFAULT_QUANTIZE and DEFAULT_QUANTIZE in QUANTIZE
     assert (lm.rule, lm.block_size, lm.first_block_size, lm.threshold, lm.draft_threshold) == \
         (decode.rule, decode.block_size, decode.first_block_size, decode.threshold, decode.draft_threshold)
+
+
+def test_auto_kernels_follow_the_cpu_class_and_the_draft_head(monkeypatch):
+    """quantize auto (BENCHMARKS.md, "The LM on llama.cpp's kernels"): fp16 + verify where PyTorch
+    runs AVX-512 and the model ships a draft head; the GGUF on llama.cpp otherwise; a GPU's own dtype."""
+    import torch
+
+    from engine.loading import resolve_quantize
+    for capability, default in (("AVX512", "fp16"), ("AVX2", "gguf"), ("DEFAULT", "gguf")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert resolve_quantize("auto", "cpu", "default") == default
+        assert resolve_quantize("auto", "cpu", "qwen2.5-1.5b") == "gguf"  # no head: nothing to verify
+        assert resolve_quantize("auto", "cuda", "default") == "none"
+        assert resolve_quantize("int8", "cpu", "default") == "int8"

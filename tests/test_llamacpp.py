@@ -151,3 +151,16 @@ def test_the_engine_decodes_ar_and_refuses_what_llamacpp_cannot_run(small):
         load("/tmp", quantize="gguf")
     with pytest.raises(ModelLoadError, match="adapter"):
         load("small", quantize="gguf", adapter="default")
+
+
+def test_json_schema_output_is_constrained_on_llamacpp_logits(small):
+    """llguidance masks llama.cpp's logits as it does PyTorch's: the reply is JSON of the schema."""
+    import json
+
+    engine = Engine(small, max_seq_len=512)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    pieces = list(engine.generate_sync(chat("Name a big city and its population, as JSON."),
+                                       constraint=engine.grammars.json(schema), max_new_tokens=60))
+    reply = json.loads("".join(p.text for p in pieces))
+    assert set(reply) == {"city", "population"} and isinstance(reply["population"], int)

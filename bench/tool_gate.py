@@ -1,6 +1,6 @@
 """Does the model call a tool exactly when it should? Call decisions under the first-token gate.
 
-    python bench/tool_gate.py [--log-odds off 0 1.2] [--json bench/results/tool_gate.json]
+    python bench/tool_gate.py [--log-odds off 0 1.2] [--model NAME] [--json bench/results/tool_gate.json]
 
 20 prompts of our own (12 that need no tool, 8 that need one of the built-ins), asked as the
 voice service asks them, offered the three built-ins (voice/tools.py). A prompt scores when the
@@ -39,6 +39,7 @@ async def run(a) -> dict:
     from voice.tools import Toolbox
     config = Config()
     config.lm.threads = 1
+    config.lm.model = a.model or config.lm.model
     config.tools.builtin = ["time", "timer", "calculator"]
     lm, tools = LocalLM(config.lm), Toolbox(config.tools).openai()
     result = {"machine": machine(), "runs": []}
@@ -66,6 +67,7 @@ async def run(a) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--log-odds", nargs="+", default=["off", "0", "1.2"], help="gate values to try; off = none")
+    p.add_argument("--model", default="", help="the LM (default: the voice service's)")
     p.add_argument("--json", default=str(RESULTS / "tool_gate.json"))
     a = p.parse_args()
     write_json(a.json, asyncio.run(run(a)))

@@ -112,7 +112,7 @@ class LlamaCppModel:
 
     embed_tokens = None  # no draft head reads it: this path decodes AR only
 
-    def __init__(self, path: Path, max_seq_len: int, kv_tokens: int = 0) -> None:
+    def __init__(self, path: Path, max_seq_len: int) -> None:
         lib = _bindings()
         self.path = Path(path)
         # CPU threads for the next step, asked per step: the voice service gives the LM both cores
@@ -128,7 +128,7 @@ class LlamaCppModel:
         self.args = Args(lib.llama_model_n_embd(self._model), lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
                          min(max_seq_len, trained) if trained > 0 else max_seq_len)
         cparams = lib.llama_context_default_params()
-        cparams.n_ctx = kv_tokens or 4 * self.args.max_seq_len
+        cparams.n_ctx = 4 * self.args.max_seq_len  # room for a few whole conversations; idle ones are evicted
         cparams.n_batch = cparams.n_ubatch = BATCH
         cparams.n_seq_max = SEQUENCES
         cparams.kv_unified = True  # conversations share the cells: a forked prefix costs nothing

@@ -158,23 +158,16 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         drafter = shipped_drafter(model) or ""
     if quantize == "gguf":
         return _load_on_llamacpp(name, model, max_seq_len, device, adapter)
-    if model == "smollm2-135m":
-        loaded = load_gguf(packaged_smollm2_gguf(), max_seq_len, dtype, device)
-    elif model in PACKAGED_MODELS:
-        loaded = load_gguf(packaged_gguf(model), max_seq_len, dtype, device)
+    path = Path(name)
+    if model == "smollm2-135m" or model in PACKAGED_MODELS or path.suffix == ".gguf":
+        loaded = load_gguf(gguf_path(name), max_seq_len, dtype, device)
+    elif path.is_dir():
+        loaded = load_hf_folder(path, max_seq_len, dtype, device)
+    elif path.exists() or name.startswith((".", "/")) or name.count("/") != 1:
+        raise ModelLoadError(f"{name!r} is neither a named model ({', '.join(MODEL_NAMES)}), "
+                             "a .gguf file, a model folder nor a hub id")
     else:
-        path = Path(name)
-        if path.suffix == ".gguf":
-            if not path.exists():
-                raise ModelLoadError(f"no such GGUF file: {path}")
-            loaded = load_gguf(path, max_seq_len, dtype, device)
-        elif path.is_dir():
-            loaded = load_hf_folder(path, max_seq_len, dtype, device)
-        elif path.exists() or name.startswith((".", "/")) or name.count("/") != 1:
-            raise ModelLoadError(f"{name!r} is neither a named model ({', '.join(MODEL_NAMES)}), "
-                                 "a .gguf file, a model folder nor a hub id")
-        else:
-            loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
+        loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
     if model in MODEL_NAMES:
         loaded.name = name
     if adapter:
@@ -238,7 +231,8 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
 
     from engine.packages import cache_dir
     stat = path.stat()
-    cached = cache_dir() / "tokenizers" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}.json"
+    # v1: the layout below and tokenizer_from_gguf as it is; bump when either changes
+    cached = cache_dir() / "tokenizers" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-v1.json"
     if cached.exists():
         try:
             d = json.loads(cached.read_text())

@@ -110,9 +110,6 @@ class LmConfig:
             raise ValueError(f"lm.device must be 'cpu', 'cuda' or 'auto', not {self.device!r}")
         if self.quantize not in ("auto", "gguf", "fp16", "int8", "none"):
             raise ValueError(f"lm.quantize must be 'auto', 'gguf', 'fp16', 'int8' or 'none', not {self.quantize!r}")
-        if self.backend == "local" and self.quantize == "gguf" and self.mode != "ar":
-            raise ValueError("lm.quantize 'gguf' (llama.cpp's kernels) decodes AR only: set lm.mode = 'ar', or "
-                             "lm.quantize = 'fp16' (or 'none' on a GPU) for the diffusion decoders")
         if self.threads < 0 or self.idle_threads < 0:
             raise ValueError("lm.threads and lm.idle_threads must not be negative")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.probe_interval_s < 0:

@@ -58,9 +58,10 @@ def decode_config(a: argparse.Namespace) -> DecodeConfig:
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="'default' (packaged Qwen2.5-Coder-0.5B-Instruct), 'small' (packaged SmolLM2-135M-Instruct), "
-                        "'qwen2.5-1.5b' (the [qwen1_5b] extra), a .gguf file, a Hugging Face model folder, or a hub "
-                        "id such as JetLM/SDAR-1.7B-Chat (needs network)")
+                   help="'default' (packaged Qwen2.5-Coder-0.5B-Instruct, with its draft head), 'small' (packaged "
+                        "SmolLM2-135M-Instruct), 'qwen2.5-1.5b' (packaged Qwen2.5-Coder-1.5B-Instruct, the voice "
+                        "service's default), a .gguf file, a Hugging Face model folder, or a hub id such as "
+                        "JetLM/SDAR-1.7B-Chat (needs network)")
     p.add_argument("--adapter", default=None,
                    help="a LoRA adapter from `engine adapt` to merge into --model, or 'default' for the one shipped "
                         "for 'small'; it changes the weights, so it is for the lossy --rule threshold/topk only")

@@ -42,6 +42,7 @@ class Constraint:
         self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
         self.consumed = 0
         self.gate: tuple[Tensor, float] | None = None  # see `gate_first`
+        self.first_log_odds: float | None = None  # what the gate measured (bench/tool_gate.py calibrates on it)
 
     def gate_first(self, tokens: Tensor, log_odds: float) -> None:
         """Decide the first token's kind by probability mass: `tokens` (a bool mask [V], e.g. the
@@ -57,8 +58,8 @@ class Constraint:
         if self.gate is not None and not self.consumed:
             tokens, log_odds = self.gate
             logp = row.log_softmax(-1)
-            chosen = torch.logsumexp(logp[tokens], 0) - torch.logsumexp(logp[~tokens], 0) >= log_odds
-            row[~tokens if chosen else tokens] = float("-inf")
+            self.first_log_odds = float(torch.logsumexp(logp[tokens], 0) - torch.logsumexp(logp[~tokens], 0))
+            row[~tokens if self.first_log_odds >= log_odds else tokens] = float("-inf")
         return row
 
     def _masked(self, logits: Tensor) -> Tensor:

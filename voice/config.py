@@ -71,7 +71,9 @@ class AsrConfig:
 @dataclass
 class LmConfig:
     backend: str = "local"  # local (in-process engine) | openai (any OpenAI-compatible endpoint)
-    model: str = "default"  # local: engine model name/path; openai: the model id to request
+    # local: engine model name/path (qwen2.5-1.5b: the most accurate packaged model within the voice
+    # budget on a 2-core AVX2 CPU, BENCHMARKS.md "Choosing the default model"); openai: the model id
+    model: str = "qwen2.5-1.5b"
     adapter: str = ""  # local: a LoRA adapter to merge ("default": the shipped one), for the lossy rules only
     url: str = "http://127.0.0.1:8001/v1"  # openai backend base URL
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
@@ -93,8 +95,9 @@ class LmConfig:
     # llama.cpp's kernels (CPU, AR only) | fp16 | int8 | none = PyTorch linear layers (verify; BENCHMARKS.md)
     quantize: str = "auto"
     # local, with [tools]: a reply calls a tool only when the model puts e**this times more probability
-    # on starting a call than on speaking (greedy alone calls far too often: docs/TOOLS.md)
-    tool_call_log_odds: float = 1.2
+    # on starting a call than on speaking (docs/TOOLS.md); None: the gate calibrated for the model
+    # (engine.loading.TOOL_CALL_LOG_ODDS: the 0.5B +1.2, the 1.5B -2.6)
+    tool_call_log_odds: float | None = None
     retries: int = 2  # openai: failed connections retried this often before the first block, with backoff
     retry_backoff_s: float = 0.5  # openai: first retry after this long, doubling
     probe_interval_s: float = 10.0  # openai: /healthz probes the endpoint this often (0 = only real calls)

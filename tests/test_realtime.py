@@ -362,3 +362,188 @@ def test_an_audio_item_is_transcribed_and_answered(served):
     assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
     assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "eight of spades"}
     assert talk.of("response.done")[0]["response"]["status"] == "completed"
+
+
+# --- hostile input (issue 33): odd types, cancel before the first text, floods -----------------------------
+
+ODD_SESSIONS = [{"audio": {"input": [1]}}, {"audio": {"input": "x"}}, {"audio": {"output": True}},
+                {"audio": {"input": {"format": []}}}, {"input_audio_format": []}, {"output_audio_format": ["x"]},
+                {"audio": {"input": {"format": {"type": {}}}}}, {"audio": {"output": {"format": {"rate": "x"}}}},
+                {"audio": []}, {"audio": {"input": {"turn_detection": {"type": []}}}},
+                {"turn_detection": {"type": "server_vad", "silence_duration_ms": "500"}},
+                {"turn_detection": [1]}, {"instructions": 5}, {"instructions": ["x"]}, {"tools": {"a": 1}},
+                {"tools": [{"type": "function", "name": {"x": 1}}]}, {"tools": [{"name": "f", "parameters": []}]},
+                {"tool_choice": {"type": "function"}}, {"tool_choice": []}, {"voice": []},
+                {"audio": {"output": {"voice": {}}}}, []]
+ODD_OUTPUTS = [{"call_id": ["x"], "output": "x"}, {"call_id": {"a": 1}, "output": "x"}, {"call_id": 7, "output": "x"},
+               {"call_id": "call_1", "output": ["x"]}, {"call_id": "call_1", "output": {"a": 1}},
+               {"call_id": "call_1", "output": None}, {"call_id": "call_1"}, {"call_id": "call_1", "output": "x",
+                                                                              "id": ["x"]}]
+
+
+def refusals(talk: Talk, events: list[dict]) -> list[dict]:
+    """The error events answering `events` (each sent with its own event_id), by event_id."""
+    ids = {e["event_id"] for e in events}
+    return [e["error"] for e in talk.of("error") if e["error"]["event_id"] in ids]
+
+
+async def still_answers(talk: Talk, n: int = 1) -> None:
+    await talk.ask({"type": "input_text", "text": "Still there?"})
+    await talk.wait("response.done", n)
+
+
+def test_wrongly_typed_session_updates_get_errors_and_the_connection_stays_open(served):
+    """Regression: a session.update with a list, string or bool where an object was expected killed
+    the connection (close 1006, AttributeError / TypeError in the app)."""
+    events = [{"type": "session.update", "event_id": f"odd_{i}", "session": s} for i, s in enumerate(ODD_SESSIONS)]
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for event in events:
+                await conn.send_raw(json.dumps(event))
+            await talk.wait("error", len(events))
+            assert not talk.of("session.updated")
+            await conn.send_raw(json.dumps({"type": "session.update", "session": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": None}}}))  # null: the default
+            await talk.wait("session.updated")
+            await still_answers(talk)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    errors = refusals(talk, events)
+    assert len(errors) == len(events) == len(talk.of("error")), errors
+    assert {e["type"] for e in errors} == {"invalid_request_error"}
+    for error in errors:
+        assert error["param"] and error["param"].startswith("session") and error["param"] in error["message"], error
+    by_id = {e["event_id"]: e for e in errors}
+    assert by_id["odd_0"]["param"] == "session.audio.input" and by_id["odd_4"]["param"] == "session.input_audio_format"
+    assert talk.of("response.done")[0]["response"]["status"] == "completed"
+
+
+def test_wrongly_typed_function_outputs_get_errors_and_the_connection_stays_open(served):
+    """Regression: a function_call_output item whose call_id was a list or an object closed the connection."""
+    events = [{"type": "conversation.item.create", "event_id": f"out_{i}",
+               "item": {"type": "function_call_output", **item}} for i, item in enumerate(ODD_OUTPUTS)]
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for event in events:
+                await conn.send_raw(json.dumps(event))
+            await talk.wait("error", len(events))
+            await still_answers(talk)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    errors = refusals(talk, events)
+    assert len(errors) == len(events), errors
+    assert all(e["param"] and e["param"].startswith("item") for e in errors), errors
+    assert talk.of("response.done")[0]["response"]["status"] == "completed"
+
+
+def test_a_response_cancelled_before_its_first_text_is_created_and_done(served):
+    """Regression: response.cancel right after response.create left the response unanswered: no
+    response.created, no response.done."""
+    served.stages.lm.delay_s = 0.5
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await talk.ask({"type": "input_text", "text": "Go on"})
+            await conn.response.cancel()
+            await talk.wait("response.done")
+            served.stages.lm.delay_s = 0.0
+            await still_answers(talk, 2)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    first, second = talk.of("response.done")
+    assert first["response"]["status"] == "cancelled" and second["response"]["status"] == "completed"
+    assert [e["response"]["id"] for e in talk.of("response.created")] == [first["response"]["id"],
+                                                                          second["response"]["id"]]
+    assert all(e["response_id"] == second["response"]["id"] for e in talk.of("response.output_audio_transcript.delta"))
+
+
+def prompt_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+def test_an_item_flood_is_refused_and_the_prompt_stays_within_the_window(served):
+    """Regression: 1,500 user items of 4,000 characters were all kept and sent to the LM as one
+    question (every later response failed, ~1 GB of RSS). Items past the limits get an error, the
+    session still answers, and what the LM sees stays within `lm.max_prompt_chars`."""
+    limits = served.config.session
+    text = "word " * 200  # 1,000 characters
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for rounds in range(1, 4):
+                for _ in range(limits.max_items + 8):
+                    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                              "content": [{"type": "input_text", "text": text}]})
+                await conn.response.create()
+                await talk.wait("response.done", rounds)
+            for _ in range(limits.max_items + 8):  # short ones: the count is bounded too
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": "hi"}]})
+            await conn.response.create()
+            await talk.wait("response.done", 4)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    full = [e["error"] for e in talk.of("error")]
+    accepted = limits.max_items_chars // len(text)
+    assert len(full) == 3 * (limits.max_items + 8 - accepted) + 8, len(full)
+    assert {e["code"] for e in full} == {"conversation_full"} and all("item" in e["message"] for e in full)
+    assert [e["response"]["status"] for e in talk.of("response.done")] == ["completed"] * 4
+    for messages, _ in served.stages.lm.asked:
+        assert prompt_chars(messages) <= served.config.lm.max_prompt_chars, prompt_chars(messages)
+        assert messages[0]["role"] == "system"
+    last = served.stages.lm.asked[-1][0]
+    assert last[-1]["content"] == " ".join(["hi"] * limits.max_items)
+
+
+def test_a_system_item_flood_keeps_the_instructions_bounded(served):
+    """Regression: system items were appended to the instructions without end (8 MB)."""
+    limit = served.config.session.max_system_prompt_chars
+    text = "Be brief. " * 100  # 1,000 characters
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for _ in range(2 * limit // len(text)):
+                await conn.conversation.item.create(item={"type": "message", "role": "system",
+                                                          "content": [{"type": "input_text", "text": text}]})
+            await conn.session.update(session={"type": "realtime"})
+            await talk.wait("session.updated")
+            await still_answers(talk)
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    instructions = talk.of("session.updated")[0]["session"]["instructions"]
+    assert limit - len(text) <= len(instructions) <= limit, len(instructions)
+    assert talk.of("error") and {e["error"]["code"] for e in talk.of("error")} == {"string_above_max_length"}
+    assert served.stages.lm.asked[-1][0][0] == {"role": "system", "content": instructions}
+
+
+def test_tool_lists_are_bounded(served):
+    limits = served.config.session
+    tool = {"type": "function", "name": "f", "description": "d" * 100, "parameters": {"type": "object"}}
+    many = [{**tool, "name": f"f{i}"} for i in range(limits.max_tools + 1)]
+    wordy = [{**tool, "description": "d" * limits.max_tools_chars}]
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            for tools in (many, wordy):
+                await conn.send_raw(json.dumps({"type": "session.update", "session": {"tools": tools}}))
+            await talk.wait("error", 2)
+            await conn.session.update(session={"type": "realtime", "tools": [tool]})
+            await talk.wait("session.updated")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert [e["error"]["param"] for e in talk.of("error")] == ["session.tools", "session.tools"]
+    assert talk.of("session.updated")[0]["session"]["tools"][0]["name"] == "f"

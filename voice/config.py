@@ -87,6 +87,9 @@ class LmConfig:
     threshold: float = 0.9
     draft_threshold: float = 0.5  # verify: the drafted prefix sent is at least this likely all right
     history_turns: int = 6  # earlier user/assistant pairs kept in the prompt
+    # the prompt's characters (~4 a token; the default model's context is 2,048 tokens): the oldest turns are
+    # forgotten to stay within it; the system prompt and the question are kept whole
+    max_prompt_chars: int = 6000
     threads: int = 1  # local: CPU threads while speech recognition or synthesis has work (they share the cores)
     idle_threads: int = 0  # local, quantize gguf: CPU threads while they have none (0: every core)
     device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)
@@ -156,13 +159,23 @@ class SessionConfig:
     # From asr.early_final_ms of silence on, prepare the reply (LM + TTS) on the speculative
     # transcript; it is sent once the hangover confirms the turn ended, dropped if the user goes on.
     speculative_reply: bool = True
-    max_system_prompt_chars: int = 4000  # a client's `session.system_prompt`; longer is refused (bad_session)
+    max_system_prompt_chars: int = 4000  # a client's `session.system_prompt` (Realtime: instructions, system
+    # items included); longer is refused (bad_session)
     max_text_bytes: int = 65536  # one JSON text frame (/ws, /twilio); larger is refused (bad_json)
+    # Realtime: conversation items waiting for a response, and their characters together (one question
+    # to the LM); more are refused (conversation_full)
+    max_items: int = 32
+    max_items_chars: int = 4000
+    max_tools: int = 64  # Realtime: the client's functions, declared to the LM with every turn...
+    max_tools_chars: int = 8000  # ...and their characters of JSON together (too_many_tools beyond either)
 
     def __post_init__(self) -> None:
         if self.max_system_prompt_chars < 0 or self.max_text_bytes < 1024:
             raise ValueError("session.max_system_prompt_chars must not be negative and session.max_text_bytes "
                              "must be at least 1024")
+        if min(self.max_items, self.max_items_chars, self.max_tools_chars) < 1 or self.max_tools < 0:
+            raise ValueError("session.max_items, max_items_chars and max_tools_chars must be positive, "
+                             "max_tools not negative")
 
 
 @dataclass

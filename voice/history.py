@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from voice.config import LmConfig
+
 
 class History:
     """The turns the user finished, each with what they actually heard of the reply (a barge-in
     cuts it). Old turns are forgotten half a window at a time, not one per turn: a window that
     slides every turn changes the prompt's start, and the LM would prefill the whole conversation
-    again. `turns = 0` keeps none."""
+    again. `turns = 0` keeps none. Long turns are forgotten sooner: the prompt stays within
+    `max_chars` (the LM's window), the system prompt and the new question kept whole."""
 
-    def __init__(self, system_prompt: str, turns: int):
-        self.system_prompt, self.turns = system_prompt, turns
+    def __init__(self, system_prompt: str, turns: int, max_chars: int = LmConfig.max_prompt_chars):
+        self.system_prompt, self.turns, self.max_chars = system_prompt, turns, max_chars
         self.said: list[dict] = []
 
     def __iter__(self):
@@ -18,7 +21,15 @@ class History:
 
     def messages(self, user_text: str) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self._fit(len(self.system_prompt) + len(user_text))
         return system + (self.said if self.turns else []) + [{"role": "user", "content": user_text}]
+
+    def _fit(self, kept: int) -> None:
+        """Forget the oldest turns until they fit beside `kept` characters in `max_chars`."""
+        while self.said and kept + sum(len(m["content"]) for m in self.said) > self.max_chars:
+            del self.said[0]  # the oldest user message, then the reply it had
+            while self.said and self.said[0]["role"] == "assistant":
+                del self.said[0]
 
     def add(self, user_text: str, heard: str) -> None:
         self.said.append({"role": "user", "content": user_text})

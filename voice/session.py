@@ -23,6 +23,7 @@ background work yields to it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import secrets
@@ -59,7 +60,7 @@ class Session:
         self.log = CallLog(stages.records, self.uid, self.id, stages.metrics.errors)
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
-                               cfg.lm.history_turns)
+                               cfg.lm.history_turns, cfg.lm.max_prompt_chars)
         self.turns = TurnTaker(cfg, stages.whisper, in_rate, TurnHooks(
             self._speech_started, self._speech_stopped, self._partial, self._final, self._drop_speculation,
             self._utterance_too_long), self.id)
@@ -265,13 +266,22 @@ class Session:
         if reply is None:
             return
         if reply.task is not None and not reply.task.done():
-            reply.task.cancel()
+            self._cancel(reply.task)
         elif not reply.playback.playing(now):
             return
         self.stages.metrics.barge_ins.inc()
         log.info("session=%s turn=%d barge-in", self.id, reply.turn)
         self.emit(Clear(reply.turn, now))
         self.reply = None
+
+    @staticmethod
+    def _cancel(task: asyncio.Task) -> None:
+        """Cancel a reply's task; one that has not begun yet (a response cancelled as soon as it was
+        asked for) first takes its first step, so that its `finally` ends the turn with a reply_done."""
+        if inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+            asyncio.get_running_loop().call_soon(task.cancel)  # callbacks run in order: after that step
+        else:
+            task.cancel()
 
     def audio_sent(self, turn: int, text: str, seconds: float) -> None:
         """The transport put a phrase's audio on the wire (called once per phrase)."""

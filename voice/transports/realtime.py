@@ -16,8 +16,10 @@ with `OpenAI-Beta: realtime=v1` gets the beta names (`response.audio.delta`,
 
 Audio: pcm16 at 24 kHz (the default), or G.711 µ-law / A-law at 8 kHz, in and out. The session
 is built when audio or a response is first needed, so a `session.update` sent first sets its
-formats; once built its formats are fixed (an `error` says so). Bad events get an `error` event
-and the connection goes on.
+formats; once built its formats are fixed (an `error` says so). Every client event is checked
+against one typed schema (voice/transports/realtime_events.py) before it is acted on; a bad one
+gets an `error` event and the connection goes on. What a client can make the server keep (items
+waiting for a response, instructions, tools) is bounded by `[session]`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import logging
 import secrets
 
 import numpy as np
-
+from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.wire import WireError, decode_json
@@ -40,15 +42,15 @@ from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.events import (Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall, Transcript,
                           TtsAudio)
-from voice.config import TOOL_NAME
 from voice.session import Session
 from voice.tools import ToolRun
 from voice.stages import Stages
 from voice.transports.native import admit, system_prompt_problem
+from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend, FunctionCallOutput, FunctionTool,
+                                              ItemCreate, ItemTruncate, NoFields, ResponseCancel, ResponseCreate,
+                                              SessionSettings, SessionUpdate, problem)
 
 log = logging.getLogger("voice.realtime")
-FORMATS = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}  # GA format types -> rate
-BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 BETA_NAMES = {"response.output_audio.delta": "response.audio.delta", "response.output_audio.done": "response.audio.done",
               "response.output_audio_transcript.delta": "response.audio_transcript.delta",
               "response.output_audio_transcript.done": "response.audio_transcript.done",
@@ -130,79 +132,46 @@ class Connection:
                                     "transcription": {"model": "whisper-" + self.config.asr.model}},
                           "output": {"format": fmt(s["output"]), "voice": s["voice"], "speed": 1.0}}}
 
-    def update(self, body: dict) -> None:
+    def update(self, body: SessionSettings) -> None:
         """`session.update`: instructions, voice, formats, turn detection (GA or beta shape)."""
-        if not isinstance(body, dict):
-            raise RealtimeError("session must be an object", param="session")
-        audio = body.get("audio") if isinstance(body.get("audio"), dict) else {}
-        given = {"input": (audio.get("input") or {}).get("format", body.get("input_audio_format")),
-                 "output": (audio.get("output") or {}).get("format", body.get("output_audio_format"))}
-        changes = {}
-        for side, value in given.items():
-            if value is None:
-                continue
-            kind = value.get("type") if isinstance(value, dict) else BETA_FORMATS.get(value, value)
-            if kind not in FORMATS:
-                raise RealtimeError(f"unsupported {side} audio format {str(kind)[:40]!r}: audio/pcm (24 kHz), "
-                                    "audio/pcmu or audio/pcma", param=f"session.audio.{side}.format")
-            if isinstance(value, dict) and value.get("rate", FORMATS[kind]) != FORMATS[kind]:
-                raise RealtimeError(f"{kind} is supported at {FORMATS[kind]} Hz only",
-                                    param=f"session.audio.{side}.format.rate")
-            changes[side] = kind
+        changes = {side: fmt.type for side in ("input", "output") if (fmt := body.audio_format(side)) is not None}
         if self.session is not None and any(changes[k] != self.settings[k] for k in changes):
             raise RealtimeError("the audio formats cannot change once audio has flowed", param="session.audio")
-        turn = (audio.get("input") or {}).get("turn_detection", body.get("turn_detection", ...))
-        if turn is not ...:
-            if turn is not None and (not isinstance(turn, dict) or turn.get("type") not in ("server_vad",
-                                                                                           "semantic_vad")):
-                raise RealtimeError("turn_detection must be server_vad, semantic_vad or null",
-                                    param="session.audio.input.turn_detection")
+        given, turn = body.turn_detection_given()
+        if given:
             if self.session is not None:
                 raise RealtimeError("turn_detection cannot change once audio has flowed",
                                     param="session.audio.input.turn_detection")
-            silence = (turn or {}).get("silence_duration_ms", self.config.vad.hangover_ms)
-            if not isinstance(silence, int) or not 100 <= silence <= 5000:
-                raise RealtimeError("silence_duration_ms must be an integer from 100 to 5000",
-                                    param="session.audio.input.turn_detection.silence_duration_ms")
             changes["turn_detection"] = None if turn is None else {**(self.settings["turn_detection"] or {}),
-                                                                   **turn, "type": "server_vad"}
-        if "instructions" in body:
-            problem = system_prompt_problem(body["instructions"], self.config.session.max_system_prompt_chars)
-            if problem:
-                raise RealtimeError(f"instructions {problem}", param="session.instructions")
-            changes["instructions"] = body["instructions"]
-            if self.session is not None:
-                self.session.history.system_prompt = body["instructions"]
-        if "tools" in body:
-            changes["tools"] = self._tools(body["tools"])
-        if "tool_choice" in body:
-            if body["tool_choice"] not in ("auto", "none"):
-                raise RealtimeError("tool_choice must be auto or none here", param="session.tool_choice")
-            changes["tool_choice"] = body["tool_choice"]
-        voice = (audio.get("output") or {}).get("voice", body.get("voice"))
-        if voice is not None:
-            if not isinstance(voice, str) or not voice:
-                raise RealtimeError("voice must be a name", param="session.audio.output.voice")
-            changes["voice"] = voice  # any name: this server has one voice (joe), used for all
+                                                                   **turn.model_dump(exclude_none=True),
+                                                                   "type": "server_vad"}
+        if body.instructions is not None:
+            wrong = system_prompt_problem(body.instructions, self.config.session.max_system_prompt_chars)
+            if wrong:
+                raise RealtimeError(f"instructions {wrong}", param="session.instructions")
+            changes["instructions"] = body.instructions
+        if body.tools is not None:
+            changes["tools"] = self._tools(body.tools)
+        if body.tool_choice is not None:
+            changes["tool_choice"] = body.tool_choice
+        if body.voice_given() is not None:
+            changes["voice"] = body.voice_given()  # any name: this server has one voice (joe), used for all
         self.settings.update(changes)
         if self.session is not None:
+            self.session.history.system_prompt = self.settings["instructions"]
             self.session.replies.client_tools = self.offered()
         self.send({"type": "session.updated", "session": self.session_object()})
 
-    @staticmethod
-    def _tools(tools) -> list[dict]:
-        """`session.tools`: the client's functions, checked."""
-        if not isinstance(tools, list) or len(tools) > 64:
-            raise RealtimeError("tools must be a list of at most 64 functions", param="session.tools")
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or \
-                    not isinstance(tool.get("name"), str) or not TOOL_NAME.match(tool["name"]):
-                raise RealtimeError("a tool is {\"type\": \"function\", \"name\": ...} with a name of 1-64 letters, "
-                                    "digits, '_' or '-' (MCP tools are not supported)", param=f"session.tools[{i}]")
-            if not isinstance(tool.get("parameters", {}), dict) or not isinstance(tool.get("description", ""), str):
-                raise RealtimeError("parameters must be a JSON schema object", param=f"session.tools[{i}].parameters")
-        return [{"type": "function", "name": t["name"], "description": t.get("description", ""),
-                 "parameters": t.get("parameters") or {"type": "object", "properties": {}}} for t in tools]
+    def _tools(self, tools: list[FunctionTool]) -> list[dict]:
+        """`session.tools`: the client's functions, as declared to the LM with every turn: bounded."""
+        declared = [{"type": "function", "name": t.name, "description": t.description,
+                     "parameters": t.parameters or {"type": "object", "properties": {}}} for t in tools]
+        limits = self.config.session
+        if len(declared) > limits.max_tools or len(json.dumps(declared)) > limits.max_tools_chars:
+            raise RealtimeError(f"tools must be at most {limits.max_tools} functions of at most "
+                                f"{limits.max_tools_chars} characters of JSON together", "too_many_tools",
+                                "session.tools")
+        return declared
 
     def offered(self) -> list[dict]:
         """The client's functions as the LM stage declares tools (chat-completions shape)."""
@@ -233,6 +202,8 @@ class Connection:
     # --- client events ----------------------------------------------------------------------
 
     async def handle(self, text: str) -> None:
+        """One client event: checked against its schema, then acted on. Whatever is wrong with it is
+        an `error` event, and the connection goes on."""
         event_id = None
         try:
             try:
@@ -242,28 +213,35 @@ class Connection:
             if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
                 raise RealtimeError("an event must be a JSON object with a string `type`", "invalid_event", "type")
             event_id = msg.get("event_id") if isinstance(msg.get("event_id"), str) else None
-            handler = HANDLERS.get(msg["type"])
-            if handler is None:
+            if msg["type"] not in HANDLERS:
                 raise RealtimeError(f"unsupported event type {msg['type'][:60]!r} (docs/REALTIME.md lists "
                                     "what is implemented)", "unknown_event", "type")
-            await handler(self, msg)
+            schema, handler = HANDLERS[msg["type"]]
+            try:
+                event = schema.model_validate(msg)
+            except ValidationError as err:
+                param, message = problem(err)
+                raise RealtimeError(f"{param}: {message}", param=param) from None
+            await handler(self, event)
         except RealtimeError as err:
             self.error(err, event_id)
+        except Exception:  # a fault of ours: logged, the event refused, the conversation goes on
+            log.exception("realtime: an event could not be handled")
+            self.error(RealtimeError("this event could not be handled (a server fault, logged)", "server_error",
+                                     kind="server_error"), event_id)
 
-    async def on_session_update(self, msg: dict) -> None:
-        self.update(msg.get("session"))
+    async def on_session_update(self, event: SessionUpdate) -> None:
+        self.update(event.session)
 
-    async def on_append(self, msg: dict) -> None:
-        pcm = self._decode(msg.get("audio"), "audio")
+    async def on_append(self, event: AudioAppend) -> None:
+        pcm = self._decode(event.audio, "audio")
         session = self.ensure_session()
         self.audio_ms += len(pcm) / 2 / session.in_rate * 1000
         await session.push_audio(pcm)
 
-    def _decode(self, audio, param: str, max_s: float = 0.0) -> bytes:
+    def _decode(self, audio: str, param: str, max_s: float = 0.0) -> bytes:
         """Base64 audio in the session's input format -> PCM16; at most `session.max_frame_bytes`
         (an append) or `max_s` seconds (an audio item)."""
-        if not isinstance(audio, str):
-            raise RealtimeError("audio must be base64 text", param=param)
         kind = self.settings["input"]
         limit = int(max_s * FORMATS[kind] * (2 if kind == "audio/pcm" else 1)) if max_s else \
             self.config.session.max_frame_bytes
@@ -283,63 +261,71 @@ class Connection:
             return raw
         return (ulaw_decode(raw) if kind == "audio/pcmu" else alaw_decode(raw)).astype("<i2").tobytes()
 
-    async def on_commit(self, msg: dict) -> None:
+    async def on_commit(self, event: NoFields) -> None:
         if self.session is None or not self.session.end_speech():
             raise RealtimeError("the input audio buffer holds no speech to commit", "input_audio_buffer_commit_empty")
 
-    async def on_clear(self, msg: dict) -> None:
+    async def on_clear(self, event: NoFields) -> None:
         if self.session is not None:
             self.session.clear_speech()
         self.send({"type": "input_audio_buffer.cleared"})
 
-    async def on_item_create(self, msg: dict) -> None:
-        item = msg.get("item")
-        if isinstance(item, dict) and item.get("type") == "function_call_output":
-            self._function_output(item)
+    async def on_item_create(self, event: ItemCreate) -> None:
+        if isinstance(event.item, FunctionCallOutput):
+            self._function_output(event.item)
             return
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise RealtimeError("only message and function_call_output items are supported here", param="item.type")
-        role, content = item.get("role"), item.get("content")
-        if role not in ("user", "system") or not isinstance(content, list):
-            raise RealtimeError("a message item needs role user or system and a content list", param="item.role")
-        parts = [c for c in content if isinstance(c, dict) and c.get("type") in ("input_text", "input_audio")]
-        if not parts or len(parts) != len(content) or (role == "system" and any(
-                c["type"] == "input_audio" for c in parts)):
-            raise RealtimeError("message content must be input_text parts with text, or (for the user) "
-                                "input_audio parts with base64 audio in the session's input format",
-                                param="item.content")
-        item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
+        item = event.item
+        item_id = item.id or new_id("item")
         said, seconds = [], {}  # the text of each part; seconds of audio of the audio parts
-        for i, part in enumerate(parts):
-            if part["type"] == "input_text":
-                if not isinstance(part.get("text"), str) or not part["text"]:
-                    raise RealtimeError("an input_text part needs text", param="item.content")
-                said.append(part["text"])
+        for i, part in enumerate(item.content):
+            if part.type == "input_text":
+                said.append(part.text)
             else:
-                heard, seconds[i] = await self._transcribe(part.get("audio"))
+                heard, seconds[i] = await self._transcribe(part.audio)
                 said.append(heard)
         text = " ".join(t for t in said if t)
         if len(text) > self.config.session.max_system_prompt_chars:
             raise RealtimeError("the message is too long", "string_above_max_length", "item.content")
-        if role == "system":
-            self.settings["instructions"] = f"{self.settings['instructions']}\n\n{text}".strip()
-            if self.session is not None:
-                self.session.history.system_prompt = self.settings["instructions"]
+        if item.role == "system":
+            self._instruct(text)
         elif text:
+            self._check_room(len(text))
             self.pending_text.append(text)
-        added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
-                 "content": [{"type": "input_text", "text": t} if p["type"] == "input_text" else
-                             {"type": "input_audio", "transcript": t} for p, t in zip(parts, said)]}
+        added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed",
+                 "role": item.role, "content": [{"type": "input_text", "text": t} if p.type == "input_text" else
+                             {"type": "input_audio", "transcript": t} for p, t in zip(item.content, said)]}
         self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": added})
-        for i, (part, heard) in enumerate(zip(parts, said)):
-            if part["type"] == "input_audio":
+        for i, (part, heard) in enumerate(zip(item.content, said)):
+            if part.type == "input_audio":
                 self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item_id,
                            "content_index": i, "transcript": heard,
                            "usage": {"type": "duration", "seconds": round(seconds[i], 3)}})
         self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
         self.last_item = item_id
 
-    async def _transcribe(self, audio) -> tuple[str, float]:
+    def _instruct(self, text: str) -> None:
+        """A system item: its text joins the instructions, which stay within `session.max_system_prompt_chars`."""
+        instructions = f"{self.settings['instructions']}\n\n{text}".strip()
+        limit = self.config.session.max_system_prompt_chars
+        if len(instructions) > limit:
+            raise RealtimeError(f"the instructions would be longer than {limit} characters with this system item",
+                                "string_above_max_length", "item.content")
+        self.settings["instructions"] = instructions
+        if self.session is not None:
+            self.session.history.system_prompt = instructions
+
+    def _check_room(self, chars: int) -> None:
+        """Items waiting for a response are kept here and go to the LM as one question: their number
+        and size are bounded (`session.max_items`, `session.max_items_chars`)."""
+        limits = self.config.session
+        waiting = self.pending_text + [run.result for run in self.pending_outputs]
+        held = sum(map(len, waiting))
+        if len(waiting) >= limits.max_items or held + chars > limits.max_items_chars:
+            raise RealtimeError(f"the conversation already holds {len(waiting)} items of {held} characters waiting "
+                                f"for a response (at most {limits.max_items} items of {limits.max_items_chars} "
+                                "characters together): send response.create first", "conversation_full", "item")
+
+    async def _transcribe(self, audio: str) -> tuple[str, float]:
         """An audio part of an item, decoded like an append and transcribed whole by the session's
         ASR: (transcript, seconds of audio)."""
         from voice.asr import SAMPLE_RATE, StreamingTranscriber
@@ -350,22 +336,21 @@ class Connection:
         transcriber.insert_audio_chunk(samples)
         return (await transcriber.finish()).strip(), len(samples) / SAMPLE_RATE
 
-    def _function_output(self, item: dict) -> None:
-        call_id, output = item.get("call_id"), item.get("output")
-        if call_id not in self.calls:
-            raise RealtimeError(f"no function call {str(call_id)[:60]!r} in this conversation", param="item.call_id")
-        if not isinstance(output, str) or len(output) > self.config.session.max_system_prompt_chars:
+    def _function_output(self, item: FunctionCallOutput) -> None:
+        if item.call_id not in self.calls:
+            raise RealtimeError(f"no function call {item.call_id[:60]!r} in this conversation", param="item.call_id")
+        if len(item.output) > self.config.session.max_system_prompt_chars:
             raise RealtimeError("output must be a string of at most "
                                 f"{self.config.session.max_system_prompt_chars} characters", param="item.output")
-        self.pending_outputs.append(ToolRun(call_id, self.calls[call_id], {}, output, "ok"))
-        added = {"id": item.get("id") if isinstance(item.get("id"), str) else new_id("item"),
-                 "type": "function_call_output", "object": "realtime.item", "status": "completed",
-                 "call_id": call_id, "output": output}
+        self._check_room(len(item.output))
+        self.pending_outputs.append(ToolRun(item.call_id, self.calls[item.call_id], {}, item.output, "ok"))
+        added = {"id": item.id or new_id("item"), "type": "function_call_output", "object": "realtime.item",
+                 "status": "completed", "call_id": item.call_id, "output": item.output}
         self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": added})
         self.send({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
         self.last_item = added["id"]
 
-    async def on_response_create(self, msg: dict) -> None:
+    async def on_response_create(self, event: ResponseCreate) -> None:
         if self.pending_outputs:  # the answer to a function call: the question again, with the outputs
             runs, self.pending_outputs = self.pending_outputs, []
             self.ensure_session().answer_with(runs)
@@ -376,24 +361,21 @@ class Connection:
         text, self.pending_text = " ".join(self.pending_text), []
         self.ensure_session().text_turn(text)
 
-    async def on_response_cancel(self, msg: dict) -> None:
+    async def on_response_cancel(self, event: ResponseCancel) -> None:
         if self.session is None or self.session.reply is None:
             raise RealtimeError("no response is in progress", "response_cancel_not_active")
         self.session.cancel_reply()
 
-    async def on_truncate(self, msg: dict) -> None:
-        item_id, end_ms = msg.get("item_id"), msg.get("audio_end_ms")
-        found = next((r for r in self.responses.values() if r["item"] == item_id), None)
+    async def on_truncate(self, event: ItemTruncate) -> None:
+        found = next((r for r in self.responses.values() if r["item"] == event.item_id), None)
         if found is None:
-            raise RealtimeError(f"no assistant audio item {str(item_id)[:60]!r}", "item_truncate_invalid_item_id",
+            raise RealtimeError(f"no assistant audio item {event.item_id[:60]!r}", "item_truncate_invalid_item_id",
                                 "item_id")
-        if not isinstance(end_ms, int) or isinstance(end_ms, bool) or end_ms < 0:
-            raise RealtimeError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
-        heard = found["playback"].heard_within(end_ms / 1000) if found["playback"] else ""
+        heard = found["playback"].heard_within(event.audio_end_ms / 1000) if found["playback"] else ""
         self.session.history.heard_only(heard)  # what the LM sees next: only what was heard
         found["heard"] = heard
-        self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                   "audio_end_ms": end_ms})
+        self.send({"type": "conversation.item.truncated", "item_id": event.item_id, "content_index": 0,
+                   "audio_end_ms": event.audio_end_ms})
 
     # --- session events -> server events ----------------------------------------------------
 
@@ -466,10 +448,8 @@ class Connection:
             session.audio_sent(turn, ev.text, ev.seconds)
         elif isinstance(ev, ToolCall) and ev.name in self.client_functions():
             self._function_call(session, turn, ev)
-        elif isinstance(ev, ReplyDone):
-            r = self.responses.get(turn)
-            if r is not None:
-                self._finish(r, ev)
+        elif isinstance(ev, ReplyDone):  # a reply cancelled before its first output is a response too
+            self._finish(self._response(session, turn), ev)
         elif isinstance(ev, Error):
             kind = "server_error" if ev.stage else "invalid_request_error"
             self.error(RealtimeError(ev.message, ev.code, kind=kind))
@@ -557,10 +537,14 @@ class Connection:
         details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
         self.send({"type": "response.done", "response": self._response_object(r, status, details)})
 
-HANDLERS = {"session.update": Connection.on_session_update, "input_audio_buffer.append": Connection.on_append,
-            "input_audio_buffer.commit": Connection.on_commit, "input_audio_buffer.clear": Connection.on_clear,
-            "conversation.item.create": Connection.on_item_create, "response.create": Connection.on_response_create,
-            "response.cancel": Connection.on_response_cancel, "conversation.item.truncate": Connection.on_truncate}
+HANDLERS = {"session.update": (SessionUpdate, Connection.on_session_update),
+            "input_audio_buffer.append": (AudioAppend, Connection.on_append),
+            "input_audio_buffer.commit": (NoFields, Connection.on_commit),
+            "input_audio_buffer.clear": (NoFields, Connection.on_clear),
+            "conversation.item.create": (ItemCreate, Connection.on_item_create),
+            "response.create": (ResponseCreate, Connection.on_response_create),
+            "response.cancel": (ResponseCancel, Connection.on_response_cancel),
+            "conversation.item.truncate": (ItemTruncate, Connection.on_truncate)}
 
 
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:

@@ -7,10 +7,11 @@ it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs ev
 `live_voice_server`: the real voice service behind uvicorn on a free port, shared by the client
 tests (test_web.py, test_mic.py).
 
-Markers (README, "Tests"): `slow` = the module loads real models (an LM, Whisper, Piper);
-`live` = it also drives a real peer or system tool (Chromium, PulseAudio, sipp/baresip,
-wyoming-bench). The fast subset, `./dev test -m "not slow and not live"`, covers the pipeline
-around fake models.
+Markers (README, "Tests"), set by each module's `pytestmark`: `slow` = the module loads real
+models (an LM, Whisper, Piper); `live` = it also drives a real peer or system tool (Chromium,
+PulseAudio, sipp/baresip, wyoming-bench), and is slow too. The fast subset, `./dev test -m "not
+slow and not live"`, covers the pipeline around fake models; a test that asks for the real models
+(`real_stages`) without the `slow` marker is refused at collection, so it cannot slip into it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,11 @@ import os
 import pytest
 
 
-SLOW = {"test_adapt", "test_asr", "test_bench_eval", "test_engine", "test_quantize", "test_qwen", "test_realtime_live",
-        "test_reliability", "test_serve_memory", "test_server", "test_service", "test_tools_live", "test_tts",
-        "test_twilio", "test_verify"}
-LIVE = {"test_mic", "test_sip", "test_web", "test_wyoming_live"}
-
-
 def pytest_collection_modifyitems(items):
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SLOW | LIVE:
-            item.add_marker(pytest.mark.slow)
-        if module in LIVE:
-            item.add_marker(pytest.mark.live)
+    unmarked = [item.nodeid for item in items
+                if "real_stages" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError(f"tests that load the real models must be marked slow (pytestmark): {unmarked}")
 
 
 def _require_system(ok: object, reason: str) -> None:

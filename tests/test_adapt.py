@@ -21,7 +21,7 @@ from tinyckpt import EOS_ID, MASK_ID
 ATOL = 1e-4
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def quiet(*_):

@@ -11,6 +11,8 @@ from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
 from fakes import SPEECH, FakeWhisper
 
+pytestmark = pytest.mark.slow
+
 CHUNK = 1600  # 100 ms at 16 kHz
 
 

@@ -18,6 +18,8 @@ from engine.eval import repeated_ngram_rate
 from engine.model import visibility_mask
 from engine.stream import Engine
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = Path(__file__).parents[1] / "engine" / "prompts"
 CFG = DecodeConfig(max_new_tokens=12)
 

@@ -26,7 +26,7 @@ from tinyckpt import MASK_ID
 ATOL = 1e-4
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:

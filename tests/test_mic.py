@@ -26,6 +26,8 @@ import pytest
 from fakes import SPEECH, padded_speech
 from voice.clients.mic import FRAME_BYTES, Console, Framer, MicClient, Player
 
+pytestmark = [pytest.mark.slow, pytest.mark.live]
+
 PULSE_CONFIG = """\
 load-module module-null-sink sink_name=mic rate=16000 channels=1 sink_properties=device.description=mic
 load-module module-null-sink sink_name=speaker rate=16000 channels=1 sink_properties=device.description=speaker

@@ -13,6 +13,8 @@ from engine.decode import CacheState, DecodeConfig, Forward, run_many
 from engine.loading import load, packaged_smollm2_gguf
 from engine.stream import Engine
 
+pytestmark = pytest.mark.slow
+
 CHATS = [
     [{"role": "user", "content": "What's a good way to start my morning?"}],
     [{"role": "system", "content": "You are a friendly voice assistant."},

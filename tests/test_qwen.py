@@ -35,7 +35,7 @@ NAME = "qwen2.5-0.5b"
 LOGITS_ATOL = 1e-3
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

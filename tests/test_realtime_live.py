@@ -18,7 +18,7 @@ from voice.audio import float_to_pcm16, pcm16_to_float, resample
 from voice.clients.bench import normalise
 from voice.config import Config
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

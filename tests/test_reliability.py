@@ -41,7 +41,7 @@ TIMEOUT = 90.0
 LIVE = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 FIGURES: dict = {"faults_survived": 0, "fuzz_inputs": 0}
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 # --- fault wrappers around the real stages -------------------------------------------------------

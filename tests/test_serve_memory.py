@@ -28,6 +28,8 @@ from engine.stream import Conversation, Engine
 import tinyckpt
 from liveserver import serving
 
+pytestmark = pytest.mark.slow
+
 CHATS = [[{"role": "user", "content": text}] for text in ("hello there", "the weather is nice", "a b c d e f",
                                                           "tell me about the moon")]
 

@@ -20,6 +20,8 @@ from engine.decode import DecodeConfig
 from engine.server import build_app
 from engine.stream import Engine
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 16
 PROMPT = chat("Can you tell me a fun fact about space?")
 

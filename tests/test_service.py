@@ -35,6 +35,7 @@ SILENCE = bytes(2 * FRAME)
 TIMEOUT = 90.0  # generous: two shared CPU cores run ASR, LM and TTS for every session
 
 pytestmark = [
+    pytest.mark.slow,
     # uvicorn warns that its legacy `websockets` implementation (the one `voice serve` uses) is deprecated
     pytest.mark.filterwarnings("ignore::uvicorn.config.UvicornDeprecationWarning"),
     pytest.mark.filterwarnings("ignore:websockets.legacy is deprecated:DeprecationWarning"),

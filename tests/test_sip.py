@@ -37,6 +37,8 @@ from fakes import REAL_REPLY_TOKENS
 from liveserver import serving
 from fakes import SPEECH
 
+pytestmark = [pytest.mark.slow, pytest.mark.live]
+
 TIMEOUT = 90.0  # two shared CPU cores run ASR, LM and TTS
 MEDIA_TIMEOUT_S = 4.0
 

@@ -17,7 +17,7 @@ from voice.audio import float_to_int16, resample
 from voice.config import Config
 from voice.records import read_sessions
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 @pytest.fixture(scope="module")

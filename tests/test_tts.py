@@ -12,6 +12,8 @@ from voice.audio import resample, rms_dbfs
 from voice.scheduler import MAX_DEFER_S, Scheduler
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
 
+pytestmark = pytest.mark.slow
+
 REPLY = (
     "Sure! The oven should be at 180.5 degrees, e.g. fan assisted; wait ten minutes.\n"
     "Then: mix the flour, sugar and two eggs. Done? Good, enjoy it"

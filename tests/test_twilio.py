@@ -34,6 +34,7 @@ SILENCE = b"\xff" * FRAME  # µ-law zero
 TIMEOUT = 90.0  # two shared CPU cores run ASR, LM and TTS
 
 pytestmark = [
+    pytest.mark.slow,
     # uvicorn warns that its legacy `websockets` implementation (the one `voice serve` uses) is deprecated
     pytest.mark.filterwarnings("ignore::uvicorn.config.UvicornDeprecationWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

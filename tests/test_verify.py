@@ -23,7 +23,7 @@ import tinyckpt
 from tinyckpt import EOS_ID, MASK_ID, VOCAB
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ import pytest
 
 from fakes import SPEECH, padded_speech
 
+pytestmark = [pytest.mark.slow, pytest.mark.live]
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS, WEB = ROOT / "artifacts", ROOT / "web"
 CHROMIUM_PATHS = ("/usr/lib/chromium/chromium-headless-shell", "/usr/bin/chromium-headless-shell")

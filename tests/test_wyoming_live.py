@@ -23,6 +23,8 @@ from voice.audio import float_to_int16, pcm16_to_float, resample
 from voice.clients.bench import normalise
 from voice.config import Config
 
+pytestmark = [pytest.mark.slow, pytest.mark.live]
+
 CHUNK = 2048  # bytes of 16 kHz PCM16 per audio-chunk: 64 ms, as a satellite sends
 
 

@@ -233,7 +233,7 @@ def summarise(turns: list[Turn]) -> dict:
 
             from voice.clients.bench import normalise
             out["wer"] = jiwer.wer([normalise(t.reference) for t in refs], [normalise(t.transcript) for t in refs])
-        except Exception:  # WER is a by-product here
+        except Exception:  # noqa: BLE001 - WER is a by-product here
             pass
     return out
 

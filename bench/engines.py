@@ -230,7 +230,7 @@ def worker_main(a) -> int:
             return 0
         try:
             row = w.run(req)
-        except Exception as err:  # reported to the orchestrator, which stops
+        except Exception as err:  # noqa: BLE001 - reported to the orchestrator, which stops
             row = {"error": f"{type(err).__name__}: {err}"}
         row["peak_rss_mb"] = peak_rss_mb()
         proto.write(json.dumps(row) + "\n")
@@ -285,7 +285,7 @@ class Worker:
                 self.proc.stdin.flush()
                 self.peak_rss_mb = self.read().get("peak_rss_mb")
                 self.proc.wait(timeout=30)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a worker that cannot stop cleanly is killed
             if self.proc.poll() is None:
                 self.proc.kill()
         finally:

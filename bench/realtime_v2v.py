@@ -42,7 +42,7 @@ async def realtime_session(url: str, files: list[Path]) -> list[dict]:
             end_s, n = speech_end_s(audio, RATE), RATE * FRAME_MS // 1000
             got: dict = {"first": None, "done": False, "transcript": "", "reply": ""}
 
-            async def receive():
+            async def receive(got: dict):
                 while not got["done"]:
                     ev = json.loads(await conn.recv_bytes())
                     if ev["type"] == "response.output_audio.delta" and got["first"] is None:
@@ -52,7 +52,7 @@ async def realtime_session(url: str, files: list[Path]) -> list[dict]:
                     elif ev["type"] == "response.done":
                         got["reply"] = "".join(c.get("transcript") or "" for c in ev["response"]["output"][0]["content"])
                         got["done"] = True
-            reader = asyncio.create_task(receive())
+            reader = asyncio.create_task(receive(got))
             start, i = time.perf_counter(), 0
             while not got["done"] and time.perf_counter() - start < len(audio) / RATE + 30:
                 chunk = audio[i:i + n] if i < len(audio) else np.zeros(n, dtype=np.float32)
@@ -93,7 +93,7 @@ def main() -> int:
     files = sorted(Path(a.audio).glob("*.wav"))
     refs = read_references(Path(a.audio))
     ws, rt = [], []
-    for r in range(a.repeat):
+    for _ in range(a.repeat):
         ws += [{"file": t.file, "v2v_ms": t.v2v_ms, "transcript": t.transcript, "reply": t.reply}
                for t in asyncio.run(run_session(f"ws://127.0.0.1:{port}/ws", files, refs, RATE, None))]
         rt += asyncio.run(realtime_session(f"http://127.0.0.1:{port}/v1", files))

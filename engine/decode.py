@@ -533,7 +533,7 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     pending = [p[len(shared):] for p in prompts]
     replies: list[list[int]] = [[] for _ in prompts]
     going = list(range(len(prompts)))
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         results = run_many(model, [Forward(states[i], pending[i]) for i in going])
         token, _ = pick(torch.stack([last for last, _ in results]), temperature, generator)
         for i, t in zip(going, token.tolist()):

@@ -331,7 +331,7 @@ class Engine:
         try:
             request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start,
                                                        request.constraint, request.tools)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
             request.deliver(err)
             self._leave(request)
             return
@@ -355,7 +355,7 @@ class Engine:
                 request.deliver(request.reply.piece(item))
         except StopIteration:
             request.deliver(None)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
             request.deliver(err)
         self._leave(request)
         return None

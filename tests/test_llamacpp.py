@@ -16,7 +16,7 @@ from engine import llamacpp
 from engine.data import chat
 from engine.decode import CacheState, ContextOverflow, DecodeConfig, Forward, generate_ar_batch, run_many
 from engine.loading import ModelLoadError, load
-from engine.stream import Conversation, Engine
+from engine.stream import Engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -131,7 +131,7 @@ def test_a_reused_cache_gives_the_fresh_reply(tiny, caches):
         fresh = {i: list(engine.generate_sync(c, mode=mode, conversation=Conversation(
             state=CacheState.new(tiny.model, 128)))) for i, c in enumerate(CHATS)}
 
-        async def main():
+        async def main(mode: str):
             out = {}
             for i in (3, 0, 2, 1, 3):  # each on the one pooled cache, after the others
                 cut = engine.stream(CHATS[(i + 1) % len(CHATS)], mode=mode)
@@ -141,7 +141,7 @@ def test_a_reused_cache_gives_the_fresh_reply(tiny, caches):
             return out
 
         made = caches.made
-        for i, pieces in asyncio.run(main()).items():
+        for i, pieces in asyncio.run(main(mode)).items():
             assert reply_ids(pieces) == reply_ids(fresh[i])
             assert pieces[0].prefilled_tokens == pieces[0].prompt_tokens == fresh[i][0].prompt_tokens
         assert caches.made - made <= 2  # ten requests really ran on reused caches

@@ -23,11 +23,11 @@ import websockets
 from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_dbfs
 from voice.config import Config
 from voice.latency import STAGES
-
-EVERY_TURN = set(STAGES) - {"tool"}  # the tool stage is only in turns that call tools
 from voice.server import build_app
 from fakes import REAL_REPLY_TOKENS
 from fakes import SPEECH
+
+EVERY_TURN = set(STAGES) - {"tool"}  # the tool stage is only in turns that call tools
 
 RATE = 16000
 FRAME = RATE * 20 // 1000  # samples in a 20 ms frame

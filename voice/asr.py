@@ -174,7 +174,7 @@ class StreamingTranscriber:
         committed = " ".join(self._committed)
         try:
             hypothesis = (await self._transcribe(self._audio(), prefix=committed)).split()
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - a partial is a preview: the final transcript still comes
             log.warning("partial transcript failed: %s", err)
             return None
         if utterance != self._utterance:

@@ -33,7 +33,7 @@ def _sounddevice():
     except ImportError:
         raise SystemExit("voice mic needs the [mic] extra: pip install 'diffusion-voice[mic]'") from None
     except OSError as err:  # the Python package is there but the PortAudio library is not
-        raise SystemExit(f"voice mic needs the PortAudio library (e.g. apt-get install libportaudio2): {err}")
+        raise SystemExit(f"voice mic needs the PortAudio library (e.g. apt-get install libportaudio2): {err}") from None
     return sounddevice
 
 
@@ -149,7 +149,7 @@ class MicClient:
         try:
             sd.check_input_settings(self.input_device, channels=1, dtype="int16", samplerate=RATE)
             return RATE
-        except Exception:
+        except Exception:  # noqa: BLE001 - PortAudio refuses a rate in many ways: use the device's own
             return int(sd.query_devices(self.input_device, "input")["default_samplerate"])
 
     def _output_rate(self, sd) -> int:

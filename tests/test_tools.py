@@ -12,25 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sqlite3
 import threading
 import time
+import tracemalloc
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, RedirectResponse
+from starlette.responses import PlainTextResponse, RedirectResponse, StreamingResponse
 from starlette.routing import Route
 
+from engine.keys import ConfigError
+from engine.redact import redact
 from fakes import Client, LiveServer, fake_stages, make_config, speech
 from liveserver import serving
 from voice import records as rec
 from voice.config import ToolsConfig, load_config
 from voice.records import read_sessions
-from voice.tools import Timers, Toolbox, ToolError, ToolRun, calculate, with_results
+from voice.tools import CUT_NOTE, Timers, Toolbox, ToolError, ToolRun, calculate, with_results
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -120,6 +124,10 @@ def test_results_are_folded_into_the_users_message():
 
 # --- webhooks, against a real HTTP server ---------------------------------------------------
 
+CHUNK = b"sunny " * 10923  # 64 KiB
+ENDLESS_BYTES = 256 * 1024 * 1024  # "endless": it ends only so that a client without a bound ends too
+
+
 class Hooks:
     """A loopback HTTP server that records every request, answers per path, and notices
     requests whose client went away before the answer (barge-in)."""
@@ -149,9 +157,24 @@ class Hooks:
             self.requests.append({"path": "/redirect"})
             return RedirectResponse("http://example.invalid/steal", status_code=307)
 
+        async def endless(request: Request):
+            async def body():
+                for _ in range(ENDLESS_BYTES // len(CHUNK)):
+                    yield CHUNK
+            return StreamingResponse(body(), media_type="text/plain")
+
+        async def trickle(request: Request):
+            async def body():
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    yield b"."
+            return StreamingResponse(body(), media_type="text/plain")
+
         self.app = Starlette(routes=[Route("/weather", weather, methods=["POST"]),
                                      Route("/broken", broken, methods=["POST"]),
-                                     Route("/redirect", elsewhere, methods=["POST"])])
+                                     Route("/redirect", elsewhere, methods=["POST"]),
+                                     Route("/endless", endless, methods=["POST"]),
+                                     Route("/trickle", trickle, methods=["POST"])])
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +215,40 @@ def test_webhook_failures_are_results_the_model_can_speak_about(hooks, monkeypat
         assert run.status == "error" and why in run.result, (why, run)
         assert run.ms < 1500, run
     assert "/steal" not in str(hooks.requests)
+
+
+def test_the_timeout_bounds_the_whole_call_and_the_body_is_read_only_as_far_as_the_model_reads(hooks):
+    """A body that trickles a byte every 0.1 s for 10 s, and one of 256 MiB: the first is cut at
+    `timeout_s`, the second read only up to what the model is given (it was read for 28 s, 1.5 GB)."""
+    trickle = run_tool(Toolbox(webhook_config(hooks.base, "/trickle", timeout_s=1.0)), "get_weather", {"city": "Oslo"})
+    assert trickle.status == "error" and "did not answer within 1 s" in trickle.result and trickle.ms < 1500, trickle
+    tracemalloc.start()
+    try:
+        endless = run_tool(Toolbox(webhook_config(hooks.base, "/endless", timeout_s=5.0)), "get_weather",
+                           {"city": "Oslo"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert endless.status == "ok" and endless.ms < 1500, (endless.status, endless.ms)
+    assert endless.result == (CHUNK.decode()[:1000] + CUT_NOTE)
+    assert peak < 16 * 1024 * 1024, peak
+
+
+@pytest.mark.parametrize("secret", ["Bearer s\u00e9cret-token-1234", "Bearer s3cret-token\r\nX-Injected: 1"])
+def test_a_secret_http_cannot_carry_stops_start_up_without_being_shown(hooks, monkeypatch, caplog, capsys, secret):
+    """A non-ASCII secret once failed each call with a UnicodeEncodeError that quoted it into the log."""
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("WEATHER_TOKEN", secret)
+    with pytest.raises(ConfigError, match="WEATHER_TOKEN") as failed:
+        Toolbox(webhook_config(hooks.base, headers_env={"Authorization": "WEATHER_TOKEN"}))
+    shown = str(failed.value) + caplog.text + "".join(capsys.readouterr())
+    assert "cret-token" not in shown, shown
+
+
+def test_webhook_secrets_are_redacted_from_every_log_line(hooks, monkeypatch):
+    monkeypatch.setenv("WEATHER_TOKEN", "Token 9f8e7d6c5b4a-weather")
+    Toolbox(webhook_config(hooks.base, headers_env={"X-Weather": "WEATHER_TOKEN"}))
+    assert redact("sent 9f8e7d6c5b4a-weather, Token 9f8e7d6c5b4a-weather") == "sent REDACTED, REDACTED"
 
 
 @pytest.mark.parametrize("values, why", [

@@ -5,9 +5,12 @@ and `wyoming-bench` against the server are in tests/test_wyoming_live.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import numpy as np
+import psutil
 import pytest
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -143,7 +146,29 @@ def test_requests_are_call_records(server):
     (b'{"type": "synthesize", "data": {"text": "hi", "voice": {"name": "en_GB-alan-low"}}}\n', "unknown_voice"),
     (b'{"type": "transcribe", "data": {"language": "de"}}\n{"type": "audio-start", "data": '
      b'{"rate": 16000, "width": 2, "channels": 1}}\n', "unsupported_language"),
-])
+    # numbers, nesting, strings and types that only a bounded, typed reader refuses
+    (b'{"type": "ping", "data_length": 1e999}\n', "bad_event"),
+    (b'{"type": "ping", "data_length": true}\n', "bad_event"),
+    (b'{"type": "ping", "payload_length": "12"}\n', "bad_event"),
+    (b'{"type": "ping", "data_length": -1}\n', "bad_event"),
+    (b'{"type": "ping", "payload_length": 1.5}\n', "bad_event"),
+    (b'{"type": "ping", "data": {"text": NaN}}\n', "bad_event"),
+    (b'{"type": "ping", "data": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", "bad_event"),
+    (b'{"type": "ping", "data_length": 10000}\n' + b"[" * 5000 + b"]" * 5000, "bad_event"),
+    (b'{"type": "ping", "data_length": 2}\n[]', "bad_event"),
+    (b'{"type": "ping", "data": []}\n', "bad_event"),
+    (b'{"type": "ping", "data": {"text": "\xff"}}\n', "bad_event"),
+    (b'{"type": "synthesize", "data": {"text": "\\ud800 hello"}}\n', "bad_event"),
+    (b'{"type": "synthesize", "data": {"text": 5}}\n', "bad_event"),
+    (b'{"type": "synthesize-start"}\n{"type": "synthesize-chunk", "data": {"text": ["hi"]}}\n', "bad_event"),
+    (b'{"type": "transcript", "data": {"text": {"a": 1}}}\n', "bad_event"),
+    (b'{"type": "audio-chunk", "data": {"rate": 16000.5, "width": 2, "channels": 1}, "payload_length": 2}\nab',
+     "unsupported_audio"),
+    (b'{"type": "synthesize", "data": {"text": "' + b"la " * 1700 + b'"}}\n', "text_too_long"),
+    (b'{"type": "synthesize-start"}\n' + (b'{"type": "synthesize-chunk", "data": {"text": "' + b"la " * 600
+                                          + b'"}}\n') * 3, "text_too_long"),
+    (b'{"type": "transcript", "data": {"text": "' + b"la " * 1700 + b'"}}\n', "text_too_long"),
+], ids=lambda value: value[:48].decode("latin-1") if isinstance(value, bytes) else value)
 def test_a_bad_event_gets_an_error_and_closes_only_its_connection(server, raw, code):
     async def scenario():
         bad_reader, bad_writer = await asyncio.open_connection("127.0.0.1", server.config.wyoming.port)
@@ -205,3 +230,79 @@ def test_serving_wyoming_to_anyone_off_loopback_is_refused():
     check_exposure(config, Auth(keys={"k": "x" * 32}, secret=b"s" * 32))
     with pytest.raises(ValueError, match="wyoming.allow"):
         make_config(wyoming={"allow": ["kitchen"]}).wyoming.__post_init__()
+
+
+def test_a_long_text_without_a_sentence_break_is_spoken_in_bounded_phrases(server):
+    """5,000 characters without punctuation once became one phrase, and Piper's memory grew by a GB."""
+    synth, phrases = server.stages.synthesizer, []
+    speak = synth.synthesize
+
+    async def recording(text, rate, urgent=lambda: False):
+        phrases.append(text)
+        return await speak(text, rate, urgent)
+
+    synth.synthesize = recording
+    text = " ".join(["word"] * 990) + " " + "x" * 600  # 5,550 characters, one "word" longer than a phrase
+    server.config.wyoming.max_text_chars = len(text)
+    got = talk(server, Synthesize(text=text).event(), until="audio-stop")
+    assert types(got) == ["audio-start", "audio-stop"]
+    limit = server.config.tts.max_phrase_chars
+    assert max(map(len, phrases)) <= limit and len(phrases) > len(text) // limit, [len(p) for p in phrases]
+    assert "".join(phrases).replace(" ", "") == text.replace(" ", "")  # nothing lost, nothing repeated
+
+
+def server_sockets(port: int) -> int:
+    """This process's open sockets on the server's side of `port`."""
+    return sum(1 for c in psutil.Process().net_connections("tcp") if c.laddr and c.laddr.port == port and c.raddr)
+
+
+def test_every_connection_has_a_read_deadline_and_gives_its_socket_back():
+    """A header that never ends, a data block that never comes, a client that never reads what it
+    asked for: each is cut after `idle_timeout_s`, and the server holds no socket once the clients
+    are gone (open file descriptors back to the baseline)."""
+    config = make_config(wyoming={"port": free_port(), "idle_timeout_s": 0.5})
+    with LiveServer(config, fake_stages(config)) as srv:
+        port = srv.config.wyoming.port
+        talk(srv, Describe().event(), until="info")
+        baseline = psutil.Process().num_fds()
+
+        async def scenario():
+            async def connect(first: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(first)
+                await writer.drain()
+                return reader, writer
+
+            silent = await connect(b"")
+            endless = await connect(b'{"type": "describe"')  # then a byte at a time, never a line break
+            dataless = await connect(b'{"type": "ping", "data_length": 100}\n{"text"')
+            deaf = await connect(json.dumps({"type": "synthesize", "data": {"text": "la " * 1600}}).encode() + b"\n")
+            deaf[1].transport.pause_reading()  # never reads the audio it asked for
+            reading, started = asyncio.create_task(endless[0].read()), time.monotonic()
+            with contextlib.suppress(ConnectionError):  # the server cuts it off half way
+                while not reading.done() and time.monotonic() - started < 5:
+                    endless[1].write(b" ")
+                    await endless[1].drain()
+                    await asyncio.sleep(0.1)
+            trickled_s = time.monotonic() - started
+            await asyncio.wait([reading])
+            cut = [await asyncio.wait_for(reader.read(), 5) for reader, _ in (silent, dataless)]
+            for _ in range(50):  # the deaf one is cut too, though its client still holds its end
+                if server_sockets(port) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            held = server_sockets(port)
+            for _, writer in (silent, endless, dataless, deaf):
+                writer.close()
+            return cut, trickled_s, held
+
+        cut, trickled_s, held = asyncio.run(scenario())
+        for raw in cut:
+            assert parse_events(raw)[-1]["data"]["code"] == "idle_timeout", raw
+        assert trickled_s < 2, trickled_s
+        assert held == 0
+        assert talk(srv, Describe().event(), until="info")[-1].type == "info"  # the server goes on serving
+        deadline = time.monotonic() + 5
+        while psutil.Process().num_fds() > baseline and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server closes its end of the last connection
+        assert psutil.Process().num_fds() == baseline

@@ -128,6 +128,7 @@ class TtsConfig:
     length_scale: float = 1.0  # > 1 speaks slower
     min_chars: int = 12  # shorter phrases wait for more text unless flushed
     first_words: int = 3  # the reply's first phrase may end after this many words (0: wait for punctuation)
+    max_phrase_chars: int = 250  # a longer phrase (no punctuation) is cut at a word: Piper's time and memory grow
 
     def __post_init__(self) -> None:
         if self.length_scale <= 0:
@@ -136,6 +137,8 @@ class TtsConfig:
             raise ValueError(f"tts min_chars must not be negative, got {self.min_chars}")
         if self.first_words < 0:
             raise ValueError(f"tts first_words must not be negative, got {self.first_words}")
+        if self.max_phrase_chars < 20:
+            raise ValueError(f"tts max_phrase_chars must be at least 20, got {self.max_phrase_chars}")
 
 
 @dataclass
@@ -248,10 +251,18 @@ class WyomingConfig:
     conversations: int = 8  # assistant conversations whose history (and LM cache) are kept; the oldest go
     # client addresses (IP or CIDR) allowed to connect; [] = any, which is only accepted on a loopback host
     allow: list[str] = field(default_factory=list)
+    idle_timeout_s: float = 60.0  # a connection that sends no whole event, or reads nothing, this long is closed
+    max_event_bytes: int = 65536  # one event's JSON header line, and its data block (event_too_large beyond)
+    max_payload_bytes: int = 1048576  # one event's payload: an audio chunk is a few kB (event_too_large beyond)
+    max_text_chars: int = 5000  # text to speak (one synthesize or a whole stream) or to answer (text_too_long)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"wyoming.port must be 0-65535, got {self.port}")
+        if self.idle_timeout_s <= 0 or self.max_event_bytes < 1024 or self.max_payload_bytes < 1024 \
+                or self.max_text_chars < 1:
+            raise ValueError("wyoming.idle_timeout_s and max_text_chars must be positive, max_event_bytes and "
+                             "max_payload_bytes at least 1024")
         if self.conversations < 1:
             raise ValueError(f"wyoming.conversations must be at least 1, got {self.conversations}")
         for net in self.allow:
@@ -298,6 +309,7 @@ class ToolsConfig:
     filler_ms: int = 300
     webhook_allow: list = field(default_factory=list)  # URL prefixes webhooks may call; a webhook outside is an error
     webhooks: list = field(default_factory=list)  # [[tools.webhooks]] tables (WebhookConfig)
+    max_result_chars: int = 1000  # of a result given to the model; a webhook's body is read only that far
 
     def __post_init__(self) -> None:
         unknown = set(self.builtin) - set(BUILTIN_TOOLS)
@@ -312,6 +324,8 @@ class ToolsConfig:
                 raise ValueError(f"tools.time_zone: {self.time_zone!r} is not a known time zone") from err
         if self.filler_ms < 0:
             raise ValueError(f"tools.filler_ms must not be negative, got {self.filler_ms}")
+        if self.max_result_chars < 100:
+            raise ValueError(f"tools.max_result_chars must be at least 100, got {self.max_result_chars}")
         self.webhooks = [w if isinstance(w, WebhookConfig) else _build(WebhookConfig, w, "tools.webhooks")
                          for w in self.webhooks]
         names = [w.name for w in self.webhooks]

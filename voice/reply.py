@@ -111,7 +111,8 @@ class ReplyRunner:
                         speaker: asyncio.Task) -> None:
         """LM blocks -> reply events and phrases for the speaker. A reply that calls tools is not
         spoken: the calls run and the model answers again with their results (voice/tools.py)."""
-        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words)
+        splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words,
+                                  self.config.tts.max_phrase_chars)
         offered = (self.tools.openai() + self.client_tools) or None
         calls = await self._blocks(reply, messages, splitter, phrases, speaker, offered)
         theirs = {t["function"]["name"] for t in self.client_tools}

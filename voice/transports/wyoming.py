@@ -17,9 +17,12 @@ One TCP server offers three programs on every connection (`describe` lists them)
 A request that fails gets an `error` and its connection is closed (Home Assistant's ASR and
 TTS clients have no timeout of their own: a closed connection fails, an error alone would hang);
 the assistant answers `not-handled` instead, which Home Assistant treats as the end. Events this
-server does not know are dropped, as the protocol asks. Each connection with a request is a
-session in the call records (transport "wyoming"), each request a turn, and its stage times go to
-/metrics like any session's (docs/HOME_ASSISTANT.md).
+server does not know are dropped, as the protocol asks. Whatever a client sends is bounded
+([wyoming]): each event is read by `read_event` (engine/wire.py's JSON, sizes and types checked)
+within `idle_timeout_s`, each write must be read within it too, and a connection gives its
+socket back on every way out. Each connection with a request is a session in the call records
+(transport "wyoming"), each request a turn, and its stage times go to /metrics like any
+session's (docs/HOME_ASSISTANT.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import asyncio
 import collections
 import ipaddress
 import itertools
-import json
 import logging
 import secrets
 import time
@@ -48,6 +50,7 @@ from wyoming.info import (AsrModel, AsrProgram, Attribution, Describe, HandleMod
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
+from engine.wire import WireError, decode_json
 from voice import events, vad
 from voice.auth import source_allowed
 from voice.asr import SAMPLE_RATE, StreamingTranscriber
@@ -61,9 +64,7 @@ from voice.stages import Stages
 from voice.tts import PhraseSplitter
 
 log = logging.getLogger("voice.wyoming")
-MAX_HEADER_BYTES = 64 * 1024  # one event's JSON line, and its data block
-MAX_PAYLOAD_BYTES = 1024 * 1024  # one event's payload (an audio chunk is a few kB)
-MAX_TEXT_CHARS = 5000  # text to synthesise in one request
+CLOSE_GRACE_S = 5.0  # a closing connection's last events get this long to be read; then it is cut off
 AUDIO_CHUNK_SAMPLES = 1024  # per audio-chunk we send, as wyoming-piper does
 ATTRIBUTION = Attribution(name="diffusion-voice", url="https://github.com/diffusion-voice/diffusion-voice")
 _connection_ids = itertools.count(1)
@@ -75,6 +76,11 @@ class RequestFailed(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class Stalled(ConnectionError):
+    """The client read nothing of what we sent for `idle_timeout_s`: it is cut off without a word
+    (it would not read one)."""
 
 
 def voice_name(tts: TtsConfig) -> str:
@@ -107,9 +113,11 @@ def info(stages: Stages) -> Info:
                               supports_handled_streaming=True)])
 
 
-async def read_event(reader: asyncio.StreamReader) -> Event | None:
+async def read_event(reader: asyncio.StreamReader, config: WyomingConfig) -> Event | None:
     """The next event, or None at the end of the stream. Unlike the library's reader this bounds
-    what one event may make us buffer, and says what was wrong (RequestFailed)."""
+    each part of an event (the JSON line, its data block, its payload), decodes the JSON with
+    engine/wire.py (no deep nesting, no infinite or endless number) and checks the header's types:
+    whatever is wrong is a RequestFailed, never another exception."""
     try:
         line = await reader.readuntil(b"\n")
     except asyncio.IncompleteReadError as err:
@@ -117,30 +125,59 @@ async def read_event(reader: asyncio.StreamReader) -> Event | None:
             return None
         raise RequestFailed("bad_event", "the connection ended in the middle of an event") from None
     except asyncio.LimitOverrunError:
-        raise RequestFailed("event_too_large", f"an event header longer than {MAX_HEADER_BYTES} bytes") from None
-    try:
-        header = json.loads(line)
-        kind, data = header["type"], header.get("data") or {}
-        data_length, payload_length = int(header.get("data_length") or 0), int(header.get("payload_length") or 0)
-        if not isinstance(kind, str) or not isinstance(data, dict):
-            raise ValueError("type must be a string and data an object")
-    except (ValueError, KeyError, TypeError) as err:
-        raise RequestFailed("bad_event", f"not a Wyoming event header: {err}") from None
-    if not 0 <= data_length <= MAX_HEADER_BYTES or not 0 <= payload_length <= MAX_PAYLOAD_BYTES:
-        raise RequestFailed("event_too_large", f"data_length must be 0-{MAX_HEADER_BYTES} and payload_length "
-                                               f"0-{MAX_PAYLOAD_BYTES} bytes")
+        raise RequestFailed("event_too_large", f"an event header longer than {config.max_event_bytes} "
+                                               "bytes") from None
+    header = json_object(line, config.max_event_bytes, "header")
+    kind, data = header.get("type"), header.get("data")
+    if not isinstance(kind, str) or not kind:
+        raise RequestFailed("bad_event", "an event's type must be a string")
+    if data is not None and not isinstance(data, dict):
+        raise RequestFailed("bad_event", "an event's data must be a JSON object")
+    data = data or {}
+    data_length = block_length(header, "data_length", config.max_event_bytes)
+    payload_length = block_length(header, "payload_length", config.max_payload_bytes)
     try:
         if data_length:
-            extra = json.loads(await reader.readexactly(data_length))
-            if not isinstance(extra, dict):
-                raise ValueError("the data block must be a JSON object")
-            data.update(extra)
+            data.update(json_object(await reader.readexactly(data_length), config.max_event_bytes, "data"))
         payload = await reader.readexactly(payload_length) if payload_length else None
     except asyncio.IncompleteReadError:
         raise RequestFailed("bad_event", "the connection ended in the middle of an event") from None
-    except ValueError as err:
-        raise RequestFailed("bad_event", f"bad event data: {err}") from None
     return Event(kind, data, payload)
+
+
+def json_object(raw: bytes, max_bytes: int, part: str) -> dict:
+    """An event's header or data block: a JSON object within the bounds of engine/wire.py."""
+    try:
+        value = decode_json(raw, max_bytes=max_bytes)
+    except WireError as err:
+        code = "event_too_large" if err.reason == "too_large" else "bad_event"
+        raise RequestFailed(code, f"the event's {part}: {err.message}") from None
+    if not isinstance(value, dict):
+        raise RequestFailed("bad_event", f"the event's {part} must be a JSON object")
+    return value
+
+
+def block_length(header: dict, key: str, most: int) -> int:
+    """The header's `data_length` or `payload_length`: a whole number of bytes up to `most`."""
+    length = header.get(key)
+    if length is None:
+        return 0
+    if type(length) is not int or length < 0:
+        raise RequestFailed("bad_event", f"{key} must be a whole number of bytes")
+    if length > most:
+        raise RequestFailed("event_too_large", f"{key} must be at most {most} bytes")
+    return length
+
+
+def text_of(event: Event, most: int, before: int = 0) -> str:
+    """The event's `text`: a string that, after `before` characters of the same request, makes at
+    most `most`."""
+    text = event.data.get("text")
+    if not isinstance(text, str):
+        raise RequestFailed("bad_event", f"the text of a {event.type} event must be a string")
+    if before + len(text) > most:
+        raise RequestFailed("text_too_long", f"at most {most} characters per request")
+    return text
 
 
 class Dictation:
@@ -159,7 +196,8 @@ class Dictation:
         self.streamed = ""  # partial text sent as transcript-chunks
 
     def push(self, chunk: AudioChunk) -> None:
-        if chunk.width != 2 or not 1 <= chunk.channels <= 8 or not 8000 <= chunk.rate <= 192000:
+        if any(type(n) is not int for n in (chunk.width, chunk.channels, chunk.rate)) or chunk.width != 2 \
+                or not 1 <= chunk.channels <= 8 or not 8000 <= chunk.rate <= 192000:
             raise RequestFailed("unsupported_audio", "audio must be 16-bit PCM, 1-8 channels, 8-192 kHz; got "
                                                      f"width {chunk.width}, {chunk.channels} channels, {chunk.rate} Hz")
         if len(chunk.audio) % (2 * chunk.channels):
@@ -233,24 +271,45 @@ class Connection:
         self.dictation: Dictation | None = None
         self.partial_task: asyncio.Task | None = None
         self.speech: tuple[asyncio.Queue, asyncio.Task, float] | None = None  # a streamed synthesis
+        self.speech_chars = 0  # the streamed synthesis's text so far
         self.language = ""
+        self.config = server.config
 
     async def run(self) -> None:
         try:
-            while (event := await read_event(self.reader)) is not None:
+            while (event := await self.next_event()) is not None:
                 try:
                     await self.handle(event)
                 except (KeyError, TypeError, ValueError, AttributeError) as err:  # a field missing or mistyped
                     raise RequestFailed("bad_event", f"bad {event.type} event: {err!r}") from None
         except RequestFailed as failure:
             await self.fail(failure)
+        except Stalled as stalled:
+            self.error("slow_client", str(stalled))
+            self.writer.transport.abort()  # what it has not read is dropped with it
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except Exception:  # a bug of ours: this connection ends, the server goes on
+            log.exception("wyoming=%s failed", self.id)
+            await self.fail(RequestFailed("internal_error", "the server failed to serve this request"))
         finally:
             await self.close()
 
+    async def next_event(self) -> Event | None:
+        """The next event, which must come whole within `idle_timeout_s` (a header that never ends holds
+        nothing)."""
+        try:
+            async with asyncio.timeout(self.config.idle_timeout_s):
+                return await read_event(self.reader, self.config)
+        except TimeoutError:
+            raise RequestFailed("idle_timeout", f"no whole event within {self.config.idle_timeout_s:g} s") from None
+
     async def write(self, event: Event) -> None:
-        await async_write_event(event, self.writer)
+        try:
+            async with asyncio.timeout(self.config.idle_timeout_s):
+                await async_write_event(event, self.writer)
+        except TimeoutError:
+            raise Stalled(f"the client read nothing for {self.config.idle_timeout_s:g} s") from None
 
     def error(self, code: str, message: str) -> None:
         """Count, log and record an error (in the records once this connection is a session)."""
@@ -261,6 +320,8 @@ class Connection:
             log.warning("wyoming=%s %s: %s", self.id, code, message)
 
     async def fail(self, failure: RequestFailed) -> None:
+        """Stop what this connection was doing, then say why (the error is the last event sent)."""
+        await self.stop_work()
         self.error(failure.code, failure.message)
         if self.calls is not None and self.turn in self.calls.open_turns:
             self.calls.unreplied(self.turn, "", failure.code)
@@ -289,19 +350,22 @@ class Connection:
             await self.transcribe()
         elif Synthesize.is_type(kind):
             if self.speech is None:  # inside a stream it is only the text again, for older servers
-                synthesize = Synthesize.from_event(event)
-                self.check_voice(synthesize.voice)
-                await self.synthesize(synthesize.text)
+                text = text_of(event, self.config.max_text_chars)
+                self.check_voice(Synthesize.from_event(event).voice)
+                await self.synthesize(text)
         elif SynthesizeStart.is_type(kind):
             self.check_voice(SynthesizeStart.from_event(event).voice)
             await self.start_speech()
         elif SynthesizeChunk.is_type(kind):
             if self.speech is None:
                 raise RequestFailed("bad_event", "synthesize-chunk outside synthesize-start .. synthesize-stop")
-            self.speech[0].put_nowait(SynthesizeChunk.from_event(event).text)
+            text = text_of(event, self.config.max_text_chars, self.speech_chars)
+            self.speech_chars += len(text)
+            self.speech[0].put_nowait(text)
         elif SynthesizeStop.is_type(kind):
             await self.finish_speech()
         elif Transcript.is_type(kind):
+            text_of(event, self.config.max_text_chars)
             await self.answer(Transcript.from_event(event))
         else:
             log.debug("wyoming=%s dropped a %s event", self.id, kind)
@@ -356,8 +420,9 @@ class Connection:
         scheduler = self.stages.scheduler
         scheduler.start_waiting(self)
         try:
-            text = await asyncio.wait_for(dictation.finish(), self.stages.config.faults.asr_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.stages.config.faults.asr_timeout_s):
+                text = await dictation.finish()
+        except TimeoutError:
             raise RequestFailed("asr_timeout", "speech recognition took too long") from None
         except Exception as err:
             log.exception("wyoming=%s speech recognition failed", self.id)
@@ -380,8 +445,6 @@ class Connection:
 
     async def synthesize(self, text: str) -> None:
         """One text, spoken phrase by phrase: audio-start, the audio as each phrase is ready, audio-stop."""
-        if len(text) > MAX_TEXT_CHARS:
-            raise RequestFailed("text_too_long", f"at most {MAX_TEXT_CHARS} characters per request")
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(text)
         queue.put_nowait(None)
@@ -393,7 +456,7 @@ class Connection:
             raise RequestFailed("bad_event", "synthesize-start inside another synthesize-start")
         queue: asyncio.Queue = asyncio.Queue()
         started = self.begin()
-        self.speech = (queue, asyncio.create_task(self.speak(queue, started)), started)
+        self.speech, self.speech_chars = (queue, asyncio.create_task(self.speak(queue, started)), started), 0
 
     async def finish_speech(self) -> None:
         if self.speech is None:
@@ -407,7 +470,7 @@ class Connection:
     async def speak(self, texts: asyncio.Queue, started: float, whole: str = "") -> None:
         """Texts from `texts` (None ends them) -> phrases -> audio-start and audio-chunks."""
         cfg, synth, scheduler = self.stages.config, self.stages.synthesizer, self.stages.scheduler
-        splitter = PhraseSplitter(cfg.tts.min_chars, cfg.tts.first_words)
+        splitter = PhraseSplitter(cfg.tts.min_chars, cfg.tts.first_words, cfg.tts.max_phrase_chars)
         rate, first_ms, spoken = synth.voice_rate, None, ""
         await self.write(AudioStart(rate=rate, width=2, channels=1).event())
         scheduler.start_waiting(self)
@@ -418,10 +481,12 @@ class Connection:
                 for phrase in phrases:
                     if not phrase.strip():
                         continue
+                    if self.writer.is_closing():  # the client has gone: its phrases would only wait for others'
+                        raise ConnectionResetError("the client has gone")
                     try:
-                        pcm = await asyncio.wait_for(synth.synthesize(phrase, rate, urgent=lambda: first_ms is None),
-                                                     cfg.faults.tts_timeout_s)
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(cfg.faults.tts_timeout_s):
+                            pcm = await synth.synthesize(phrase, rate, urgent=lambda: first_ms is None)
+                    except TimeoutError:
                         raise RequestFailed("tts_timeout", "speech synthesis took too long") from None
                     except Exception as err:
                         log.warning("wyoming=%s speech synthesis failed: %r", self.id, err)
@@ -458,7 +523,8 @@ class Connection:
             while len(reply) < self.stages.config.limits.max_reply_chars:
                 timeout = faults.lm_first_block_timeout_s if first_ms is None else faults.lm_block_timeout_s
                 try:
-                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
+                    async with asyncio.timeout(timeout):
+                        block = await blocks.__anext__()
                 except StopAsyncIteration:
                     break
                 if first_ms is None:
@@ -480,18 +546,38 @@ class Connection:
         await self.write(HandledStop().event())
         await self.done("ok", transcript.text, reply, {"lm_first_block": first_ms or 0.0})
 
-    async def close(self) -> None:
-        for task in (self.partial_task, self.speech[1] if self.speech else None):
-            if task is not None:
-                task.cancel()
+    async def stop_work(self) -> None:
+        """Cancel the transcription and synthesis in flight, and let them stop (CLOSE_GRACE_S at most)."""
+        tasks = [task for task in (self.partial_task, self.speech[1] if self.speech else None) if task is not None]
+        self.partial_task, self.speech = None, None
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            done, _ = await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # what it failed with ends with this connection: nothing to report
         if self.dictation is not None:
             self.dictation.transcriber.reset()
-        self.stages.scheduler.stop_waiting(self)
-        if self.calls is not None:
-            self.calls.closed("closed", self.turn)
-            self.stages.metrics.sessions.labels("wyoming").dec()
-            self.ticket.release()
-        self.writer.close()
+            self.dictation = None
+
+    async def close(self) -> None:
+        """Give everything back, the socket last and whatever else fails: a client that reads nothing
+        is cut off after CLOSE_GRACE_S instead of holding the socket until it reads."""
+        try:
+            await self.stop_work()
+            self.stages.scheduler.stop_waiting(self)
+            if self.calls is not None:
+                self.calls.closed("closed", self.turn)
+                self.stages.metrics.sessions.labels("wyoming").dec()
+                self.ticket.release()
+        finally:
+            self.writer.close()
+            try:
+                async with asyncio.timeout(CLOSE_GRACE_S):
+                    await self.writer.wait_closed()
+            except (TimeoutError, ConnectionError):
+                self.writer.transport.abort()
 
 
 class WyomingServer:
@@ -511,7 +597,7 @@ class WyomingServer:
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._connected, self.config.host, self.config.port,
-                                                 limit=MAX_HEADER_BYTES)
+                                                 limit=self.config.max_event_bytes)
         log.info("Wyoming server on tcp://%s:%d (speech-to-text, text-to-speech, assistant)", self.config.host,
                  self.port)
         if self.config.zeroconf:

@@ -228,3 +228,28 @@ def test_bad_frame_flood_is_bounded():
         assert stages.lm.closed == 1  # the session's conversation was given back
     asyncio.run(scenario())
     assert np.isclose(stages.metrics.errors.labels("bad_frame")._value.get(), 5000)
+
+
+def test_memory_a_session_freed_goes_back_to_the_system_when_it_ends():
+    """Buffers freed with a few blocks still live between them stay in glibc's heap (RSS does not
+    fall); releasing a session's ticket hands those pages back."""
+    import gc
+
+    import psutil
+
+    from voice.config import LimitsConfig
+    from voice.limits import Admission
+    process = psutil.Process()
+    admission = Admission(LimitsConfig())
+    ticket = admission.acquire("someone")
+    blocks = [bytes(2000) for _ in range(100_000)]  # ~200 MB through malloc (over pymalloc's 512 bytes)
+    kept = blocks[::50]  # what the process still uses sits between the freed blocks
+    del blocks
+    gc.collect()
+    before = process.memory_info().rss
+    ticket.release()
+    deadline = time.monotonic() + 5
+    while process.memory_info().rss > before - 100 * 2**20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.memory_info().rss < before - 100 * 2**20, (before, process.memory_info().rss)
+    assert len(kept) == 2000

@@ -56,8 +56,9 @@ def measure(model: str, window_s: float, cases: list[tuple[np.ndarray, str]]) ->
         seconds += time.perf_counter() - start
         loops += repeats_itself(text)
         hypotheses.append(normalise(text))
-    return {"model": model, "min_window_s": window_s, "decodes": len(cases), "wer": jiwer.wer([r for _, r in cases], hypotheses),
-            "loops": loops, "mean_decode_ms": seconds / len(cases) * 1000}
+    return {"model": model, "min_window_s": window_s, "decodes": len(cases),
+            "wer": jiwer.wer([r for _, r in cases], hypotheses), "loops": loops,
+            "mean_decode_ms": seconds / len(cases) * 1000}
 
 
 def main() -> None:
@@ -75,8 +76,8 @@ def main() -> None:
         for window_s in (float(w) for w in args.windows.split(",")):
             row = measure(model, window_s, cases)
             rows.append(row)
-            print(f"{model:8s} window {window_s:4.0f} s: WER {row['wer']:.3f}  loops {row['loops']:2d}/{row['decodes']}  "
-                  f"mean decode {row['mean_decode_ms']:.0f} ms", flush=True)
+            print(f"{model:8s} window {window_s:4.0f} s: WER {row['wer']:.3f}  "
+                  f"loops {row['loops']:2d}/{row['decodes']}  mean decode {row['mean_decode_ms']:.0f} ms", flush=True)
     if args.json:
         write_json(args.json, {"machine": machine(), "rows": rows})
 

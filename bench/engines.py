@@ -88,7 +88,8 @@ class OursWorker:
         adapter = a.adapter if mode == "diffusion" else a.ar_adapter
         if adapter == "none":
             adapter = ""
-        self.engine = Engine.load(a.model, adapter=adapter, quantize=a.quantize if mode == "ar" else a.diffusion_quantize)
+        self.engine = Engine.load(a.model, adapter=adapter,
+                                  quantize=a.quantize if mode == "ar" else a.diffusion_quantize)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
         from engine.bench import effective_adapter
@@ -131,8 +132,9 @@ class TransformersWorker:
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        self.info = {"engine": "transformers generate (greedy, fp32 from GGUF)", "transformers": transformers.__version__,
-                     "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+        self.info = {"engine": "transformers generate (greedy, fp32 from GGUF)",
+                     "transformers": transformers.__version__, "torch": torch.__version__,
+                     "torch_threads": torch.get_num_threads()}
 
     def run(self, req: dict) -> dict:
         torch = self.torch
@@ -347,7 +349,8 @@ def format_table(summary: dict, engines: list[str]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)} (default: all)")
     p.add_argument("--prompts", default=str(REPO / "engine/prompts/bench.jsonl"), help="JSONL of {\"prompt\": ...}")
@@ -364,7 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--first-block-size", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--quantize", choices=["none", "fp16", "int8", "gguf"], default="gguf",
-                   help="our engine's kernels: gguf = the GGUF as packaged on llama.cpp's (default); none/fp16/int8 = PyTorch")
+                   help="our engine's kernels: gguf = the GGUF as packaged on llama.cpp's (default); "
+                        "none/fp16/int8 = PyTorch")
     p.add_argument("--diffusion-quantize", choices=["none", "fp16", "int8"], default="fp16",
                    help="ours_diffusion's kernels: verify runs on PyTorch's (default fp16)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: --model's)")
@@ -404,8 +408,8 @@ def main(argv=None) -> int:
             python = Path(a.llamacpp_python if e == "llamacpp" else a.python)
             workers[e] = Worker(e, python, a, log_dir)
             workers[e].ready()
-            print(f"  {e}: loaded in {time.perf_counter() - t:.1f} s, RSS {workers[e].info['rss_after_load_mb']:.0f} MB",
-                  flush=True)
+            print(f"  {e}: loaded in {time.perf_counter() - t:.1f} s, "
+                  f"RSS {workers[e].info['rss_after_load_mb']:.0f} MB", flush=True)
         for e in engines:  # warm-up: first-call costs stay out of the numbers
             workers[e].ask(reqs[0])
         for i, req in enumerate(reqs):

@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--llm-url", default="http://127.0.0.1:8001/v1", help="OpenAI-compatible base URL (engine serve)")
     p.add_argument("--llm-model", default="default", help="model id to request (engine serve's is 'default')")
-    p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="diffusion", help="extra_body mode for engine serve")
+    p.add_argument("--lm-mode", choices=["diffusion", "ar"], default="diffusion",
+                   help="extra_body mode for engine serve")
     p.add_argument("--max-tokens", type=int, default=defaults["lm"]["max_new_tokens"])
     p.add_argument("--system-prompt", default=defaults["lm"]["system_prompt"])
     p.add_argument("--in-rate", type=int, default=16000, help="input PCM rate (the client's start.sample_rate)")

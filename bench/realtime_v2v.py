@@ -50,7 +50,8 @@ async def realtime_session(url: str, files: list[Path]) -> list[dict]:
                     elif ev["type"] == "conversation.item.input_audio_transcription.completed":
                         got["transcript"] = ev["transcript"]
                     elif ev["type"] == "response.done":
-                        got["reply"] = "".join(c.get("transcript") or "" for c in ev["response"]["output"][0]["content"])
+                        content = ev["response"]["output"][0]["content"]
+                        got["reply"] = "".join(c.get("transcript") or "" for c in content)
                         got["done"] = True
             reader = asyncio.create_task(receive(got))
             start, i = time.perf_counter(), 0
@@ -65,7 +66,8 @@ async def realtime_session(url: str, files: list[Path]) -> list[dict]:
             reader.cancel()
             v2v = (got["first"] - (start + end_s)) * 1000 if got["first"] else None
             rows.append({"file": path.name, "v2v_ms": v2v, "transcript": got["transcript"], "reply": got["reply"]})
-            print(f"realtime {path.name:16s} v2v {v2v or float('nan'):6.0f} ms  heard {got['transcript']!r}", flush=True)
+            print(f"realtime {path.name:16s} v2v {v2v or float('nan'):6.0f} ms  heard {got['transcript']!r}",
+                  flush=True)
     return rows
 
 

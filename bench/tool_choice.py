@@ -53,7 +53,8 @@ REQUESTS = [
     ("We're out of coffee, add it to the list.", "add_to_shopping_list"),
     ("Add apples, pears and bananas to the list.", "add_to_shopping_list"),
     ("Turn on the kitchen lights.", "turn_on_light"), ("Switch the lights on in the bedroom.", "turn_on_light"),
-    ("Lights on in the living room, please.", "turn_on_light"), ("It's dark in the hallway, light it up.", "turn_on_light"),
+    ("Lights on in the living room, please.", "turn_on_light"),
+    ("It's dark in the hallway, light it up.", "turn_on_light"),
     ("Hello, how are you?", None), ("Tell me a joke.", None), ("Who wrote Romeo and Juliet?", None),
     ("What is the capital of Spain?", None), ("Thank you, that's all.", None), ("Why is the sky blue?", None),
 ]

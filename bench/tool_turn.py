@@ -137,7 +137,8 @@ def main() -> int:
     print(f"\n{'turn':10} {'first audio p50':>16} {'answer audio p50':>17} {'tool p50':>9}")
     for kind, s in summary.items():
         print(f"{kind:10} {s['first_audio_ms']:>13.0f} ms {s['answer_audio_ms']:>14.0f} ms {s['tool_ms']:>6.0f} ms")
-    write_json(a.json, {"machine": machine(), "webhook_ms": a.webhook_ms, "lead_s": a.lead_s, "summary": summary, "rows": rows})
+    write_json(a.json, {"machine": machine(), "webhook_ms": a.webhook_ms, "lead_s": a.lead_s, "summary": summary,
+                        "rows": rows})
     return 0
 
 

@@ -67,7 +67,8 @@ def main() -> None:
         print(f"[{i + 1}/{len(prompts)}] {rows['AR'][-1]['tokens']} tokens", file=sys.stderr)
     summary = {name: summarize_mode(r) for name, r in rows.items()}
     ar = summary["AR"]
-    print(f"{engine.name} ({engine.loaded.weights}), {a.threads} thread(s), {len(prompts)} prompts, one interleaved run")
+    print(f"{engine.name} ({engine.loaded.weights}), {a.threads} thread(s), {len(prompts)} prompts, "
+          "one interleaved run")
     print(f"{'setting':24}{'tok/fwd':>9}{'tok/s':>8}{'x AR':>7}{'after 1st':>11}{'x AR':>7}{'same as AR':>12}")
     for name, s in summary.items():
         same = sum(r["token_ids"] == ar_row["token_ids"] for r, ar_row in zip(rows[name], rows["AR"]))

@@ -40,11 +40,11 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
                         "the whole block; lossless either way)")
     g.add_argument("--draft-tree", type=int, default=d.draft_tree,
                    help="verify, greedy, chained draft heads: draft a tree of this many tokens (alternatives checked "
-                        "in the same forward) instead of a chain; --draft-threshold still drops paths the head thinks less "
-                        "likely (0 sends the whole tree); pays where extra rows are nearly free (a GPU), not on a "
-                        "small CPU (BENCHMARKS.md); 0 = a chain")
-    g.add_argument("--max-steps", type=int, default=d.max_steps, help="denoising steps per block before committing the rest "
-                                                           "(default: block size)")
+                        "in the same forward) instead of a chain; --draft-threshold still drops paths the head "
+                        "thinks less likely (0 sends the whole tree); pays where extra rows are nearly free (a GPU), "
+                        "not on a small CPU (BENCHMARKS.md); 0 = a chain")
+    g.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="denoising steps per block before committing the rest (default: block size)")
     g.add_argument("--no-release-prefix", action="store_true",
                    help="hold a block until all of it is committed instead of releasing its finished left part")
 
@@ -52,8 +52,8 @@ def add_decode_options(p: argparse.ArgumentParser) -> None:
 def decode_config(a: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(mode=a.mode, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
                         block_size=a.block_size, first_block_size=a.first_block_size, rule=a.rule,
-                        threshold=a.threshold, topk=a.topk, draft_threshold=a.draft_threshold, draft_tree=a.draft_tree, max_steps=a.max_steps,
-                        release_prefix=not a.no_release_prefix)
+                        threshold=a.threshold, topk=a.topk, draft_threshold=a.draft_threshold,
+                        draft_tree=a.draft_tree, max_steps=a.max_steps, release_prefix=not a.no_release_prefix)
 
 
 def add_model_option(p: argparse.ArgumentParser) -> None:
@@ -74,7 +74,8 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                    help="gguf: the GGUF as packaged on llama.cpp's kernels (CPU, AR decoding only, the fastest "
                         "here); or PyTorch's linear layers, whose rows stay independent so verify stays lossless: "
                         "fp16 weights (fbgemm), int8 weights with per-row int8 activations, or none (fp32; "
-                        f"bf16 on a GPU); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, as the voice service)")
+                        f"bf16 on a GPU); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, "
+                        "as the voice service)")
 
 
 def cmd_generate(a) -> int:

@@ -86,7 +86,8 @@ def distill(teacher: LoadedModel, prompts: list[str], out: Path, max_new_tokens:
             f.flush()
             n = i + len(batch)
             elapsed = time.perf_counter() - start
-            log(f"distill {n}/{len(todo)}  {n / elapsed:.1f} replies/s  eta {(len(todo) - n) * elapsed / n / 60:.1f} min")
+            log(f"distill {n}/{len(todo)}  {n / elapsed:.1f} replies/s  "
+                f"eta {(len(todo) - n) * elapsed / n / 60:.1f} min")
             if max_minutes and elapsed / 60 >= max_minutes and n < len(todo):
                 log(f"distilling stopped after {max_minutes:g} min; {len(todo) - n} replies left for a later run")
                 return

@@ -61,8 +61,10 @@ class DecodeConfig:
     rule: str = "verify"  # verify (lossless, drafted blocks checked by the base) | threshold | topk (lossy)
     threshold: float = 0.9
     topk: int = 1
-    draft_threshold: float = 0.5  # verify: send the drafted prefix the drafter gives at least this chance of being all right
-    draft_tree: int = 0  # verify, greedy, chained heads: draft a tree of this many tokens instead of a chain (0: a chain)
+    # verify: send the drafted prefix the drafter gives at least this chance of being all right
+    draft_threshold: float = 0.5
+    # verify, greedy, chained heads: draft a tree of this many tokens instead of a chain (0: a chain)
+    draft_tree: int = 0
     max_steps: int = 0  # per block; 0 = block size (the last step commits whatever is left)
     release_prefix: bool = True  # hand out a block's finished left part before the block is done
     seed: int | None = None
@@ -423,7 +425,8 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
     Yields a `Forward` per step (and is sent its logits) and a `Block` per step's commits."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
     k_max = cfg.block_size or drafter.block
-    trees = cfg.draft_tree > 0 and cfg.temperature <= 0 and constraint is None and getattr(drafter, "drafts_trees", False)
+    trees = (cfg.draft_tree > 0 and cfg.temperature <= 0 and constraint is None
+             and getattr(drafter, "drafts_trees", False))
     pending, proposal = new_prompt, Proposal(forced_draft(constraint))
     produced = forwards = 0
     while True:
@@ -495,7 +498,8 @@ def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
             tokens, confidence = pick(logits, cfg.temperature, generator)
             idx = masked.nonzero().squeeze(-1)
             idx = idx[idx < stop_at]
-            commit = rule(confidence[idx], max_steps - steps) if steps < max_steps else torch.ones_like(idx, dtype=torch.bool)
+            commit = (rule(confidence[idx], max_steps - steps) if steps < max_steps
+                      else torch.ones_like(idx, dtype=torch.bool))
             for i in idx[commit].tolist():
                 draft[i] = int(tokens[i])
                 masked[i] = False

@@ -97,7 +97,8 @@ def _fmt(x: float, digits: int = 2) -> str:
 
 
 def format_table(rows: list[dict], summary: dict) -> str:
-    lines = [f"{'#':>3} {'tok/fwd':>7} {'ttfb ms':>8} {'nll diff':>8} {'nll teach':>9} {'rep4 d':>6} {'rep4 t':>6}  prompt"]
+    lines = [f"{'#':>3} {'tok/fwd':>7} {'ttfb ms':>8} {'nll diff':>8} {'nll teach':>9} {'rep4 d':>6} "
+             f"{'rep4 t':>6}  prompt"]
     for i, r in enumerate(rows, 1):
         lines.append(f"{i:>3} {_fmt(r['tokens_per_forward']):>7} {_fmt(r['ttfb_ms'], 0):>8} "
                      f"{_fmt(r['nll_diffusion']):>8} {_fmt(r['nll_teacher']):>9} {_fmt(r['rep4_diffusion']):>6} "

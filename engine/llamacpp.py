@@ -125,7 +125,8 @@ class LlamaCppModel:
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path}")
         trained = lib.llama_model_n_ctx_train(self._model)
-        self.args = Args(lib.llama_model_n_embd(self._model), lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
+        self.args = Args(lib.llama_model_n_embd(self._model),
+                         lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model)),
                          min(max_seq_len, trained) if trained > 0 else max_seq_len)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = 4 * self.args.max_seq_len  # room for a few whole conversations; idle ones are evicted

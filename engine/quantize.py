@@ -189,7 +189,8 @@ def quantize(model: nn.Module, how: str) -> str:
     if how not in CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(CHOICES)}, not {how!r}")
     weight = next(model.parameters())
-    as_loaded = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(weight.dtype, str(weight.dtype))
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    as_loaded = names.get(weight.dtype, str(weight.dtype))
     if how == "none":
         return as_loaded
     if weight.device.type != "cpu":

@@ -721,7 +721,8 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,
-             host, port, defaults.mode, defaults.max_new_tokens, f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
+             host, port, defaults.mode, defaults.max_new_tokens,
+             f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
     config = uvicorn.Config(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
                             log_level="info")
     install_redaction(keys.values())  # again, now that uvicorn has set up its loggers' handlers

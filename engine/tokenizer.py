@@ -41,7 +41,8 @@ class Tokenizer:
         """The chat template renders `tools` itself (Qwen2.5's does; SmolLM2's does not)."""
         return "tools" in self.chat_template
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         return _compiled(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token, eos_token=self.eos_token)

@@ -292,8 +292,8 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     weights = torch.tensor(OFFSET_WEIGHTS[:cfg.block], device=device)
     embed = base.model.embed_tokens
     log(f"{len(train_set)} training replies ({len(train_pos)} positions), {len(held)} held out "
-        f"({len(held_pos)}); draft vocabulary {len(vocab)}; head {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M "
-        f"parameters on {device}")
+        f"({len(held_pos)}); draft vocabulary {len(vocab)}; "
+        f"head {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters on {device}")
 
     def evaluate() -> tuple[float, float]:
         head.eval()

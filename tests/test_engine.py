@@ -528,7 +528,8 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
 
         async def newcomer():
             pieces = []
-            async for piece in engine.stream(newcomer_chat, newcomer_cfg, priority=lambda: WAITED if len(pieces) < wanted else NORMAL):
+            async for piece in engine.stream(newcomer_chat, newcomer_cfg,
+                                             priority=lambda: WAITED if len(pieces) < wanted else NORMAL):
                 events.append("newcomer")
                 pieces.append(piece)
             return pieces

@@ -317,7 +317,8 @@ def test_function_calling_round_trip(served):
     offered = served.stages.lm.asked[0][1]
     assert offered == [{"type": "function", "function": {k: weather[k] for k in ("name", "description", "parameters")}}]
     call = talk.of("response.function_call_arguments.done")[0]
-    assert (call["name"], json.loads(call["arguments"]), call["call_id"]) == ("get_weather", {"city": "Paris"}, "call_7")
+    assert ((call["name"], json.loads(call["arguments"]), call["call_id"])
+            == ("get_weather", {"city": "Paris"}, "call_7"))
     first, second = talk.of("response.done")
     assert [o["type"] for o in first["response"]["output"]] == ["function_call"]
     assert not [e for e in talk.events if e["type"] == "response.output_audio.delta" and e["_at"] < talk.of(

@@ -523,7 +523,8 @@ def test_healthz_and_metrics(service):
     status, ctype, body = service.get("/healthz")
     assert status == 200 and ctype.startswith("application/json")
     health = json.loads(body)
-    from engine.loading import resolve_quantize  # auto: lossless verify on PyTorch's AVX-512 kernels, else AR on llama.cpp's
+    # auto: lossless verify on PyTorch's AVX-512 kernels, else AR on llama.cpp's
+    from engine.loading import resolve_quantize
     on_llamacpp = resolve_quantize(service.config.lm.quantize, "cpu", service.config.lm.model) == "gguf"
     assert health["status"] == "ok" and health["lm"] == "local"
     assert health["mode"] == ("ar" if on_llamacpp else "diffusion")

@@ -534,7 +534,8 @@ def test_every_event_reads_back_as_itself():
               LatencyReport(3, 0.0, {"asr": 1.5}, {"first_audio": 600.0}, ["asr"], 612.0),
               Error(3, 0.0, "asr_timeout", "slow", "asr", True), Error(0, 0.0, "bad_frame", "odd length"),
               ToolCall(4, 0.0, "call_1", "calculate", {"expression": "2 + 2"}),
-              ToolResult(4, 0.0, "call_1", "calculate", "2 + 2 = 4", "ok", 0.3), Announcement(4, 0.0, "Your timer is done.")]
+              ToolResult(4, 0.0, "call_1", "calculate", "2 + 2 = 4", "ok", 0.3),
+              Announcement(4, 0.0, "Your timer is done.")]
     assert {type(e) for e in events} == set(WIRE_TYPES.values())
     for ev in events:
         assert from_wire(ev.to_wire()) == ev

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voice", description="Real-time voice assistant on a diffusion LM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the service: /ws, /twilio, /healthz, /metrics, the web page (and SIP, Wyoming)",
+    p = sub.add_parser("serve",
+                       help="run the service: /ws, /twilio, /healthz, /metrics, the web page (and SIP, Wyoming)",
                        description="Start the voice service on the embedded models (or those in --config).")
     p.add_argument("--config", default=None, help="TOML config (default: built-in defaults, see configs/default.toml)")
     p.add_argument("--host", default="", help="interface to listen on (default 127.0.0.1)")

@@ -93,7 +93,8 @@ class LocalLM:
             tags = tag_terminals(self.engine.tokenizer)
             grammar = ToolUse(declared, "auto").grammar(tags)
             grammars = self.engine.grammars  # compiling here: a bad schema fails at start-up
-            starts = grammars.lark(grammar).allowed() & ~grammars.lark(ToolUse(declared, "none").grammar(tags)).allowed()
+            plain = ToolUse(declared, "none").grammar(tags)
+            starts = grammars.lark(grammar).allowed() & ~grammars.lark(plain).allowed()
             self._grammars[key] = declared, grammar, starts
             while len(self._grammars) > 32:  # Realtime clients bring tool sets of their own
                 self._grammars.pop(next(iter(self._grammars)))

@@ -68,7 +68,8 @@ class ReplyRunner:
     def __init__(self, config: Config, chat, synthesizer, out_rate: int, lm_mode: str | None, apology: bytes | None,
                  emit: Callable[..., bool], first_audio: Callable[[], None], fault: Callable[[StageFailure], None],
                  is_current: Callable[[int], bool], name: str, tools: Toolbox, timers: Timers):
-        self.config, self.chat, self.synthesizer, self.out_rate, self.lm_mode = config, chat, synthesizer, out_rate, lm_mode
+        self.config, self.chat, self.synthesizer = config, chat, synthesizer
+        self.out_rate, self.lm_mode = out_rate, lm_mode
         self.tools, self.timers = tools, timers
         self.client_tools: list[dict] = []  # functions the client runs itself (Realtime `session.tools`)
         self.apology = apology
@@ -170,7 +171,7 @@ class ReplyRunner:
         finally:
             try:
                 await asyncio.wait_for(blocks.aclose(), 5.0)
-            except (Exception, asyncio.TimeoutError) as err:
+            except (Exception, asyncio.TimeoutError) as err:  # noqa: BLE001 - the reply is done: log it and go on
                 log.warning("session=%s turn=%d closing the LM stream failed: %r", self.name, reply.turn, err)
         return calls
 

@@ -245,7 +245,7 @@ class Toolbox:
             raise
         except ToolError as err:
             run.status, run.result = "error", str(err)
-        except Exception as err:  # a tool's bug or a broken webhook: the model says it could not
+        except Exception as err:  # noqa: BLE001 - a tool's bug or a broken webhook: the model says it could not
             log.warning("tool %s failed: %r", run.name, err)
             run.status, run.result = "error", f"{type(err).__name__}: {err}"[:300]
         finally:

@@ -47,7 +47,8 @@ class TurnTaker:
         self.config, self.hooks, self.name = config, hooks, name
         self.endpointer = vad.Endpointer(config.vad, SAMPLE_RATE)
         self.transcriber = StreamingTranscriber(whisper, config.asr)
-        self.resampler = soxr.ResampleStream(in_rate, SAMPLE_RATE, 1, dtype="float32") if in_rate != SAMPLE_RATE else None
+        self.resampler = (soxr.ResampleStream(in_rate, SAMPLE_RATE, 1, dtype="float32")
+                          if in_rate != SAMPLE_RATE else None)
         self.turn = 0
         self.audio_s = 0.0  # seconds of 16 kHz audio received
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)

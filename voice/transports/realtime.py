@@ -51,7 +51,8 @@ from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend
                                               SessionSettings, SessionUpdate, problem)
 
 log = logging.getLogger("voice.realtime")
-BETA_NAMES = {"response.output_audio.delta": "response.audio.delta", "response.output_audio.done": "response.audio.done",
+BETA_NAMES = {"response.output_audio.delta": "response.audio.delta",
+              "response.output_audio.done": "response.audio.done",
               "response.output_audio_transcript.delta": "response.audio_transcript.delta",
               "response.output_audio_transcript.done": "response.audio_transcript.done",
               "conversation.item.added": "conversation.item.created"}
@@ -207,7 +208,8 @@ class Connection:
         event_id = None
         try:
             try:
-                msg = decode_json(text, max_bytes=self.config.session.max_text_bytes + 2 * self.config.session.max_frame_bytes)
+                msg = decode_json(text, max_bytes=self.config.session.max_text_bytes
+                                  + 2 * self.config.session.max_frame_bytes)
             except WireError as err:
                 raise RealtimeError(f"the event is not JSON this server takes: {err.message}", "invalid_json") from None
             if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
@@ -417,7 +419,8 @@ class Connection:
                        "item_id": self.user_items[turn]})
         elif isinstance(ev, SpeechStopped):
             item = self.user_items.setdefault(turn, new_id("item"))
-            self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(self.audio_ms), "item_id": item})
+            self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(self.audio_ms),
+                       "item_id": item})
             self.send({"type": "input_audio_buffer.committed", "previous_item_id": self.last_item, "item_id": item})
             self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": self._user(item)})
             self.last_item = item
@@ -427,7 +430,8 @@ class Connection:
                 self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item,
                            "content_index": 0, "transcript": ev.text,
                            "usage": {"type": "duration", "seconds": round(self.audio_ms / 1000, 3)}})
-                self.send({"type": "conversation.item.done", "previous_item_id": None, "item": self._user(item, ev.text)})
+                self.send({"type": "conversation.item.done", "previous_item_id": None,
+                           "item": self._user(item, ev.text)})
         elif isinstance(ev, ReplyText):
             r = self._message(session, turn)
             r["transcript"] += ev.text
@@ -558,7 +562,8 @@ async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> Non
     try:
         await ws.accept()
         conn.send({"type": "session.created", "session": conn.session_object()})
-        tasks = [asyncio.create_task(conn.pump()), asyncio.create_task(conn.relay()), asyncio.create_task(conn.closer())]
+        tasks = [asyncio.create_task(conn.pump()), asyncio.create_task(conn.relay()),
+                 asyncio.create_task(conn.closer())]
         while True:
             msg = await ws.receive()
             if msg["type"] == "websocket.disconnect":

@@ -18,8 +18,8 @@ COMPACT = {"v": "via", "f": "from", "t": "to", "i": "call-id", "m": "contact", "
 MULTI = {"via", "route", "record-route", "contact"}
 REASONS = {100: "Trying", 180: "Ringing", 200: "OK", 400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed",
            415: "Unsupported Media Type", 420: "Bad Extension", 481: "Call/Transaction Does Not Exist",
-           482: "Loop Detected", 486: "Busy Here", 487: "Request Terminated", 488: "Not Acceptable Here", 500: "Server Internal Error",
-           503: "Service Unavailable"}
+           482: "Loop Detected", 486: "Busy Here", 487: "Request Terminated", 488: "Not Acceptable Here",
+           500: "Server Internal Error", 503: "Service Unavailable"}
 _TOKEN = re.compile(r"^[A-Za-z0-9.!%*_+`'~-]+$")
 _CANONICAL = {"call-id": "Call-ID", "cseq": "CSeq", "www-authenticate": "WWW-Authenticate"}
 

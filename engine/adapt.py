@@ -82,7 +82,8 @@ def noisy_example(ids: list[int], prompt_len: int, cfg: AdaptConfig, mask_id: in
 
 def pack(examples, cfg: AdaptConfig, mask_id: int, rng: random.Random):
     """Concatenate noisy examples up to cfg.pack_tokens with a block-diagonal mask."""
-    parts, used = [], 0
+    parts: list[tuple] = []
+    used = 0
     while examples:
         ids, prompt_len = examples[-1]
         size = len(ids) + len(ids) - prompt_len

@@ -82,7 +82,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def machine_info() -> dict:
-    info = {"platform": platform.platform(), "machine": platform.machine(),
+    info: dict[str, object] = {"platform": platform.platform(), "machine": platform.machine(),
             "processor": platform.processor() or None, "python": platform.python_version(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "torch_interop_threads": torch.get_num_interop_threads()}
@@ -236,6 +236,8 @@ def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Pa
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, "
         f"max_new_tokens {cfg.max_new_tokens}, torch threads {torch.get_num_threads()}")
     configs = {mode: replace(cfg, mode=mode) for mode in MODES}
+    # the forward hooks are PyTorch's (quantize gguf has none, and decodes AR only)
+    assert isinstance(engine.model, torch.nn.Module), "engine bench runs PyTorch's model (quantize none|fp16|int8)"
     timer = ForwardTimer(engine.model)
     rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:

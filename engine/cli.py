@@ -125,6 +125,7 @@ def cmd_eval(a) -> int:
 def cmd_adapt(a) -> int:
     from engine import adapt, data
     from engine.loading import load
+    from engine.model import Transformer
     out = Path(a.out)
     adapt.write_log_header(out, sys.argv)
     teacher = load(a.base)
@@ -139,6 +140,7 @@ def cmd_adapt(a) -> int:
     cfg = adapt.AdaptConfig(block_size=a.block_size, shift=not a.no_shift, rank=a.rank, alpha=2.0 * a.rank, lr=a.lr,
                             max_tokens=a.max_tokens, max_minutes=a.max_minutes, save_every=a.save_every,
                             noisy_weight=a.noisy_weight, seed=a.seed)
+    assert isinstance(teacher.model, Transformer)  # load's default quantize: PyTorch's
     result = adapt.train(teacher.model, train_set, spec, cfg, out, heldout)
     print(json.dumps(result))
     print(f"adapter: {out / 'adapter.safetensors'}")

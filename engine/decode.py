@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -139,10 +140,12 @@ class CacheState:
         other = CacheState.new(model, self.capacity)
         n = len(self.ids)
         if self.slot is not None:
+            assert isinstance(model, LlamaCppModel) and other.slot is not None  # a slot is llama.cpp's
             model.fork(self.slot, other.slot, n)
         for mine, theirs in zip(self.caches, other.caches):
             theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
         if self.hidden is not None:
+            assert other.hidden is not None  # the same model keeps hidden states for both
             other.hidden[:n] = self.hidden[:n]
         other.ids, other.blocks = list(self.ids), list(self.blocks)
         return other
@@ -205,8 +208,11 @@ def verify_tree(target: Tensor, proposal: Proposal) -> tuple[list[int], list[int
     forward. `target` [1 + len(ids), V]: the base's logits after the last committed token, then
     after each drafted token. From the root, follow the child that is the base's own choice while
     there is one; then commit the base's next token."""
+    assert proposal.parents is not None  # a tree
     best = target.argmax(-1).tolist()
-    committed, path, at = [], [], -1
+    committed: list[int] = []
+    path: list[int] = []
+    at = -1
     while True:
         token = best[at + 1]
         committed.append(token)
@@ -283,7 +289,8 @@ class Forward:
         else:
             visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end, device=device)])
         rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft, device=device)
-        alone = [(None, n) for n in range(start + 1, end + 1)] if self.draft_causal and n_draft else None
+        alone: list[tuple[Tensor | None, int]] | None = (
+            [(None, n) for n in range(start + 1, end + 1)] if self.draft_causal and n_draft else None)
         return Segment(torch.tensor(clean + draft, dtype=torch.long, device=device), pos,
                        visibility_mask(visible, end), state.caches, rows, alone=alone)
 
@@ -292,6 +299,7 @@ class Forward:
         sits at position start + d, but its key and value are written past the deepest path (its
         *home*); before its row attends, its path is laid out at start + 1 .. start + d, so the row
         sees exactly what an AR step at that position would (see `Attention.attend`)."""
+        assert self.parents is not None  # a tree
         state, start = self.state, len(self.state.ids)
         depth = tree_depths(self.parents)
         homes = self._tree_homes(start, max(depth, default=0))
@@ -303,7 +311,8 @@ class Forward:
         paths: list[list[int]] = []
         for parent in self.parents:
             paths.append((paths[parent] if parent >= 0 else []) + [homes[len(paths)]])
-        alone = [(None, start + 1)] + [(torch.tensor(p, device=device), start + 1 + len(p)) for p in paths]
+        alone: list[tuple[Tensor | None, int]] = [(None, start + 1)]
+        alone += [(torch.tensor(p, device=device), start + 1 + len(p)) for p in paths]
         visible = torch.tensor([n for _, n in alone], device=device)
         return Segment(torch.tensor(self.clean + self.draft, dtype=torch.long, device=device), pos,
                        visibility_mask(visible, end), state.caches, torch.arange(len(pos), device=device),
@@ -320,6 +329,7 @@ class Forward:
     def settle(self, path: list[int]) -> None:
         """After a tree forward: move the accepted tokens' cache entries and hidden states (`path`:
         their indices in `draft`, root first) to their positions, right after the committed token."""
+        assert self.parents is not None  # a tree
         state = self.state
         start = len(state.ids) - 1  # `commit` has recorded the committed token
         homes = self._tree_homes(start, max(tree_depths(self.parents), default=0))
@@ -330,10 +340,12 @@ class Forward:
         if state.hidden is not None:  # `commit` wrote draft row i's state at start + 1 + i
             state.hidden[start + 1:start + 1 + len(path)] = state.hidden[[start + 1 + i for i in path]]
 
-    def commit(self, logits: Tensor, hidden: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """Record the clean tokens as cached; split the logits into (last clean row, draft rows)."""
+    def commit(self, logits: Tensor, hidden: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """Record the clean tokens as cached; split the logits into (last clean row, draft rows).
+        `hidden`: the rows' last hidden states (None from llama.cpp, whose states keep none)."""
         state, n_clean = self.state, len(self.clean)
         if state.hidden is not None:  # rows past the clean ones stay scratch until a verify step keeps them
+            assert hidden is not None  # a PyTorch forward returns them
             state.hidden[len(state.ids):len(state.ids) + len(hidden)] = hidden.float()
         if self.context == "block_causal" and self.clean_is_block and n_clean > 1:
             state.blocks.append((len(state.ids), len(state.ids) + n_clean))
@@ -353,13 +365,17 @@ def run_many(model: Transformer | LlamaCppModel, forwards: list[Forward]) -> lis
     return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, outputs)]
 
 
-def run(model: Transformer, state: CacheState, clean: list[int], clean_is_block: bool,
+def run(model: Transformer | LlamaCppModel, state: CacheState, clean: list[int], clean_is_block: bool,
         draft: list[int], context: str = "causal", draft_causal: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """One sequence's forward; returns (logits of the last clean row or None, of the draft rows or None)."""
     return run_many(model, [Forward(state, clean, clean_is_block, draft, context, draft_causal)])[0]
 
 
-def drive(model: Transformer, steps: Generator) -> Iterator[Block]:
+# A decoder's steps: it yields a `Forward` (and is sent its `commit` result) or a `Block` (and is sent None).
+Steps = Generator["Forward | Block", Any, None]
+
+
+def drive(model: Transformer | LlamaCppModel, steps: Steps) -> Generator[Block, None, None]:
     """Run a decoder's forwards one at a time and pass its blocks on."""
     result = None
     while True:
@@ -392,7 +408,7 @@ def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) 
 # --- decoders --------------------------------------------------------------------------------
 
 def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_ids: set[int],
-             constraint: Constraint | None = None) -> Generator:
+             constraint: Constraint | None = None) -> Steps:
     """Greedy/sampled next-token decoding: the baseline on the same weights and cache code.
 
     Yields a `Forward` whenever it needs one (and is sent its logits) and a `Block` per token."""
@@ -416,7 +432,7 @@ MAX_FORCED_DRAFT = 16  # a draft row costs up to a third of a forward here; a fo
 
 
 def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter, embed,
-                 stop_ids: set[int], constraint: Constraint | None = None) -> Generator:
+                 stop_ids: set[int], constraint: Constraint | None = None) -> Steps:
     """Draft, then verify: each forward writes the last committed token and checks the drafted
     block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
     The first forward is the prompt's prefill (there is nothing to draft from yet). Rejected rows
@@ -456,9 +472,11 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         pending = [committed[-1]]
         proposal = Proposal(forced_draft(constraint))
         if trees:
+            assert state.hidden is not None  # drafters read the base's hidden states (PyTorch's models keep them)
             proposal = drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                             cfg.draft_tree)
         elif not proposal.ids:
+            assert state.hidden is not None
             proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                        cfg.temperature, generator, cfg.draft_threshold)
 
@@ -469,12 +487,14 @@ def forced_draft(constraint: Constraint | None) -> list[int]:
 
 
 def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-                    stop_ids: set[int]) -> Generator:
+                    stop_ids: set[int]) -> Steps:
     """Block diffusion: each block starts as masks and is committed by `cfg.rule` over a few steps.
 
     Yields a `Forward` per denoising step (and is sent its logits) and a `Block` per release."""
     generator = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-    rule = COMMIT_RULES[cfg.rule](cfg)  # a mask rule: `plan` sends `verify` to `verify_steps`
+    mask_rule = COMMIT_RULES[cfg.rule]
+    assert mask_rule is not None  # a mask rule: `plan` sends `verify` to `verify_steps`
+    rule = mask_rule(cfg)
     block_size = cfg.block_size or spec.sub_block_size or spec.block_size
     size = min(cfg.first_block_size or block_size, cfg.max_new_tokens)
     pending, pending_is_block = new_prompt, False
@@ -493,7 +513,11 @@ def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
             if pending:
                 last_logits, pending = clean_last, []
             # a fresh tensor either way: `run`'s output is an inference tensor, not writable out here
-            logits = torch.cat([last_logits[None], logits[:-1]]) if spec.shift else logits.clone()
+            if spec.shift:
+                assert last_logits is not None  # the first forward wrote the prompt
+                logits = torch.cat([last_logits[None], logits[:-1]])
+            else:
+                logits = logits.clone()
             logits[:, spec.mask_id] = float("-inf")
             tokens, confidence = pick(logits, cfg.temperature, generator)
             idx = masked.nonzero().squeeze(-1)
@@ -520,8 +544,9 @@ def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
 
 
 @torch.inference_mode()
-def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-                      temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+def generate_ar_batch(model: Transformer | LlamaCppModel, prompts: list[list[int]], max_new_tokens: int,
+                      stop_ids: set[int], temperature: float = 0.0,
+                      generator: torch.Generator | None = None) -> list[list[int]]:
     """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state.
 
     The prefix all prompts share (the system prompt) is computed once and copied into each
@@ -539,7 +564,8 @@ def generate_ar_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     going = list(range(len(prompts)))
     for _ in range(max_new_tokens):
         results = run_many(model, [Forward(states[i], pending[i]) for i in going])
-        token, _ = pick(torch.stack([last for last, _ in results]), temperature, generator)
+        lasts = cast("list[Tensor]", [last for last, _ in results])  # each wrote a clean token: never None
+        token, _ = pick(torch.stack(lasts), temperature, generator)
         for i, t in zip(going, token.tolist()):
             replies[i].append(t)
             pending[i] = [t]
@@ -560,7 +586,7 @@ def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[i
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
-                  drafter=None, embed=None, constraint: Constraint | None = None) -> Generator:
+                  drafter=None, embed=None, constraint: Constraint | None = None) -> Steps:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
     if cfg.mode == "ar":
         return ar_steps(state, new, cfg, stop_ids, constraint)
@@ -572,7 +598,7 @@ def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: Di
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int], drafter=None, embed=None, constraint: Constraint | None = None) -> Generator:
+         stop_ids: set[int], drafter=None, embed=None, constraint: Constraint | None = None) -> Steps:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
     only the prompt's uncached tail is prefilled. `verify` drafts with `drafter` (prompt lookup
     when None); `embed` is the base model's token embedding, which a draft head reads.

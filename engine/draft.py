@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -65,8 +66,11 @@ class Proposal:
 
     def _keep(self, wanted: list[bool]) -> "Proposal":
         """The tree's tokens that are `wanted` and whose ancestors all are, parents renumbered."""
+        assert self.parents is not None  # only a tree is pruned
         index: dict[int, int] = {-1: -1}
-        ids, confidence, parents = [], [], []
+        ids: list[int] = []
+        confidence: list[float] = []
+        parents: list[int] = []
         for i, (token, parent) in enumerate(zip(self.ids, self.parents)):
             if wanted[i] and parent in index:
                 index[i] = len(ids)
@@ -159,6 +163,8 @@ class DraftLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
+    vocab_ids: Tensor  # buffer: the base-vocabulary id of each draft-vocabulary token
+
     def __init__(self, args: DraftArgs, vocab_ids: Tensor):
         super().__init__()
         self.args = args
@@ -173,6 +179,11 @@ class DraftHead(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)
+
+    @property
+    def draft_layers(self) -> list[DraftLayer]:
+        """`layers`, typed (a ModuleList's items are plain Modules to a type checker)."""
+        return cast("list[DraftLayer]", self.layers)
 
     @property
     def block(self) -> int:
@@ -197,6 +208,7 @@ class DraftHead(nn.Module):
         """Logits of the draft rows over the context `ctx` (see `forward`)."""
         b, w = valid.shape
         if self.args.chain:
+            assert prev_emb is not None  # a chained head reads the token before each row
             rows = prev_emb.shape[1]
             x = self.queries[:rows] + self.prev_in(self.prev_norm(prev_emb))
             among = torch.ones(rows, rows, dtype=torch.bool, device=valid.device).tril()
@@ -219,13 +231,16 @@ class DraftHead(nn.Module):
         if not self.args.chain:
             return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)
         ctx = self.context(h, e)
-        cache = [layer.context_kv(ctx) for layer in self.layers]
-        ids_out, confidence, probs = [], [], []
+        cache = [layer.context_kv(ctx) for layer in self.draft_layers]
+        ids_out: list[int] = []
+        confidence: list[float] = []
+        probs: list[Tensor] = []
         while len(ids_out) < k:
             prev = embed(torch.tensor([(ids + ids_out)[-1]], device=h.device)).float()[None]
             x = self._step(len(ids_out), prev, valid, cache)
             one = self._pick(self.head(self.norm(x))[0].float(), temperature, generator)
             ids_out += one.ids
+            assert one.confidence is not None  # _pick always says how sure it is
             confidence += one.confidence
             if one.probs is not None:
                 probs.append(one.probs)
@@ -242,8 +257,11 @@ class DraftHead(nn.Module):
         Verify then accepts the longest path the base agrees with: one forward checks every
         alternative, which pays where a forward's cost hardly grows with its rows (a GPU)."""
         h, e, valid = self._window(embed, hidden, ids)
-        cache = [layer.context_kv(self.context(h, e)) for layer in self.layers]
-        tokens, parents, confidence, joint = [], [], [], []
+        cache = [layer.context_kv(self.context(h, e)) for layer in self.draft_layers]
+        tokens: list[int] = []
+        parents: list[int] = []
+        confidence: list[float] = []
+        joint: list[float] = []
         paths, path_joint, last = [-1], torch.ones(1), [ids[-1]]  # the paths being extended
         for depth in range(min(k, self.args.block)):
             x = self._step(depth, embed(torch.tensor(last, device=h.device)).float()[:, None], valid, cache)
@@ -280,7 +298,7 @@ class DraftHead(nn.Module):
         x = self.queries[row:row + 1] + self.prev_in(self.prev_norm(prev))
         b = x.shape[0]
         mask = torch.cat([valid.expand(b, -1), valid.new_ones(b, row + 1)], -1)[:, None, None]
-        for layer, (keys, values) in zip(self.layers, cache):
+        for layer, (keys, values) in zip(self.draft_layers, cache):
             x = layer.step(x, keys, values, mask)
         return x
 

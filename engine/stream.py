@@ -27,10 +27,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
-from engine.decode import Block, CacheState, DecodeConfig, Forward, drive, plan, run_many
+from engine.decode import Block, CacheState, DecodeConfig, Forward, Steps, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
 from engine.llamacpp import LlamaCppModel
 from engine.tools import Tool, for_template
@@ -110,7 +111,7 @@ class _Request:
     tools: list[Tool] | None = None
     warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
     start: float = field(default_factory=time.perf_counter)
-    steps: Generator | None = None
+    steps: Steps | None = None  # set when admitted (with `reply`)
     reply: _Reply | None = None
     result: object = None  # what to send into `steps` next
     forward: Forward | None = None  # the next forward, waiting for its round
@@ -120,6 +121,7 @@ class _Request:
     def level(self) -> int:
         if self.warm:
             return BACKGROUND
+        assert self.reply is not None  # only admitted requests are ranked
         if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
             return WAITED
         return NORMAL if self.priority is None else self.priority()
@@ -165,7 +167,7 @@ class Engine:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=rendered)
 
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
-               constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Generator, _Reply]:
+               constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Steps, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
         if self.ar_only and cfg.mode != "ar":
             raise ValueError(f"{self.name} runs on llama.cpp's kernels, which decode AR only: ask for mode 'ar', "
@@ -289,8 +291,10 @@ class Engine:
             for i in range(0, len(batch_from), self.max_batch):
                 batch = batch_from[i:i + self.max_batch]
                 self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
+                forwards = cast("list[Forward]", [request.forward for request in batch])  # `_ready` planned them
+                results: Sequence[object]
                 try:
-                    results = run_many(self.model, [request.forward for request in batch])
+                    results = run_many(self.model, forwards)
                 except Exception as err:  # one bad batch fails its requests, not the scheduler
                     log.exception("batched forward failed")
                     results = [err] * len(batch)
@@ -340,6 +344,7 @@ class Engine:
 
     def _advance(self, request: _Request) -> Forward | None:
         """Run the request's decoder up to its next forward, handing out blocks on the way."""
+        assert request.steps is not None and request.reply is not None  # set when admitted
         if request.cancelled:
             request.steps.close()
             self._leave(request)

@@ -36,6 +36,7 @@ from engine.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
 from engine.decode import CacheState, DecodeConfig, run
+from engine.model import Transformer
 
 OFFSET_WEIGHTS = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.2)
 
@@ -138,6 +139,7 @@ def _read_rows(base: LoadedModel, rows: list[dict], window: int, greedy: bool) -
     """Causal forwards through a KV cache: the prefix every example shares (the system prompt) is
     computed once, each example adds only its own tokens; `CacheState.hidden` keeps every row's state."""
     tok, model = base.tokenizer, base.model
+    assert isinstance(model, Transformer)  # the head reads PyTorch's hidden states
     eos = tok.turn_end_id
     state = CacheState.new(model, 1024)
     ids, hidden, targets, starts, prompt_lens, train_from, lengths, offset = [], [], [], [], [], [], [], 0
@@ -148,6 +150,7 @@ def _read_rows(base: LoadedModel, rows: list[dict], window: int, greedy: bool) -
         new = state.reuse_for(seq + [eos])  # the extra token keeps all of seq new-or-cached
         shared = len(seq) + 1 - len(new)  # the system prompt, after the first example
         run(model, state, new, False, [])
+        assert state.hidden is not None
         h = state.hidden[:len(seq)].float()
         if greedy:
             best = model.lm_head(model.norm(h[shared:].to(model.lm_head.weight.dtype))).argmax(-1).cpu()
@@ -230,7 +233,8 @@ def held_out_figures(head: DraftHead, corpus: Corpus, examples: list[int], embed
     cfg = DraftTrainConfig(block=a.block, window=a.window, chain=a.chain)
     to_draft = draft_index(head.vocab_ids.cpu(), a.vocab_size)
     positions = corpus.positions(examples)
-    every, kept_at = 0, {}
+    every = 0
+    kept_at: dict[int, int] = {}
     for i in range(0, len(positions), 1024):
         pos = positions[i:i + 1024]
         hidden, emb, valid, targets, prev = batch_at(corpus, pos, embed, to_draft, cfg, device)
@@ -274,6 +278,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         vocab = saved["vocab_ids"]
     else:
         vocab = draft_vocabulary(corpus, corpus.positions(train_set), cfg.draft_vocab, base.tokenizer.eos_ids)
+    assert isinstance(base.model, Transformer)  # the head is trained on PyTorch's model
     a = base.model.args
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
                                window=cfg.window, n_layers=cfg.n_layers, norm_eps=a.norm_eps, chain=cfg.chain), vocab)

@@ -117,7 +117,9 @@ _WS = re.compile(r"[ \t\n\r]*")
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    return _WS.match(text, pos).end()
+    m = _WS.match(text, pos)
+    assert m is not None  # `*`: it always matches, if only the empty string
+    return m.end()
 
 
 def _check(value: Any, max_depth: int) -> None:

@@ -44,7 +44,9 @@ def model_folder(name: str) -> str:
     if name != "base":
         return name
     folder = assemble("whisper base", WHISPER_BASE).parent
-    source = package_folder(WHISPER_BASE.packages[0][0]) / "data"
+    package = package_folder(WHISPER_BASE.packages[0][0])
+    assert package is not None  # `assemble` found its pieces there
+    source = package / "data"
     for file in WHISPER_BASE_FILES:
         if not (folder / file).exists() or (folder / file).stat().st_size != (source / file).stat().st_size:
             shutil.copyfile(source / file, folder / file)
@@ -80,7 +82,7 @@ class Whisper:
             cpu_threads=config.cpu_threads,
         )
         known_language = config.language or (None if self.model.model.is_multilingual else "en")
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
         if known_language:
             multilingual = self.model.model.is_multilingual
             self._tokenizer = Tokenizer(self.model.hf_tokenizer, multilingual, "transcribe", known_language)
@@ -98,6 +100,7 @@ class Whisper:
         return self._transcribe_long(audio, prefix) if repeats_itself(text) else text
 
     def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float) -> str:
+        assert self._tokenizer is not None  # `transcribe` comes here only for a known language
         window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
         window[: len(audio)] = audio
         frames = len(window) // self.model.feature_extractor.hop_length

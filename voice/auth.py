@@ -197,7 +197,8 @@ class Auth:
 def twilio_signature(token: str, url: str, params: Mapping[str, str | list[str]] | None = None) -> str:
     """Twilio's request signature: base64(HMAC-SHA1(auth token, URL + each param name+value, sorted by name))."""
     data = url
-    for name in sorted(params or {}):
+    params = params or {}
+    for name in sorted(params):
         values = params[name]
         for value in sorted(set(values)) if isinstance(values, list) else [values]:  # as Twilio: distinct, sorted
             data += name + value

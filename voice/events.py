@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 PROTOCOL_VERSION = 1
 
@@ -19,7 +20,7 @@ class Event:
     t: float  # time.monotonic() when it happened
 
     type = "event"
-    optional = ()  # fields the wire may leave out (from_wire gives them their defaults)
+    optional: ClassVar[tuple[str, ...]] = ()  # fields the wire may leave out (from_wire gives them their defaults)
 
     def to_wire(self) -> dict:
         body = {k: v for k, v in asdict(self).items() if k != "t"}
@@ -172,6 +173,12 @@ WIRE_TYPES: dict[str, type[Event]] = {cls.type: cls for cls in (
     Clear, LatencyReport, Error)}
 
 
+# A field's annotation -> what its JSON value must be an instance of (from_wire)
+FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list,
+    "float | None": (int, float, type(None)), "bytes": bytes}
+
+
 def from_wire(body: object, t: float = 0.0) -> Event:
     """The event a JSON message of the native protocol stands for (`t`: when it arrived). Unknown
     fields are ignored (a newer server may add some); ValueError on an unknown type, a missing
@@ -191,8 +198,7 @@ def from_wire(body: object, t: float = 0.0) -> Event:
         f = fields.get(name)
         if f is None or name in ("t", "turn"):
             continue  # e.g. tts_audio's "bytes"; newer servers may add fields
-        expected = {"str": str, "int": int, "float": (int, float), "bool": bool, "dict": dict, "list": list,
-                    "float | None": (int, float, type(None)), "bytes": bytes}.get(str(f.type))
+        expected = FIELD_TYPES.get(str(f.type))
         if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
             raise ValueError(f"{body['type']}.{name} should be {f.type}, got {type(value).__name__}")
         values[name] = value

@@ -124,7 +124,7 @@ class LatencyTracker:
         marks = turn.marks
         stages = {name: (marks[b] - marks[a]) * 1000 for name, (a, b) in STAGES.items() if a in marks and b in marks}
         origin = marks.get("speech_end", min(marks.values()))
-        rel = {name: round((t - origin) * 1000, 1) for name, t in marks.items()}
+        rel: dict[str, float | list[float]] = {name: round((t - origin) * 1000, 1) for name, t in marks.items()}
         rel["lm_blocks"] = [round((t - origin) * 1000, 1) for t in turn.blocks]
         over = observe_stages(self.metrics, self.budgets, stages, self.session_id, turn_no)
         self.emit(LatencyReport(turn_no, now, {k: round(v, 1) for k, v in stages.items()}, rel, over,

@@ -21,9 +21,16 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from voice.config import LmConfig
 from voice.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
+    from torch import Tensor
+
+    from engine.tools import Tool
 
 log = logging.getLogger("voice.lm")
 
@@ -59,7 +66,7 @@ class LocalLM:
         if isinstance(self.engine.model, LlamaCppModel):  # llama.cpp: threads are chosen per step
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
-        self._grammars: dict[str, tuple] = {}
+        self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -81,7 +88,7 @@ class LocalLM:
     def chat(self) -> "LocalChat":
         return LocalChat(self)
 
-    def tool_grammar(self, tools: list[dict]) -> tuple[list, str, object]:
+    def tool_grammar(self, tools: list[dict]) -> tuple[list[Tool], str, Tensor]:
         """(engine tools, the grammar of a reply that may call them, the tokens that start a call),
         made once per tool set. The first also builds llguidance's view of the vocabulary (~1 s):
         call it at start-up."""
@@ -116,7 +123,7 @@ class LocalChat:
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncIterator[Block]:
         from engine.tools import calls_in, starts_a_call
-        overrides = {"mode": mode} if mode else {}
+        overrides: dict[str, Any] = {"mode": mode} if mode else {}
         declared, constraint = None, None
         if tools:
             declared, grammar, starts = self.lm.tool_grammar(tools)
@@ -208,13 +215,16 @@ class RemoteChat:
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncIterator[Block]:
+        from openai import omit  # what the SDK sends for an argument not given
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
-        offer = {"tools": tools, "tool_choice": "auto"} if tools else {}
         for attempt in range(cfg.retries + 1):
             try:
+                # messages and tools: JSON dicts in the shapes of the SDK's TypedDicts
                 stream = await lm.client.chat.completions.create(
-                    model=cfg.model, messages=messages, stream=True, max_tokens=cfg.max_new_tokens, temperature=0,
-                    extra_body={"mode": mode or cfg.mode}, **offer)
+                    model=cfg.model, messages=cast("list[ChatCompletionMessageParam]", messages), stream=True,
+                    max_tokens=cfg.max_new_tokens, temperature=0, extra_body={"mode": mode or cfg.mode},
+                    tools=cast("list[ChatCompletionToolUnionParam]", tools) if tools else omit,
+                    tool_choice="auto" if tools else omit)
                 break
             except Exception as err:
                 lm.failed(err)

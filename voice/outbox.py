@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 
 from voice.config import LimitsConfig
 from voice.events import Event, TtsAudio
@@ -57,7 +58,7 @@ class Outbox(asyncio.Queue):
         return True
 
     @contextlib.contextmanager
-    def holding(self):
+    def holding(self) -> Iterator[list[Event]]:
         """Events offered inside the block are collected in the yielded list instead of queued."""
         held: list[Event] = []
         self._held = held

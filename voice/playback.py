@@ -91,4 +91,6 @@ class Playback:
             now = time.monotonic()
             if not self.playing(now):
                 return
-            await asyncio.sleep(self.end() - now)  # then look again: a phrase sent meanwhile plays after
+            end = self.end()
+            assert end is not None  # playing
+            await asyncio.sleep(end - now)  # then look again: a phrase sent meanwhile plays after

@@ -132,7 +132,8 @@ class Records:
         if self.closed:
             return False
         loop = asyncio.get_running_loop()
-        item = _Write(ops, loop, loop.create_future())
+        future = loop.create_future()
+        item = _Write(ops, loop, future)
         deadline = time.monotonic() + self.timeout_s
         while True:  # a full queue: wait for room (the bounded queue pushes back on the sessions)
             try:
@@ -144,7 +145,7 @@ class Records:
                     return False
                 await asyncio.sleep(0.01)
         try:  # shielded: once queued, the write happens even if the waiting turn is cancelled
-            return await asyncio.wait_for(asyncio.shield(item.future), max(deadline - time.monotonic(), 0.01))
+            return await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.01))
         except asyncio.TimeoutError:
             self._failed(f"no commit within {self.timeout_s:.1f} s")
             return False
@@ -219,6 +220,7 @@ class Records:
             else:
                 self._failed("a write was rejected by SQLite")
             if w.future is not None:
+                assert w.loop is not None  # given with the future
                 try:
                     w.loop.call_soon_threadsafe(_resolve, w.future, ok)
                 except RuntimeError:  # the loop is gone (shutdown)

@@ -157,8 +157,8 @@ class ReplyRunner:
                                                            f"{err}"[:300], "lm", "client") from err
                     log.warning("session=%s turn=%d LM failed: %r", self.name, reply.turn, err)
                     raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
-                if speaker.done() and not speaker.cancelled() and speaker.exception() is not None:
-                    raise speaker.exception()  # TTS failed: no point in generating more
+                if speaker.done() and not speaker.cancelled() and (tts_error := speaker.exception()) is not None:
+                    raise tts_error  # TTS failed: no point in generating more
                 calls += block.calls
                 if block.text:
                     self._say(reply, block.text, splitter.push(block.text), phrases)
@@ -269,7 +269,8 @@ class ReplyRunner:
         reply.playback.apology_at = reply.playback.emitted
         apology = bool(self.apology) and self.is_current(reply.turn)
         self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
-        if apology and self.emit(TtsAudio(reply.turn, time.monotonic(), self.apology, self.out_rate,
-                                          self.config.faults.apology), track=False):
+        if apology and self.apology is not None and self.emit(
+                TtsAudio(reply.turn, time.monotonic(), self.apology, self.out_rate, self.config.faults.apology),
+                track=False):
             reply.playback.handed_over()
 

@@ -16,7 +16,9 @@ import logging
 import os
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,20 +40,30 @@ log = logging.getLogger("voice.server")
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 
+@dataclass
+class _State:
+    """What the app's handlers share: the stages (None until loaded at startup), shutdown progress."""
+
+    stages: Stages | None
+    draining: bool = False
+    drained: bool = False
+    probe: asyncio.Task | None = None  # the remote LM's health probe
+
+
 def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = None) -> Starlette:
     """`stages` may be given (tests share loaded models); otherwise they load at startup.
     `auth` defaults to `[auth]` with its secrets read from the environment now."""
     auth = auth if auth is not None else Auth.from_config(config.auth)
     install_redaction(auth)  # no secret of this server in any log line (engine.redact)
-    state = {"stages": stages, "draining": False, "drained": False, "probe": None}
+    state = _State(stages)
 
     async def drain(grace_s: float | None = None) -> None:
         """Stop admitting sessions, let turns in flight finish, then end every session."""
-        stages = state["stages"]
-        state["draining"] = True
-        if stages is None or state["drained"]:
+        stages = state.stages
+        state.draining = True
+        if stages is None or state.drained:
             return
-        state["drained"] = True
+        state.drained = True
         stages.admission.draining = True
         grace = config.limits.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
@@ -70,9 +82,9 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if state["stages"] is None:
-            state["stages"] = Stages.load(config)
-        stages = state["stages"]
+        if state.stages is None:
+            state.stages = Stages.load(config)
+        stages = state.stages
         if config.records.path and stages.records is None:
             try:
                 stages.records = Records(config.records.path, config.records.queue, config.records.timeout_s,
@@ -83,7 +95,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
                 raise
             app.state.records_owned = True
         if config.lm.backend == "openai" and config.lm.probe_interval_s:
-            state["probe"] = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
+            state.probe = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
         sip = None
         if config.sip.port:
             from voice.transports.sip import SipEndpoint
@@ -102,8 +114,8 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             yield
         finally:
             await drain(0.0)  # if VoiceServer didn't already (then this does nothing)
-            if state["probe"] is not None:
-                state["probe"].cancel()
+            if state.probe is not None:
+                state.probe.cancel()
             if sip is not None:
                 await sip.stop()
             if wyoming is not None:
@@ -113,20 +125,24 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
                 await asyncio.to_thread(stages.records.close)
                 stages.records = None
 
+    def loaded() -> Stages:
+        assert state.stages is not None  # loaded at startup, before any connection is served
+        return state.stages
+
     async def ws_native(ws: WebSocket):
-        await native.handle(ws, state["stages"], auth)
+        await native.handle(ws, loaded(), auth)
 
     async def ws_realtime(ws: WebSocket):
         from voice.transports import realtime
-        await realtime.handle(ws, state["stages"], auth)
+        await realtime.handle(ws, loaded(), auth)
 
     async def ws_twilio(ws: WebSocket):
-        await twilio.handle(ws, state["stages"], auth)
+        await twilio.handle(ws, loaded(), auth)
 
     async def healthz(request: Request):
-        stages = state["stages"]
-        body = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model,
-                "mode": stages.lm.mode if stages is not None else config.lm.mode, "auth": auth.enabled}
+        stages = state.stages
+        body: dict[str, Any] = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model,
+                                "mode": stages.lm.mode if stages is not None else config.lm.mode, "auth": auth.enabled}
         if request.client is not None and is_loopback(request.client.host) and \
                 "x-forwarded-for" not in request.headers:  # not through a proxy on this machine
             body["pid"] = os.getpid()  # for `voice soak` on the same machine
@@ -147,7 +163,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             body["records"] = {"written": stages.records.written, "failed": stages.records.failed}
             if stages.records.failed:
                 body["status"] = "degraded"
-        if state["draining"]:
+        if state.draining:
             body["status"] = "shutting_down"
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
@@ -163,7 +179,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             bearer(request)
         except AuthError as err:
             return _auth_error(err)
-        stages = state["stages"]
+        stages = state.stages
         body = generate_latest(stages.metrics.registry) if stages else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

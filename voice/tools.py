@@ -22,10 +22,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, cast
 
 from engine.keys import ConfigError
 from engine.redact import add_secrets
 from voice.config import ToolsConfig, WebhookConfig
+
+if TYPE_CHECKING:
+    import httpx2
 
 log = logging.getLogger("voice.tools")
 CUT_NOTE = " [cut: the rest was too long]"  # so the model does not take a part for the whole
@@ -122,9 +126,10 @@ def spoken_clock(t: datetime) -> str:
     return f"{t.hour % 12 or 12}:{t.minute:02d} {'AM' if t.hour < 12 else 'PM'}"
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS: dict[type, Callable[..., float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def calculate(expression: str) -> str:
@@ -135,7 +140,7 @@ def calculate(expression: str) -> str:
 
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            return cast(float, node.value)  # an int or a float
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](value(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
@@ -199,7 +204,7 @@ class Toolbox:
     def __post_init__(self) -> None:
         import zoneinfo
         self.zone = zoneinfo.ZoneInfo(self.config.time_zone) if self.config.time_zone else None
-        self._client = None
+        self._client: httpx2.AsyncClient | None = None  # the webhooks' (made on first use)
         self.secrets = webhook_secrets(self.config)
         string = {"type": "string", "maxLength": 100}
         if "time" in self.config.builtin:
@@ -215,8 +220,9 @@ class Toolbox:
                 "type": "object", "properties": {"expression": string}, "required": ["expression"],
                 "additionalProperties": False}, True, self._calculate)
         for hook in self.config.webhooks:
-            self.tools[hook.name] = _Tool(hook.description, hook.parameters, False,
-                                          lambda args, _timers, hook=hook: self._webhook(hook, args))
+            def run(args: dict, _timers: Timers, hook: WebhookConfig = hook) -> Awaitable[str]:
+                return self._webhook(hook, args)
+            self.tools[hook.name] = _Tool(hook.description, hook.parameters, False, run)
 
     def __bool__(self) -> bool:
         return bool(self.tools)

@@ -82,7 +82,9 @@ class TurnTaker:
             limit = self.config.limits.max_utterance_s
             if limit and self.audio_s - self.utterance_start_s > limit:
                 self.hooks.too_long(limit)
-                self._speech_stopped(self.endpointer.force_stop(), now)
+                stopped = self.endpointer.force_stop()
+                assert stopped is not None  # in speech
+                self._speech_stopped(stopped, now)
             else:
                 self._listen(self.endpointer.silence_ms)
         else:
@@ -108,6 +110,7 @@ class TurnTaker:
                 self.final_task = self.hooks.final(self.turn, self.transcriber.snapshot(), self.turn_ended)
             return
         if self.turn_ended is not None:  # they spoke again: the speculation is stale
+            assert self.final_task is not None  # the speculative final's
             self.turn_ended = None
             self.final_task.cancel()
             self.hooks.speculation_dropped()
@@ -146,6 +149,7 @@ class TurnTaker:
         if self.partial_task is not None:
             self.partial_task.cancel()
         if self.turn_ended is not None:  # a speculative final for what is now dropped
+            assert self.final_task is not None
             self.turn_ended = None
             self.final_task.cancel()
             self.hooks.speculation_dropped()

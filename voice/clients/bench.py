@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jiwer
 import numpy as np
@@ -214,7 +215,7 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
         turns = asyncio.run(run_session(url, files, refs, rate, lm_mode))
         summary = summarise(turns)
         print_table(summary)
-        result = {"summary": summary, "per_turn": [t.__dict__ for t in turns]}
+        result: dict[str, Any] = {"summary": summary, "per_turn": [t.__dict__ for t in turns]}
     else:
         sweep, per_turn = [], {}
         for n in sessions:

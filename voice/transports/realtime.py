@@ -32,9 +32,11 @@ import json
 import itertools
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.wire import WireError, decode_json
@@ -79,7 +81,8 @@ class Connection:
         self.config = stages.config
         self.session: Session | None = None
         self.opened = asyncio.Event()  # set once the session is built (on first audio or response)
-        self.settings = {"instructions": self.config.lm.system_prompt, "voice": "joe", "input": "audio/pcm",
+        self.settings: dict[str, Any] = {
+                         "instructions": self.config.lm.system_prompt, "voice": "joe", "input": "audio/pcm",
                          "output": "audio/pcm", "turn_detection": {
                              "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
                              "silence_duration_ms": self.config.vad.hangover_ms, "create_response": True,
@@ -135,7 +138,8 @@ class Connection:
 
     def update(self, body: SessionSettings) -> None:
         """`session.update`: instructions, voice, formats, turn detection (GA or beta shape)."""
-        changes = {side: fmt.type for side in ("input", "output") if (fmt := body.audio_format(side)) is not None}
+        changes: dict[str, Any] = {side: fmt.type for side in ("input", "output")
+                                   if (fmt := body.audio_format(side)) is not None}
         if self.session is not None and any(changes[k] != self.settings[k] for k in changes):
             raise RealtimeError("the audio formats cannot change once audio has flowed", param="session.audio")
         given, turn = body.turn_detection_given()
@@ -374,6 +378,7 @@ class Connection:
             raise RealtimeError(f"no assistant audio item {event.item_id[:60]!r}", "item_truncate_invalid_item_id",
                                 "item_id")
         heard = found["playback"].heard_within(event.audio_end_ms / 1000) if found["playback"] else ""
+        assert self.session is not None  # it gave the response
         self.session.history.heard_only(heard)  # what the LM sees next: only what was heard
         found["heard"] = heard
         self.send({"type": "conversation.item.truncated", "item_id": event.item_id, "content_index": 0,
@@ -385,6 +390,7 @@ class Connection:
         """The session's outbox, translated."""
         await self.opened.wait()
         session = self.session
+        assert session is not None  # opened
         while True:
             while self.out.qsize() > MAX_QUEUED:  # a client that reads slowly: the session's outbox fills
                 await asyncio.sleep(0.01)         # up instead, and its limits apply (slow_client)
@@ -404,6 +410,7 @@ class Connection:
             await asyncio.sleep(0.5)
             await self.ws.close(code=1008, reason="idle_timeout")
             return
+        assert self.session is not None  # opened
         await self.session.ending.wait()
         await asyncio.sleep(0.5)
         try:
@@ -425,13 +432,13 @@ class Connection:
             self.send({"type": "conversation.item.added", "previous_item_id": self.last_item, "item": self._user(item)})
             self.last_item = item
         elif isinstance(ev, Transcript) and ev.final:
-            item = self.user_items.get(turn)
-            if item is not None:  # a spoken turn (a typed one was announced when it was created)
-                self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": item,
+            spoken = self.user_items.get(turn)
+            if spoken is not None:  # a spoken turn (a typed one was announced when it was created)
+                self.send({"type": "conversation.item.input_audio_transcription.completed", "item_id": spoken,
                            "content_index": 0, "transcript": ev.text,
                            "usage": {"type": "duration", "seconds": round(self.audio_ms / 1000, 3)}})
                 self.send({"type": "conversation.item.done", "previous_item_id": None,
-                           "item": self._user(item, ev.text)})
+                           "item": self._user(spoken, ev.text)})
         elif isinstance(ev, ReplyText):
             r = self._message(session, turn)
             r["transcript"] += ev.text
@@ -541,14 +548,16 @@ class Connection:
         details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
         self.send({"type": "response.done", "response": self._response_object(r, status, details)})
 
-HANDLERS = {"session.update": (SessionUpdate, Connection.on_session_update),
-            "input_audio_buffer.append": (AudioAppend, Connection.on_append),
-            "input_audio_buffer.commit": (NoFields, Connection.on_commit),
-            "input_audio_buffer.clear": (NoFields, Connection.on_clear),
-            "conversation.item.create": (ItemCreate, Connection.on_item_create),
-            "response.create": (ResponseCreate, Connection.on_response_create),
-            "response.cancel": (ResponseCancel, Connection.on_response_cancel),
-            "conversation.item.truncate": (ItemTruncate, Connection.on_truncate)}
+# event type -> (its schema, its handler, which takes the validated event)
+HANDLERS: dict[str, tuple[type[BaseModel], Callable[[Connection, Any], Awaitable[None]]]] = {
+    "session.update": (SessionUpdate, Connection.on_session_update),
+    "input_audio_buffer.append": (AudioAppend, Connection.on_append),
+    "input_audio_buffer.commit": (NoFields, Connection.on_commit),
+    "input_audio_buffer.clear": (NoFields, Connection.on_clear),
+    "conversation.item.create": (ItemCreate, Connection.on_item_create),
+    "response.create": (ResponseCreate, Connection.on_response_create),
+    "response.cancel": (ResponseCancel, Connection.on_response_cancel),
+    "conversation.item.truncate": (ItemTruncate, Connection.on_truncate)}
 
 
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:

@@ -70,7 +70,7 @@ class RtpSender:
         self.seq = rng.getrandbits(16)
         self.ts0 = rng.getrandbits(32)
         self.clock0: float | None = None  # monotonic time of timestamp ts0
-        self.next_ts: int | None = None
+        self.next_ts = self.ts0  # the next packet's
 
     def packet(self, payload: bytes, samples: int, marker: bool, now: float) -> bytes:
         if self.clock0 is None:
@@ -156,7 +156,7 @@ class TelephoneEvent:
 class DtmfReceiver:
     """One digit per event: RFC 4733 repeats packets (same timestamp) for the same key press."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.last_ts: int | None = None
 
     def push(self, timestamp: int, payload: bytes) -> str | None:

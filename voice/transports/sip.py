@@ -13,6 +13,8 @@ import ipaddress
 import logging
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +36,7 @@ AUDIO_QUEUE = 500  # decoded RTP packets (10 s) waiting for the session; more ar
 
 
 class _Udp(asyncio.DatagramProtocol):
-    def __init__(self, handler):
+    def __init__(self, handler: Callable[[bytes, Any], None]) -> None:
         self.handler = handler
         self.transport: asyncio.DatagramTransport | None = None
 
@@ -139,6 +141,7 @@ class Call:
         log.info("sip call=%s session=%s DTMF %r (%s)", self.id, self.session.id if self.session else "-", digit, how)
 
     async def _feed(self) -> None:
+        assert self.session is not None  # opened before this task
         while (pcm := await self.audio_in.get()) is not None:
             await self.session.push_audio(pcm)
 
@@ -186,6 +189,7 @@ class Call:
 
     async def _watch_session(self) -> None:
         """The server ends the session (a limit, shutdown): hang up."""
+        assert self.session is not None  # opened before this task
         await self.session.ending.wait()
         log.info("sip call=%s session=%s ended by the server (%s): hanging up", self.id, self.session.id,
                  self.session.end_reason)
@@ -333,6 +337,7 @@ class SipEndpoint:
             return
         if not msg.is_request:
             return  # responses to our BYEs: nothing to do
+        assert msg.method is not None  # a request's
         handler = {"INVITE": self._invite, "ACK": self._ack, "BYE": self._bye, "CANCEL": self._cancel,
                    "OPTIONS": self._options, "INFO": self._info}.get(msg.method)
         if handler is None:
@@ -354,7 +359,8 @@ class SipEndpoint:
             if colon:
                 name = name.strip().lower()
                 req.headers.append((COMPACT.get(name, name), value.strip()))
-        if not all(req.get(h) for h in ("via", "from", "to", "call-id", "cseq")) or not valid_via(req.get("via")):
+        via = req.get("via")
+        if not via or not all(req.get(h) for h in ("from", "to", "call-id", "cseq")) or not valid_via(via):
             return  # no usable Via: we could not even tell where to send the answer
         resp = response(req, 400, source, new_tag(), [("warning", f'399 {AGENT} "{why[:100]}"')])
         self.send(resp.to_bytes(), response_destination(req, source))
@@ -405,6 +411,7 @@ class SipEndpoint:
         if status:
             self._reject(req, source, status, extra)
             return
+        assert answer is not None  # status 0: an answer
         if len(self.calls) >= self.config.max_calls:
             self._reject(req, source, 486, [])
             return
@@ -484,6 +491,7 @@ class SipEndpoint:
             waited += interval
             if call.state != "answered":
                 return
+            assert call.last_final is not None  # the 200 OK being retransmitted
             self.send(call.last_final, dest)
             call.record.counters["ok_retransmits"] += 1
             interval = min(interval * 2, T2)
@@ -501,6 +509,7 @@ class SipEndpoint:
             if status:
                 self.reply(req, source, status, call.local_tag, extra)
                 return
+            assert answer is not None  # status 0: an answer
             if answer.codec != call.answer.codec or answer.payload_type != call.answer.payload_type:
                 call.sender.payload_type = answer.payload_type
             call.answer = answer

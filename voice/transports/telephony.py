@@ -147,8 +147,10 @@ class Outbound:
                 idle = False
                 if self.clock is None or now > self.clock + self.sent * self.frame_s:
                     self.clock, self.sent, marker = now, 0, True  # a gap in the audio: a new talkspurt
-            elif now > self.clock + self.sent * self.frame_s + 0.1:
-                self.clock = now - self.sent * self.frame_s  # fell behind (busy CPU): resync, don't burst
+            else:
+                assert self.clock is not None  # set when this talkspurt began
+                if now > self.clock + self.sent * self.frame_s + 0.1:
+                    self.clock = now - self.sent * self.frame_s  # fell behind (busy CPU): resync, don't burst
             due = self.clock + self.sent * self.frame_s - self.lead_s
             if due > now:
                 await asyncio.sleep(due - now)

@@ -97,6 +97,7 @@ class TwilioCall:
         elif event == "dtmf":
             self.dtmf(msg)
         elif event == "stop":
+            assert self.record is not None  # opened with the session
             self.record.meta["stopped"] = True
             log.info("twilio call=%s stop", self.stream_sid)
             return "stop"
@@ -134,6 +135,7 @@ class TwilioCall:
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
     async def _play(self) -> None:
+        assert self.out is not None  # made before this task
         try:
             await self.out.run()
         except (WebSocketDisconnect, RuntimeError, OSError) as err:  # the socket went away mid-send
@@ -143,6 +145,7 @@ class TwilioCall:
 
     async def _close_when_ending(self) -> None:
         """The server ends the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
+        assert self.session is not None  # made before this task
         await self.session.ending.wait()
         log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id,
                  self.session.end_reason)
@@ -153,6 +156,7 @@ class TwilioCall:
             pass
 
     async def media(self, msg: dict) -> None:
+        assert self.session is not None and self.record is not None  # `handle` checked: after start
         media = msg.get("media")
         if not isinstance(media, dict) or not isinstance(media.get("payload"), str):
             self.drop("bad_media", "media without media.payload")
@@ -178,6 +182,7 @@ class TwilioCall:
         await self.session.push_audio(ulaw_decode(ulaw).astype("<i2").tobytes())
 
     def mark(self, msg: dict) -> None:
+        assert self.record is not None  # `handle` checked: after start
         name = (msg.get("mark") or {}).get("name") if isinstance(msg.get("mark"), dict) else None
         if not isinstance(name, str):
             self.drop("bad_mark", "mark without mark.name")
@@ -196,9 +201,11 @@ class TwilioCall:
     def dtmf(self, msg: dict) -> None:
         dtmf = msg.get("dtmf")
         digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
-        if not isinstance(digit, str) or len(digit) != 1 or digit.upper() not in DTMF_DIGITS:
+        if not isinstance(dtmf, dict) or not isinstance(digit, str) or len(digit) != 1 \
+                or digit.upper() not in DTMF_DIGITS:
             self.drop("bad_dtmf", "dtmf without a dtmf.digit (0-9, *, #, A-D)")
             return
+        assert self.session is not None and self.record is not None  # `handle` checked: after start
         if len(self.record.dtmf) >= MAX_DTMF:
             self.drop("dtmf_overflow", f"more than {MAX_DTMF} digits in one call")
             return
@@ -219,6 +226,7 @@ class TwilioCall:
         await self._send({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}})
 
     async def send_mark(self, turn: int, text: str) -> None:
+        assert self.session is not None and self.record is not None  # phrases play after start
         self.mark_no += 1
         name = f"{self.session.id}-t{turn}-p{self.mark_no}"
         self.marks[name] = (turn, text)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.draft import LookupDrafter, Proposal, tree_depths
+from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter, tree_depths
 from engine.grammar import Constraint
 from engine.llamacpp import LlamaCppModel, Slot
 from engine.model import KVCache, Segment, Transformer, visibility_mask
@@ -431,7 +431,7 @@ def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_i
 MAX_FORCED_DRAFT = 16  # a draft row costs up to a third of a forward here; a forced token always saves one
 
 
-def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter, embed,
+def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter: Drafter, embed,
                  stop_ids: set[int], constraint: Constraint | None = None) -> Steps:
     """Draft, then verify: each forward writes the last committed token and checks the drafted
     block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
@@ -473,8 +473,9 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         proposal = Proposal(forced_draft(constraint))
         if trees:
             assert state.hidden is not None  # drafters read the base's hidden states (PyTorch's models keep them)
-            proposal = drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
-                                            cfg.draft_tree)
+            tree_drafter = cast(TreeDrafter, drafter)  # `drafts_trees` said so
+            proposal = tree_drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
+                                                 cfg.draft_tree)
         elif not proposal.ids:
             assert state.hidden is not None
             proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
@@ -581,12 +582,12 @@ def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cf
 
 
 def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                       spec: DiffusionSpec, stop_ids: set[int], drafter=None) -> Iterator[Block]:
+                       spec: DiffusionSpec, stop_ids: set[int], drafter: Drafter | None = None) -> Iterator[Block]:
     return drive(model, decoder_steps(state, new_prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
-                  drafter=None, embed=None, constraint: Constraint | None = None) -> Steps:
+                  drafter: Drafter | None = None, embed=None, constraint: Constraint | None = None) -> Steps:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
     if cfg.mode == "ar":
         return ar_steps(state, new, cfg, stop_ids, constraint)
@@ -598,7 +599,8 @@ def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: Di
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int], drafter=None, embed=None, constraint: Constraint | None = None) -> Steps:
+         stop_ids: set[int], drafter: Drafter | None = None, embed=None,
+         constraint: Constraint | None = None) -> Steps:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
     only the prompt's uncached tail is prefilled. `verify` drafts with `drafter` (prompt lookup
     when None); `embed` is the base model's token embedding, which a draft head reads.
@@ -610,5 +612,5 @@ def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: Diffusio
 
 
 def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
-             spec: DiffusionSpec, stop_ids: set[int], drafter=None) -> Iterator[Block]:
+             spec: DiffusionSpec, stop_ids: set[int], drafter: Drafter | None = None) -> Iterator[Block]:
     return drive(model, plan(state, prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))

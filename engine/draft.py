@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,27 @@ class Proposal:
                 if self.confidence is not None:
                     confidence.append(self.confidence[i])
         return Proposal(ids, None, confidence if self.confidence is not None else None, parents)
+
+
+class Drafter(Protocol):
+    """What `verify` decoding needs of a drafter (`DraftHead`, `LookupDrafter`): how many tokens it
+    drafts per pass, and a proposal after `ids`. `embed` is the base's token embedding and
+    `hidden` [len(ids) - 1, dim] its last hidden states (a draft head reads them; lookup does not)."""
+
+    @property
+    def block(self) -> int: ...
+
+    def propose(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, temperature: float,
+                generator: torch.Generator | None, threshold: float = 0.0) -> Proposal: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also draft a tree of alternatives (`DraftHead` when `drafts_trees`)."""
+
+    @property
+    def drafts_trees(self) -> bool: ...
+
+    def propose_tree(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal: ...
 
 
 def tree_depths(parents: list[int]) -> list[int]:

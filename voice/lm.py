@@ -19,9 +19,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from voice.config import LmConfig
 from voice.scheduler import Scheduler
@@ -41,6 +41,35 @@ class Block:
     tokens: int = 0  # reply tokens so far (0 when the backend doesn't say)
     steps: int = 0
     calls: list[dict] = field(default_factory=list)  # OpenAI-shaped tool calls (the reply's last block)
+
+
+class Chat(Protocol):
+    """One conversation with the LM: `LocalChat` (its cache kept between turns), `RemoteChat`;
+    tests' FakeChat."""
+
+    def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+              tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
+        """The reply's blocks as they come (an async generator); the last one carries any tool calls."""
+        ...
+
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+        """Get ready for a conversation that starts with `messages` (the user is still speaking)."""
+
+    def close(self) -> None:
+        """The conversation is over: give back what it holds."""
+
+
+class LanguageModel(Protocol):
+    """What the sessions need of the LM backend (`LocalLM`, `RemoteLM`; tests' FakeLM): its
+    decoding modes and a `Chat` per conversation."""
+
+    @property
+    def modes(self) -> tuple[str, ...]: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    def chat(self) -> Chat: ...
 
 
 class LocalLM:
@@ -121,7 +150,7 @@ class LocalChat:
         return lambda: WAITED if urgent is not None and urgent() else BACKGROUND if busy() else NORMAL
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncIterator[Block]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
         from engine.tools import calls_in, starts_a_call
         overrides: dict[str, Any] = {"mode": mode} if mode else {}
         declared, constraint = None, None
@@ -214,7 +243,7 @@ class RemoteChat:
         """Nothing to give back: the endpoint keeps its own caches."""
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncIterator[Block]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
         from openai import omit  # what the SDK sends for an argument not given
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):

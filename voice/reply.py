@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from voice.config import Config
 from voice.events import Error, ReplyText, ToolCall, ToolResult, TtsAudio
+from voice.lm import Chat
 from voice.playback import Playback
 from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
 from voice.tools import Timers, Toolbox, ToolRun, with_results
-from voice.tts import PhraseSplitter
+from voice.tts import PhraseSplitter, SpeechSynthesizer
 
 log = logging.getLogger("voice.reply")
 
@@ -65,9 +66,10 @@ class ReplyRunner:
     `emit` an event, `first_audio` (nobody waits in silence any more), `fault` (count a stage
     fault), `is_current` (a barge-in has not cleared this turn); and the session's `timers`."""
 
-    def __init__(self, config: Config, chat, synthesizer, out_rate: int, lm_mode: str | None, apology: bytes | None,
-                 emit: Callable[..., bool], first_audio: Callable[[], None], fault: Callable[[StageFailure], None],
-                 is_current: Callable[[int], bool], name: str, tools: Toolbox, timers: Timers):
+    def __init__(self, config: Config, chat: Chat, synthesizer: SpeechSynthesizer, out_rate: int, lm_mode: str | None,
+                 apology: bytes | None, emit: Callable[..., bool], first_audio: Callable[[], None],
+                 fault: Callable[[StageFailure], None], is_current: Callable[[int], bool], name: str, tools: Toolbox,
+                 timers: Timers):
         self.config, self.chat, self.synthesizer = config, chat, synthesizer
         self.out_rate, self.lm_mode = out_rate, lm_mode
         self.tools, self.timers = tools, timers

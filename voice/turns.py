@@ -21,7 +21,7 @@ import numpy as np
 import soxr
 
 from voice import vad
-from voice.asr import SAMPLE_RATE, StreamingTranscriber
+from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
 from voice.audio import float_to_pcm16, pcm16_to_float
 from voice.config import Config
 
@@ -43,7 +43,7 @@ class TurnHooks:
 
 
 class TurnTaker:
-    def __init__(self, config: Config, whisper, in_rate: int, hooks: TurnHooks, name: str):
+    def __init__(self, config: Config, whisper: Transcriber, in_rate: int, hooks: TurnHooks, name: str):
         self.config, self.hooks, self.name = config, hooks, name
         self.endpointer = vad.Endpointer(config.vad, SAMPLE_RATE)
         self.transcriber = StreamingTranscriber(whisper, config.asr)

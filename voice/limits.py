@@ -19,8 +19,10 @@ from voice.config import LimitsConfig
 
 log = logging.getLogger("voice.limits")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-_trimming = threading.Lock()
+_malloc_trim = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "malloc_trim", None)
+_trim_lock = threading.Lock()
+_trim = {"running": False, "again": False}
+TRIM_AFTER_S = 1.0  # what a closed connection held is freed as its tasks finish, just after it ends
 
 
 def give_back_freed_memory() -> None:
@@ -28,16 +30,25 @@ def give_back_freed_memory() -> None:
     per 200 MB, never on the event loop). A session's buffers (long prompts, Piper's and ONNX
     Runtime's runs) leave holes between blocks still in use, which glibc otherwise keeps for good:
     without this, RSS after a flood of sessions stayed ~100-300 MB above where it started. Called
-    when a session's ticket is released; a no-op on C libraries without `malloc_trim`."""
-    trim = getattr(_libc, "malloc_trim", None)
-    if trim is None or not _trimming.acquire(blocking=False):
+    when a connection ends, it trims TRIM_AFTER_S later; a call during a trim runs one more after
+    it. A no-op on C libraries without `malloc_trim`."""
+    if _malloc_trim is None:
         return
+    with _trim_lock:
+        if _trim["running"]:
+            _trim["again"] = True
+            return
+        _trim["running"] = True
 
     def run() -> None:
-        try:
-            trim(0)
-        finally:
-            _trimming.release()
+        while True:
+            time.sleep(TRIM_AFTER_S)
+            _malloc_trim(0)
+            with _trim_lock:
+                if not _trim["again"]:
+                    _trim["running"] = False
+                    return
+                _trim["again"] = False
     threading.Thread(target=run, name="malloc-trim", daemon=True).start()
 
 

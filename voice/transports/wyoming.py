@@ -59,7 +59,7 @@ from voice.calllog import CallLog
 from voice.config import TtsConfig, WyomingConfig
 from voice.history import History
 from voice.latency import observe_stages
-from voice.limits import LimitError
+from voice.limits import LimitError, give_back_freed_memory
 from voice.stages import Stages
 from voice.tts import PhraseSplitter
 
@@ -578,6 +578,7 @@ class Connection:
                     await self.writer.wait_closed()
             except (TimeoutError, ConnectionError):
                 self.writer.transport.abort()
+            give_back_freed_memory()  # a connection that made no request held no ticket
 
 
 class WyomingServer:

@@ -8,6 +8,7 @@ keys themselves are never logged.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,3 +59,13 @@ def load_keys(env: Mapping[str, str], env_var: str, file: str) -> dict[str, str]
             raise ConfigError(f"cannot read the API key file {path}: {err}") from err
         keys.update(parse_keys(text, str(path)))
     return keys
+
+
+def is_loopback(host: str) -> bool:
+    """Is `host` reachable from this machine only? (Without keys, both servers listen only there.)"""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # "", "0.0.0.0" and hostnames: assume reachable from elsewhere

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -54,7 +53,7 @@ from starlette.routing import Route
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
 from engine.tools import Tool, ToolUse, calls_in, starts_a_call, tag_terminals
-from engine.keys import ConfigError, load_keys
+from engine.keys import ConfigError, is_loopback, load_keys
 from engine.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
 from engine.wire import WireError, ascii_int, decode_json
@@ -664,15 +663,6 @@ def load_api_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
         raise SystemExit(f"engine serve: {err}") from err
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 class RequestLog:
     """One log line per request: method, path, status, time, and what the handler noted."""
 
@@ -707,7 +697,7 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
 
     from engine.loading import ModelLoadError
     keys = load_api_keys()
-    if not keys and not _is_loopback(host) and os.environ.get("ENGINE_ALLOW_UNAUTHENTICATED") != "1":
+    if not keys and not is_loopback(host) and os.environ.get("ENGINE_ALLOW_UNAUTHENTICATED") != "1":
         raise SystemExit(f"engine serve: refusing to listen on {host or 'all interfaces'} without API keys: set "
                          "$ENGINE_API_KEYS (or $ENGINE_API_KEYS_FILE), listen on 127.0.0.1, or set "
                          "ENGINE_ALLOW_UNAUTHENTICATED=1 if a proxy in front authenticates.")

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from engine.keys import ConfigError, load_keys
+from engine.keys import ConfigError, is_loopback, load_keys
 from engine.redact import RedactSecrets  # noqa: F401 - the one log filter, re-exported for voice
 from engine.redact import install_redaction as _install_redaction
 from voice.config import AuthConfig, Config
@@ -40,15 +40,6 @@ class AuthError(Exception):
     def __init__(self, code: str, message: str, status: int = 401):
         super().__init__(message)
         self.code, self.message, self.status = code, message, status
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # "", "0.0.0.0" and hostnames: assume reachable from elsewhere
 
 
 def source_allowed(host: str, networks: list) -> bool:

@@ -82,7 +82,7 @@ def observe_stages(metrics: Metrics, budgets: BudgetConfig, stages: dict[str, fl
 
 
 class LatencyTracker:
-    def __init__(self, budgets: BudgetConfig, metrics: Metrics, emit: Callable[[Event], None], session_id: str):
+    def __init__(self, budgets: BudgetConfig, metrics: Metrics, emit: Callable[[Event], object], session_id: str):
         self.budgets, self.metrics, self.emit, self.session_id = budgets, metrics, emit, session_id
         self.turns: dict[int, _Turn] = {}
 

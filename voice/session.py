@@ -28,6 +28,8 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
+from typing import cast
 
 from voice.calllog import CallLog
 from voice.config import Config
@@ -209,6 +211,7 @@ class Session:
     def _drop_speculation(self) -> None:
         self.stages.scheduler.stop_waiting(self)
         if self.reply is not None and not self.reply.released.is_set():
+            assert self.reply.task is not None  # started with the reply
             self.reply.task.cancel()
             self.reply = None
 
@@ -278,7 +281,7 @@ class Session:
     def _cancel(task: asyncio.Task) -> None:
         """Cancel a reply's task; one that has not begun yet (a response cancelled as soon as it was
         asked for) first takes its first step, so that its `finally` ends the turn with a reply_done."""
-        if inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+        if inspect.getcoroutinestate(cast(Coroutine, task.get_coro())) == inspect.CORO_CREATED:  # a coroutine's task
             asyncio.get_running_loop().call_soon(task.cancel)  # callbacks run in order: after that step
         else:
             task.cancel()

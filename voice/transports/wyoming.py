@@ -37,6 +37,7 @@ import time
 import uuid
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soxr
@@ -59,9 +60,13 @@ from voice.calllog import CallLog
 from voice.config import TtsConfig, WyomingConfig
 from voice.history import History
 from voice.latency import observe_stages
-from voice.limits import LimitError, give_back_freed_memory
+from voice.limits import LimitError, Ticket, give_back_freed_memory
+from voice.lm import Chat
 from voice.stages import Stages
 from voice.tts import PhraseSplitter
+
+if TYPE_CHECKING:
+    from wyoming.zeroconf import HomeAssistantZeroconf
 
 log = logging.getLogger("voice.wyoming")
 CLOSE_GRACE_S = 5.0  # a closing connection's last events get this long to be read; then it is cut off
@@ -243,9 +248,9 @@ class Conversations:
 
     def __init__(self, stages: Stages, size: int):
         self.stages, self.size = stages, size
-        self.kept: collections.OrderedDict[str, tuple[History, object]] = collections.OrderedDict()
+        self.kept: collections.OrderedDict[str, tuple[History, Chat]] = collections.OrderedDict()
 
-    def get(self, conversation_id: str) -> tuple[History, object]:
+    def get(self, conversation_id: str) -> tuple[History, Chat]:
         if conversation_id in self.kept:
             self.kept.move_to_end(conversation_id)
             return self.kept[conversation_id]
@@ -266,7 +271,7 @@ class Connection:
         peer = writer.get_extra_info("peername") or ("", 0)
         self.peer = f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
         self.calls: CallLog | None = None  # opened with the first request (Home Assistant polls `describe`)
-        self.ticket = None
+        self.ticket: Ticket | None = None  # acquired with `calls`
         self.turn = 0
         self.dictation: Dictation | None = None
         self.partial_task: asyncio.Task | None = None
@@ -343,6 +348,7 @@ class Connection:
         elif AudioChunk.is_type(kind):
             if self.dictation is None:  # audio without audio-start: its chunks carry their format
                 await self.start_dictation()
+            assert self.dictation is not None  # started
             self.dictation.push(AudioChunk.from_event(event))
             if self.partial_task is None or self.partial_task.done():
                 self.partial_task = asyncio.create_task(self.partial(self.dictation))
@@ -388,6 +394,7 @@ class Connection:
     async def done(self, status: str, transcript: str, reply: str, stages: dict[str, float]) -> None:
         stages = {name: round(ms, 1) for name, ms in stages.items()}
         observe_stages(self.stages.metrics, self.stages.config.budget, stages, self.id, self.turn)
+        assert self.calls is not None  # opened as the request began
         await self.calls.replied(self.turn, status, transcript, reply, "", False, False, {"stages": stages})
 
     # --- speech to text -------------------------------------------------------------------------
@@ -398,6 +405,7 @@ class Connection:
             raise RequestFailed("unsupported_language", f"this server transcribes {asr.language!r}, not "
                                                         f"{self.language!r}")
         if self.dictation is not None:  # a second audio-start: the first dictation is dropped
+            assert self.calls is not None  # the first dictation began a request
             self.dictation.transcriber.reset()
             self.calls.unreplied(self.turn, "", "superseded")
         self.begin()
@@ -485,10 +493,11 @@ class Connection:
                         raise ConnectionResetError("the client has gone")
                     try:
                         async with asyncio.timeout(cfg.faults.tts_timeout_s):
-                            pcm = await synth.synthesize(phrase, rate, urgent=lambda: first_ms is None)
+                            # (asked while this phrase waits for the worker: first_ms is current then)
+                            pcm = await synth.synthesize(phrase, rate, urgent=lambda: first_ms is None)  # noqa: B023
                     except TimeoutError:
                         raise RequestFailed("tts_timeout", "speech synthesis took too long") from None
-                    except Exception as err:
+                    except Exception as err:  # noqa: BLE001 - any failure of synthesis is this request's tts_failed
                         log.warning("wyoming=%s speech synthesis failed: %r", self.id, err)
                         raise RequestFailed("tts_failed", f"speech synthesis failed: {err}") from None
                     for i in range(0, len(pcm), AUDIO_CHUNK_SAMPLES):
@@ -532,9 +541,10 @@ class Connection:
                     scheduler.stop_waiting(self)
                 reply += block.text
                 await self.write(HandledChunk(text=block.text).event())
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any failure of the LM is this request's reply_failed
             self.error("reply_failed", f"the language model failed: {err!r}")
             await self.write(NotHandled(text="Sorry, I could not answer that.", context=context).event())
+            assert self.calls is not None  # opened by `begin` above
             self.calls.unreplied(self.turn, transcript.text, "failed")
             return
         finally:
@@ -570,6 +580,7 @@ class Connection:
             if self.calls is not None:
                 self.calls.closed("closed", self.turn)
                 self.stages.metrics.sessions.labels("wyoming").dec()
+                assert self.ticket is not None  # acquired with `calls`
                 self.ticket.release()
         finally:
             self.writer.close()
@@ -588,9 +599,9 @@ class WyomingServer:
         self.stages, self.config = stages, config
         self.conversations = Conversations(stages, config.conversations)
         self.allow = [ipaddress.ip_network(net, strict=False) for net in config.allow]
-        self.server: asyncio.AbstractServer | None = None
+        self.server: asyncio.Server | None = None
         self.connections: set[asyncio.Task] = set()
-        self.zeroconf = None
+        self.zeroconf: HomeAssistantZeroconf | None = None
 
     @property
     def port(self) -> int:
@@ -614,6 +625,7 @@ class WyomingServer:
             writer.close()
             return
         task = asyncio.current_task()
+        assert task is not None  # a connection runs as a task of its own
         self.connections.add(task)
         try:
             await Connection(self, reader, writer).run()

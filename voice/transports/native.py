@@ -20,16 +20,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.wire import WireError, decode_json
 from voice.audio import RATES
-from voice.auth import Auth, AuthError
+from voice.auth import Auth
 from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, Ready, TtsAudio
-from voice.limits import LimitError
 from voice.session import Session
 from voice.stages import Stages
+from voice.transports.common import FLUSH_S, close_ws, fail, finish, flush_then_close, run_admitted
 
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)
-FLUSH_S = 2.0  # when the server ends a session: time to send what is queued (the final error) before closing
 MAX_SYSTEM_PROMPT_CHARS = SessionConfig.max_system_prompt_chars
 MAX_TEXT_BYTES = SessionConfig.max_text_bytes
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -97,46 +96,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-async def admit(ws: WebSocket, stages: Stages, auth: Auth | None, twilio: bool = False):
-    """Authenticate and admit a websocket before accepting it: (principal, ticket), or
-    accept, send the error, close and return None."""
-    try:
-        principal = "anonymous"
-        if auth is not None:
-            auth.check_origin(ws.headers)
-            if twilio and auth.twilio_token:
-                from voice.auth import request_url
-                auth.check_twilio(ws.headers, request_url(ws.scope, ws.headers))
-                principal = "twilio"
-            else:
-                principal = auth.principal(ws.headers, ws.query_params)
-        admission = getattr(stages, "admission", None)
-        per_key = auth is not None and auth.enabled and principal != "twilio"
-        ticket = admission.acquire(principal, per_key) if admission is not None else None
-        return principal, ticket
-    except (AuthError, LimitError) as err:
-        client = ws.client.host if ws.client else "-"
-        log.warning("refused %s from %s: %s: %s", ws.url.path, client, err.code, err.message)
-        await ws.accept()
-        close_code = err.close_code if isinstance(err, LimitError) else 1008
-        if twilio:  # Twilio's side has no error message: only the close reason
-            await _close(ws, close_code, err.code)
-        else:
-            await _fail(ws, err.code, err.message, close_code)
-        return None
-
-
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
-    admitted = await admit(ws, stages, auth)
-    if admitted is None:
-        return
-    principal, ticket = admitted
-    try:
+    async def serve(principal: str) -> None:
         await ws.accept()
         await _session(ws, stages, principal)
-    finally:
-        if ticket is not None:
-            ticket.release()
+    await run_admitted(ws, stages, auth, serve)
 
 
 async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
@@ -144,10 +108,10 @@ async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
     try:
         start = await asyncio.wait_for(_read_start(ws, stages), cfg.start_timeout_s)
     except asyncio.TimeoutError:
-        await _fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
+        await fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
         return
     except ProtocolError as err:
-        await _fail(ws, err.code, str(err))
+        await fail(ws, err.code, str(err))
         return
     except WebSocketDisconnect:
         return
@@ -166,10 +130,8 @@ async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
         if ending in done:  # the server ends it: the final error goes out, then the close
             receiver.cancel()
             reason = session.end_reason
-            session.outbox.put_nowait(None)
-            await asyncio.wait({sender}, timeout=FLUSH_S)
-            sender.cancel()
-            await _close(ws, session.close_code, session.end_reason)
+            await flush_then_close(session, lambda: close_ws(ws, session.close_code, session.end_reason),
+                                   FLUSH_S["native"], sender)
         elif receiver in done and receiver.exception() is not None and \
                 not isinstance(receiver.exception(), WebSocketDisconnect):
             log.error("session=%s receive failed: %r", session.id, receiver.exception())
@@ -177,9 +139,7 @@ async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
     except WebSocketDisconnect:
         pass
     finally:
-        for task in tasks:
-            task.cancel()
-        await session.close(reason)
+        await finish(session, reason, tasks)
 
 
 async def _read_start(ws: WebSocket, stages: Stages) -> dict:
@@ -198,22 +158,6 @@ async def _read_start(ws: WebSocket, stages: Stages) -> dict:
             raise ProtocolError("bad_session", f"session.lm_mode {start['lm_mode']!r} is not served here: this "
                                                f"server's LM decodes {' or '.join(stages.lm.modes)}")
         return start
-
-
-async def _fail(ws: WebSocket, code: str, message: str, close_code: int | None = None) -> None:
-    log.warning("closing websocket: %s: %s", code, message)
-    try:
-        await ws.send_json({"type": "error", "code": code, "message": message})
-    except (WebSocketDisconnect, RuntimeError, OSError):
-        return
-    await _close(ws, close_code or (1008 if code != "start_timeout" else 1001), code)
-
-
-async def _close(ws: WebSocket, code: int, reason: str) -> None:
-    try:
-        await asyncio.wait_for(ws.close(code=code, reason=reason), FLUSH_S)
-    except (WebSocketDisconnect, RuntimeError, OSError, asyncio.TimeoutError):
-        pass
 
 
 async def _receive(ws: WebSocket, session: Session) -> None:

@@ -47,7 +47,8 @@ from voice.events import (Clear, Error, ReplyDone, ReplyText, SpeechStarted, Spe
 from voice.session import Session
 from voice.tools import ToolRun
 from voice.stages import Stages
-from voice.transports.native import admit, system_prompt_problem
+from voice.transports.common import FLUSH_S, close_when_ending, close_ws, finish, run_admitted
+from voice.transports.native import system_prompt_problem
 from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend, FunctionCallOutput, FunctionTool,
                                               ItemCreate, ItemTruncate, NoFields, ResponseCancel, ResponseCreate,
                                               SessionSettings, SessionUpdate, problem)
@@ -407,16 +408,13 @@ class Connection:
             await asyncio.wait_for(self.opened.wait(), idle)
         except asyncio.TimeoutError:
             self.error(RealtimeError(f"no audio and no response requested for {idle:g} s", "idle_timeout"))
-            await asyncio.sleep(0.5)
-            await self.ws.close(code=1008, reason="idle_timeout")
+            await asyncio.sleep(FLUSH_S["realtime"])
+            await close_ws(self.ws, 1008, "idle_timeout")
             return
-        assert self.session is not None  # opened
-        await self.session.ending.wait()
-        await asyncio.sleep(0.5)
-        try:
-            await self.ws.close(code=self.session.close_code, reason=self.session.end_reason)
-        except (RuntimeError, OSError):
-            pass
+        session = self.session
+        assert session is not None  # opened
+        await close_when_ending(session, lambda: close_ws(self.ws, session.close_code, session.end_reason),
+                                FLUSH_S["realtime"])
 
     def translate(self, session: Session, ev) -> None:
         turn = ev.turn
@@ -561,10 +559,10 @@ HANDLERS: dict[str, tuple[type[BaseModel], Callable[[Connection, Any], Awaitable
 
 
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
-    admitted = await admit(ws, stages, auth)
-    if admitted is None:
-        return
-    principal, ticket = admitted
+    await run_admitted(ws, stages, auth, lambda principal: _serve(ws, stages, principal))
+
+
+async def _serve(ws: WebSocket, stages: Stages, principal: str) -> None:
     beta = "realtime=v1" in ws.headers.get("openai-beta", "")
     conn = Connection(ws, stages, principal, beta, ws.query_params.get("model", "diffusion-voice"))
     tasks: list[asyncio.Task] = []
@@ -585,9 +583,4 @@ async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> Non
     except (WebSocketDisconnect, RuntimeError):  # RuntimeError: received after our close
         pass
     finally:
-        for task in tasks:
-            task.cancel()
-        if conn.session is not None:
-            await conn.session.close(conn.session.end_reason or "disconnect")
-        if ticket is not None:
-            ticket.release()
+        await finish(conn.session, "disconnect", tasks)

@@ -24,6 +24,7 @@ from voice.limits import LimitError, Ticket
 from voice.session import Session
 from voice.stages import Stages
 from voice.transports import rtp, sdp
+from voice.transports.common import FLUSH_S, acquire, close_when_ending, finish
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
 from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, Outbound, calls, count_drop
@@ -171,7 +172,8 @@ class Call:
         self.record.session_id = self.session.id
         out = Outbound(self.session, self.record, self._send_frame, phrase_end=self._phrase_sent)
         self.tasks += [asyncio.create_task(out.run()), asyncio.create_task(self._feed()),
-                       asyncio.create_task(self._watch_media()), asyncio.create_task(self._watch_session())]
+                       asyncio.create_task(self._watch_media()),
+                       asyncio.create_task(close_when_ending(self.session, self._hang_up, FLUSH_S["sip"]))]
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -187,10 +189,9 @@ class Call:
                 self.ep.spawn(self.end("media_timeout"))
                 return
 
-    async def _watch_session(self) -> None:
-        """The server ends the session (a limit, shutdown): hang up."""
-        assert self.session is not None  # opened before this task
-        await self.session.ending.wait()
+    async def _hang_up(self) -> None:
+        """The server ended the session (a limit, shutdown): hang up."""
+        assert self.session is not None  # opened before the watcher
         log.info("sip call=%s session=%s ended by the server (%s): hanging up", self.id, self.session.id,
                  self.session.end_reason)
         if self.state in ("answered", "confirmed"):
@@ -201,19 +202,12 @@ class Call:
         if self.state == "ended":
             return
         self.state = "ended"
-        if self.ticket is not None:
-            self.ticket.release()
         self.ep.calls.pop(self.id, None)
-        current = asyncio.current_task()
-        for task in self.tasks:
-            if task is not current:
-                task.cancel()
         for sock in (self.rtp_sock, self.rtcp_sock):
             if sock is not None:
                 sock.close()
         self.ep.release_rtp(self.rtp_port)
-        if self.session is not None:
-            await self.session.close(reason)
+        await finish(self.session, reason, self.tasks, self.ticket)
         calls.close(self.record, reason)
 
 
@@ -415,16 +409,13 @@ class SipEndpoint:
         if len(self.calls) >= self.config.max_calls:
             self._reject(req, source, 486, [])
             return
-        ticket = None
-        admission = getattr(self.stages, "admission", None)
-        if admission is not None:
-            try:
-                ticket = admission.acquire(f"sip:{source[0]}", per_key=False)
-            except LimitError as err:
-                status = 503 if err.code == "shutting_down" else 486
-                self._reject(req, source, status, [("warning", f'399 {AGENT} "{err.message[:80]}"')] +
-                             ([("retry-after", "30")] if status == 503 else []))
-                return
+        try:
+            ticket = acquire(self.stages, f"sip:{source[0]}", per_key=False)
+        except LimitError as err:
+            status = 503 if err.code == "shutting_down" else 486
+            self._reject(req, source, status, [("warning", f'399 {AGENT} "{err.message[:80]}"')] +
+                         ([("retry-after", "30")] if status == 503 else []))
+            return
         call = Call(self, req, source, answer)
         call.ticket = ticket
         self.calls[call.id] = call

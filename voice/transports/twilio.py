@@ -26,6 +26,7 @@ from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.session import Session
 from voice.stages import Stages
+from voice.transports.common import FLUSH_S, close_when_ending, close_ws, finish, run_admitted
 from voice.transports.telephony import RATE, CallRecord, Outbound, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
@@ -130,7 +131,7 @@ class TwilioCall:
         self.out = Outbound(self.session, self.record, self.send_media, phrase_end=self.send_mark,
                             cleared=self.send_clear, lead_s=LEAD_S)
         self.sender = asyncio.create_task(self._play())
-        self.closer = asyncio.create_task(self._close_when_ending())
+        self.closer = asyncio.create_task(close_when_ending(self.session, self._close, FLUSH_S["twilio"]))
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
@@ -143,17 +144,12 @@ class TwilioCall:
         except Exception:
             log.exception("twilio call=%s sender failed", self.stream_sid)
 
-    async def _close_when_ending(self) -> None:
-        """The server ends the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
-        assert self.session is not None  # made before this task
-        await self.session.ending.wait()
+    async def _close(self) -> None:
+        """The server ended the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
+        assert self.session is not None  # made before the watcher
         log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id,
                  self.session.end_reason)
-        await asyncio.sleep(0.2)  # let the sender finish the frame it is on
-        try:
-            await asyncio.wait_for(self.ws.close(code=self.session.close_code, reason=self.session.end_reason), 2.0)
-        except (RuntimeError, WebSocketDisconnect, OSError, asyncio.TimeoutError):
-            pass
+        await close_ws(self.ws, self.session.close_code, self.session.end_reason)
 
     async def media(self, msg: dict) -> None:
         assert self.session is not None and self.record is not None  # `handle` checked: after start
@@ -242,28 +238,14 @@ class TwilioCall:
         await self._send({"event": "clear", "streamSid": self.stream_sid})
 
     async def end(self, reason: str) -> None:
-        for task in (self.sender, self.closer):
-            if task is not None and task is not asyncio.current_task():
-                task.cancel()
-        if self.session is not None:
-            await self.session.close(reason)
+        await finish(self.session, reason, (self.sender, self.closer))
         if self.record is not None:
             calls.close(self.record, reason)
         if reason == "stop":
-            try:
-                await self.ws.close()
-            except (RuntimeError, WebSocketDisconnect):
-                pass
+            await close_ws(self.ws)
 
 
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
-    from voice.transports.native import admit
-    admitted = await admit(ws, stages, auth, twilio=True)
-    if admitted is None:
-        return
-    principal, ticket = admitted
-    try:
-        await TwilioCall(ws, stages, principal if principal != "anonymous" else "twilio").run()
-    finally:
-        if ticket is not None:
-            ticket.release()
+    await run_admitted(ws, stages, auth,
+                       lambda principal: TwilioCall(ws, stages, principal if principal != "anonymous"
+                                                    else "twilio").run(), twilio=True)

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 def percentile(values, q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of the finite values; nan if none (as engine.bench)."""
+    """Linear-interpolated percentile (q in 0..100) of the finite values; nan if none (as engine.evals.bench)."""
     xs = sorted(v for v in values if v is not None and math.isfinite(v))
     if not xs:
         return float("nan")

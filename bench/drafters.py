@@ -18,7 +18,7 @@ that equals the base's reply. Reported: tokens per forward = 1 + mean kept, per 
 - lookup: prompt lookup, for reference.
 
 Each head's *decoded* figure follows: the held-out replies walked as greedy `verify` decodes
-them, at the decoder's draft threshold (`engine.train_draft.held_out_figures`), which is what
+them, at the decoder's draft threshold (`engine.train.draft.held_out_figures`), which is what
 `engine bench` measures on such replies; the every-`block`-positions figure above overstates it.
 """
 
@@ -32,11 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench import write_json  # noqa: E402
+from engine.evals.bench import write_json  # noqa: E402
 from engine.draft import LookupDrafter, load_head  # noqa: E402
 from engine.loading import DEFAULT_ADAPTER, load  # noqa: E402
 from engine.decode import DecodeConfig  # noqa: E402
-from engine.train_draft import held_out_figures, read_corpus, split  # noqa: E402
+from engine.train.draft import held_out_figures, read_corpus, split  # noqa: E402
 
 
 @torch.inference_mode()

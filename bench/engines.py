@@ -14,7 +14,7 @@ Engines (each in its own subprocess, so peak RSS is its own and nothing is share
   llamacpp        llama-cpp-python (bench/.venv-llamacpp, llama.cpp built from source for this
                   CPU) on the same GGUF, create_completion(stream=True), greedy
 
-Every prompt of --prompts (with engine.data.VOICE_SYSTEM_PROMPT) is rendered once, by our
+Every prompt of --prompts (with engine.train.data.VOICE_SYSTEM_PROMPT) is rendered once, by our
 tokenizer, and every engine gets the same token ids (our engine re-renders the messages and
 the ids are checked to match). Each request starts from an empty KV cache (our engine: a fresh
 Conversation; llama.cpp: reset(); transformers: a new generate call). After one warm-up request
@@ -92,7 +92,7 @@ class OursWorker:
                                   quantize=a.quantize if mode == "ar" else a.diffusion_quantize)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
-        from engine.bench import effective_adapter
+        from engine.evals.bench import effective_adapter
         self.info = {"engine": f"ours ({mode})", "model": a.model, "adapter": effective_adapter(a.model, adapter),
                      "weights": self.engine.loaded.weights,
                      "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -298,8 +298,8 @@ def shared_prompts(a):
     """(requests, eos ids, tokenizer): each prompt rendered once by our tokenizer (no model load needed)."""
     import gguf
 
-    from engine.bench import read_prompts
-    from engine.data import VOICE_SYSTEM_PROMPT, chat
+    from engine.evals.bench import read_prompts
+    from engine.train.data import VOICE_SYSTEM_PROMPT, chat
     from engine.tokenizer import tokenizer_from_gguf
     reader = gguf.GGUFReader(a.gguf)
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}

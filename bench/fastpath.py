@@ -24,10 +24,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench import machine_info, percentile, timed_request, write_json  # noqa: E402
-from engine.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
+from engine.evals.bench import machine_info, percentile, timed_request, write_json  # noqa: E402
+from engine.train.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
 from engine.decode import CacheState, DecodeConfig, run  # noqa: E402
-from engine.eval import BOILERPLATE, is_right, read_questions  # noqa: E402
+from engine.evals.eval import BOILERPLATE, is_right, read_questions  # noqa: E402
 from engine.quantize import Int8RowLinear, fp16_linears, swap_linears  # noqa: E402
 from engine.stream import Engine  # noqa: E402
 

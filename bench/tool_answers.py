@@ -43,7 +43,7 @@ async def ask(chat, messages: list[dict], toolbox, timers) -> dict:
 
 
 async def run(a) -> dict:
-    from engine.eval import is_right, read_questions
+    from engine.evals.eval import is_right, read_questions
     from voice.config import load_config
     from voice.lm import LocalLM
     from voice.tools import Timers, Toolbox

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.data import chat  # noqa: E402
+from engine.train.data import chat  # noqa: E402
 from engine.decode import CacheState, run  # noqa: E402
 from engine.loading import load  # noqa: E402
 

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench import read_prompts, summarize_mode, timed_request  # noqa: E402
-from engine.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
+from engine.evals.bench import read_prompts, summarize_mode, timed_request  # noqa: E402
+from engine.train.data import VOICE_SYSTEM_PROMPT, chat  # noqa: E402
 from engine.decode import DecodeConfig  # noqa: E402
 from engine.stream import Engine  # noqa: E402
 

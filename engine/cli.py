@@ -96,20 +96,20 @@ def cmd_generate(a) -> int:
 
 
 def cmd_serve(a) -> int:
-    from engine.server import serve
+    from engine.api.server import serve
     serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter, a.device)
     return 0
 
 
 def cmd_bench(a) -> int:
-    from engine.bench import run_bench
+    from engine.evals.bench import run_bench
     run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
               quantize=a.quantize, drafter=a.drafter)
     return 0
 
 
 def cmd_eval(a) -> int:
-    from engine.eval import run_answers, run_eval
+    from engine.evals.eval import run_answers, run_eval
     if bool(a.prompts) == bool(a.answers):
         raise SystemExit("engine eval: give exactly one of --prompts (replies vs the AR teacher) and --answers "
                          "(answer accuracy)")
@@ -123,7 +123,7 @@ def cmd_eval(a) -> int:
 
 
 def cmd_adapt(a) -> int:
-    from engine import adapt, data
+    from engine.train import adapt, data
     from engine.loading import load
     from engine.model import Transformer
     out = Path(a.out)
@@ -149,7 +149,7 @@ def cmd_adapt(a) -> int:
 
 def cmd_draft(a) -> int:
     import torch
-    from engine import data, train_draft
+    from engine.train import data, draft as train_draft
     from engine.draft import load_head, save_head
     from engine.loading import load, pick_device
     out = Path(a.out)

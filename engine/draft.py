@@ -11,7 +11,7 @@ little arithmetic and nothing else, so replies are the base model's whatever the
   also gives each row the token before it and lets it see only the rows before it: trained on
   the true previous tokens (exact for greedy verify, which only ever keeps a row whose earlier
   rows were right), drafting row by row from its own tokens. Training needs only forward
-  passes of the base (`engine.train_draft`), and its logits cover a truncated vocabulary (the
+  passes of the base (`engine.train.draft`), and its logits cover a truncated vocabulary (the
   tokens the base actually says), so drafting costs a fraction of a base forward.
 - `LookupDrafter`: prompt lookup (copy what followed the last occurrence of the current
   bigram); needs no training, so every model gets some drafting.

@@ -22,7 +22,7 @@ import torch
 
 from engine.decode import DiffusionSpec
 from engine.model import ModelArgs, Transformer, rope_tables
-from engine.packages import MissingPackageError, PackagedFile, assemble, numbered_pieces
+from engine.common.packages import MissingPackageError, PackagedFile, assemble, numbered_pieces
 from engine.quantize import CHOICES as QUANTIZE_TORCH, quantize as quantize_model
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
@@ -75,7 +75,7 @@ PACKAGED_MODELS = {
 
 def packaged_gguf(name: str) -> Path:
     """The GGUF of a PACKAGED_MODELS entry, assembled into the cache folder on first use
-    (engine.packages checks it by size and SHA-256 on every load)."""
+    (engine.common.packages checks it by size and SHA-256 on every load)."""
     try:
         return assemble(name, PACKAGED_MODELS[name])
     except MissingPackageError as err:
@@ -248,7 +248,7 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
     as numpy views). Keyed by the file's name, size and modification time."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from engine.packages import cache_dir
+    from engine.common.packages import cache_dir
     stat = path.stat()
     # v1: the layout below and tokenizer_from_gguf as it is; bump when either changes
     cached = cache_dir() / "tokenizers" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-v1.json"

@@ -281,7 +281,7 @@ class Client:
 
 
 class StandInEngine:
-    """engine.stream.Engine's shape for engine/server.py: always replies "Hello there."."""
+    """engine.stream.Engine's shape for engine/api/server.py: always replies "Hello there."."""
 
     name = "stand-in"
     max_seq_len = 2048

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import engine.loading
-from engine.adapt import AdaptConfig, evaluate_loss, pack, train
+from engine.train.adapt import AdaptConfig, evaluate_loss, pack, train
 from engine.decode import DiffusionSpec
 from engine.lora import LoRALinear, load_adapter
 from engine.loading import load, packaged_smollm2_gguf

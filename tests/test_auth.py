@@ -22,7 +22,7 @@ import pytest
 import websockets
 
 from fakes import LiveServer, fake_stages, make_config
-from engine.keys import parse_keys
+from engine.common.keys import parse_keys
 from voice.auth import (Auth, AuthError, ConfigError, RedactSecrets, check_exposure, twilio_signature,
                         url_variants, valid_twilio_signature)
 from voice.config import Config

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import bench, eval as evaluate
-from engine.bench import percentile, read_prompts
+from engine.evals import bench, eval as evaluate
+from engine.evals.bench import percentile, read_prompts
 from engine.decode import DecodeConfig
-from engine.eval import repeated_ngram_rate
+from engine.evals.eval import repeated_ngram_rate
 from engine.model import visibility_mask
 from engine.stream import Engine
 

@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 
-from engine.data import chat
+from engine.train.data import chat
 from engine.decode import CacheState, DecodeConfig, generate, generate_ar_batch
 from engine.draft import load_head
 from engine.loading import load
 from engine.model import visibility_mask
-from engine.train_draft import Corpus, DraftTrainConfig, held_out_figures, read_corpus, split, train
+from engine.train.draft import Corpus, DraftTrainConfig, held_out_figures, read_corpus, split, train
 
 import tinyckpt
 from tinyckpt import EOS_ID
@@ -58,7 +58,7 @@ PROMPTS = ["hello there friend", "what is the time", "tell me about cats", "good
 
 @pytest.fixture(scope="module")
 def distilled(tiny, tmp_path_factory):
-    """The tiny base's own greedy replies, as `engine.data.distill` writes them."""
+    """The tiny base's own greedy replies, as `engine.train.data.distill` writes them."""
     tok = tiny.tokenizer
     replies = generate_ar_batch(tiny.model, [tok.encode_chat(chat(p)) for p in PROMPTS], 12, tok.eos_ids)
     path = tmp_path_factory.mktemp("run") / "distilled.jsonl"

@@ -1,6 +1,6 @@
 """`engine serve`: API keys on /v1/*, body and message-size limits, refusal to run exposed without keys.
 
-The app is engine/server.py's real one around a stand-in engine (no model is loaded: these
+The app is engine/api/server.py's real one around a stand-in engine (no model is loaded: these
 tests are about the HTTP layer), driven by the official `openai` client and raw HTTP.
 """
 
@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from engine.decode import DecodeConfig
-from engine.server import build_app, load_api_keys
+from engine.api.server import build_app, load_api_keys
 from liveserver import serving
 from fakes import StandInEngine
 

@@ -274,7 +274,7 @@ def test_sip_allow_list_drops_other_sources_silently(stages):
                                       "stream_options", "stop", "n", "threshold", "top_p")})))
 def test_engine_parse_request_only_raises_api_errors(body):
     from engine.decode import DecodeConfig
-    from engine.server import APIError, parse_request
+    from engine.api.server import APIError, parse_request
     with no_hang("engine parse_request"):
         try:
             messages, cfg, opts = parse_request(body, DecodeConfig(), 2048)

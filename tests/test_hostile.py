@@ -237,7 +237,7 @@ def post(port: int, body: bytes) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def engine_port():
     from engine.decode import DecodeConfig
-    from engine.server import build_app
+    from engine.api.server import build_app
     with serving(build_app(EncodingEngine(), DecodeConfig(max_new_tokens=8))) as port:
         yield port
 

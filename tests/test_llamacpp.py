@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import llamacpp
-from engine.data import chat
+from engine.train.data import chat
 from engine.decode import CacheState, ContextOverflow, DecodeConfig, Forward, generate_ar_batch, run_many
 from engine.loading import ModelLoadError, load
 from engine.stream import Engine

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import engine.loading as loading
-import engine.packages as packages
+import engine.common.packages as packages
 from engine.decode import DecodeConfig
 from engine.loading import ModelLoadError, packaged_gguf
 from engine.model import visibility_mask
-from engine.packages import PackagedFile, cache_dir, numbered_pieces
+from engine.common.packages import PackagedFile, cache_dir, numbered_pieces
 from engine.stream import Engine
 
 NAME = "qwen2.5-0.5b"

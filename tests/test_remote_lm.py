@@ -40,7 +40,7 @@ def wait_for(pred, timeout: float, what: str):
 
 def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
     from engine.decode import DecodeConfig
-    from engine.server import build_app as engine_app
+    from engine.api.server import build_app as engine_app
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

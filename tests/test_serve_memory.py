@@ -22,7 +22,7 @@ import torch
 
 from engine.decode import CacheState, DecodeConfig
 from engine.loading import load
-from engine.server import build_app
+from engine.api.server import build_app
 from engine.stream import Conversation, Engine
 
 import tinyckpt
@@ -162,7 +162,7 @@ def test_generate_sync_without_a_conversation_reuses_one_cache(tiny, caches, no_
 @pytest.mark.parametrize("kept", [0, 2])
 def test_server_requests_cancelled_mid_stream_share_the_pool(tiny, caches, no_cyclic_gc, kept):
     """Through HTTP with the official client: clients that hang up mid-stream leave nothing behind,
-    and the conversations kept for a continuation (engine.server.PrefixCaches) hold at most
+    and the conversations kept for a continuation (engine.api.server.PrefixCaches) hold at most
     `kept` caches; an evicted one's goes back to the pool."""
     engine = Engine(tiny, max_seq_len=128)
     app = build_app(engine, DecodeConfig(max_new_tokens=12), kept_conversations=kept)

@@ -15,9 +15,9 @@ import jsonschema
 import torch
 from liveserver import serving
 
-from engine.data import chat
+from engine.train.data import chat
 from engine.decode import DecodeConfig
-from engine.server import build_app
+from engine.api.server import build_app
 from engine.stream import Engine
 
 pytestmark = pytest.mark.slow

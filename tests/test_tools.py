@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, StreamingResponse
 from starlette.routing import Route
 
-from engine.keys import ConfigError
-from engine.redact import redact
+from engine.common.keys import ConfigError
+from engine.common.redact import redact
 from fakes import Client, LiveServer, fake_stages, make_config, speech
 from liveserver import serving
 from voice import records as rec
@@ -390,10 +390,23 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
     stages.lm.tool_calls = [call("get_time", id="a"), call("get_weather", {"city": "Lima"}, id="b")]
     emitted = []
 
+    class Sink:  # the session, as the runner sees it (voice.reply.ReplySink)
+        def emit(self, ev, wire=True, track=True):
+            emitted.append(ev)
+            return True
+
+        def first_audio(self):
+            pass
+
+        def fault(self, failure):
+            pass
+
+        def is_current(self, turn):
+            return True
+
     async def go():
-        runner = ReplyRunner(config, stages.lm.chat(), stages.synthesizer, 16000, None, None,
-                             lambda ev, **kw: emitted.append(ev) or True, lambda: None, lambda f: None,
-                             lambda turn: True, "s", box, Timers(lambda text: asyncio.sleep(0)))
+        runner = ReplyRunner(config, stages.lm.chat(), stages.synthesizer, 16000, None, None, Sink(), "s", box,
+                             Timers(lambda text: asyncio.sleep(0)))
         reply = Reply(1)
         before = len(hooks.requests)
         task = asyncio.create_task(runner.run(reply, [{"role": "user", "content": "Weather?"}]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.data import chat
+from engine.train.data import chat
 from engine.decode import CacheState, DecodeConfig, Proposal, generate, verify_rule
 from engine.draft import DraftHead, LookupDrafter
 from engine.loading import load, shipped_drafter

@@ -1,9 +1,9 @@
 """The one JSON decoder and the one log filter, and hostile JSON fuzzed into every front.
 
-* `engine.wire.decode_json` (every JSON that arrives on /ws, /twilio and `engine serve`): only
+* `engine.common.wire.decode_json` (every JSON that arrives on /ws, /twilio and `engine serve`): only
   `WireError` ever comes out, whatever goes in; what it accepts is bounded (depth, numbers,
   size) and encodable (no lone surrogates); on ordinary JSON it agrees with `json.loads`.
-* `engine.redact` (every log line of both servers): keys in query strings and headers, tokens,
+* `engine.common.redact` (every log line of both servers): keys in query strings and headers, tokens,
   Twilio signatures and the configured secret values are redacted, on any logger.
 * Live fuzzing with hypothesis (`tests/strategies.py` `hostile_json`: integers of 4,300+
   digits, lone surrogates, 100,000-deep nesting, wrong types, unicode digits, broken JSON)
@@ -39,8 +39,8 @@ import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.redact import RedactSecrets, install_redaction, redact
-from engine.wire import MAX_DEPTH, REASONS, WireError, ascii_int, decode_json
+from engine.common.redact import RedactSecrets, install_redaction, redact
+from engine.common.wire import MAX_DEPTH, REASONS, WireError, ascii_int, decode_json
 from fakes import SPEECH, Client, EncodingEngine, LiveServer, StandInEngine, fake_stages, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import (BROKEN, ENGINE_BODIES, NATIVE_CONTROLS, NATIVE_STARTS, TWILIO_MESSAGES, hostile_json,
@@ -200,7 +200,7 @@ class Capture(logging.Handler):
 @pytest.fixture(scope="module")
 def fronts(tmp_path_factory):
     from engine.decode import DecodeConfig
-    from engine.server import build_app
+    from engine.api.server import build_app
     db = tmp_path_factory.mktemp("records") / "records.sqlite3"
     config = make_config(records={"path": str(db)})
     stages = fake_stages(config)
@@ -448,7 +448,7 @@ def uvicorn_with_default_logging(app):
 
 def test_zz_no_secret_reaches_any_log_line(capfd):
     from engine.decode import DecodeConfig
-    from engine.server import build_app as engine_app
+    from engine.api.server import build_app as engine_app
     from voice.server import build_app as voice_app
 
     config = make_config()

@@ -22,7 +22,7 @@ import numpy as np
 from faster_whisper import WhisperModel
 from faster_whisper.tokenizer import Tokenizer
 
-from engine.packages import PackagedFile, assemble, numbered_pieces, package_folder
+from engine.common.packages import PackagedFile, assemble, numbered_pieces, package_folder
 from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.scheduler import Scheduler, Worker
 

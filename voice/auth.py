@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
-from engine.keys import ConfigError, is_loopback, load_keys
-from engine.redact import RedactSecrets  # noqa: F401 - the one log filter, re-exported for voice
-from engine.redact import install_redaction as _install_redaction
+from engine.common.keys import ConfigError, is_loopback, load_keys
+from engine.common.redact import RedactSecrets  # noqa: F401 - the one log filter, re-exported for voice
+from engine.common.redact import install_redaction as _install_redaction
 from voice.config import AuthConfig, Config
 
 log = logging.getLogger("voice.auth")
@@ -248,7 +248,7 @@ def check_exposure(config: Config, auth: Auth) -> None:
 
 
 def install_redaction(auth: Auth | None = None) -> None:
-    """The one log filter (`engine.redact`) on every log line, knowing this server's secrets:
+    """The one log filter (`engine.common.redact`) on every log line, knowing this server's secrets:
     the API keys, the token secret (when it is configured) and the Twilio auth token."""
     secrets: list[str] = []
     if auth is not None:

@@ -54,7 +54,7 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
     """`stages` may be given (tests share loaded models); otherwise they load at startup.
     `auth` defaults to `[auth]` with its secrets read from the environment now."""
     auth = auth if auth is not None else Auth.from_config(config.auth)
-    install_redaction(auth)  # no secret of this server in any log line (engine.redact)
+    install_redaction(auth)  # no secret of this server in any log line (engine.common.redact)
     state = _State(stages)
 
     async def drain(grace_s: float | None = None) -> None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, cast
 
-from engine.keys import ConfigError
-from engine.redact import add_secrets
+from engine.common.keys import ConfigError
+from engine.common.redact import add_secrets
 from voice.config import ToolsConfig, WebhookConfig
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Bad input is answered with an `error` event and dropped; only a missing or invalid `start`
 closes the socket, because without it nothing else can be understood. Every text frame goes
-through `engine.wire.decode_json`, the one bounded JSON decoder of every front (size, depth,
+through `engine.common.wire.decode_json`, the one bounded JSON decoder of every front (size, depth,
 number length, no lone surrogates), so that nothing a client sends raises past it. Before
 that, the connection is authenticated and admitted (`voice.auth`, `voice.limits`); a refusal is an
 `error` and a close too. A session the server ends (a limit, shutdown) gets its `error`,
@@ -18,7 +18,7 @@ import time
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.wire import WireError, decode_json
+from engine.common.wire import WireError, decode_json
 from voice.audio import RATES
 from voice.auth import Auth
 from voice.config import SessionConfig
@@ -85,7 +85,7 @@ def system_prompt_problem(value, max_chars: int) -> str:
 
 
 def decode(text: str, max_bytes: int, what: str):
-    """A JSON text frame, through the one decoder of every front (engine.wire): ProtocolError bad_json."""
+    """A JSON text frame, through the one decoder of every front (engine.common.wire): ProtocolError bad_json."""
     try:
         return decode_json(text, max_bytes=max_bytes)
     except WireError as err:

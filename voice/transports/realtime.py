@@ -39,7 +39,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.wire import WireError, decode_json
+from engine.common.wire import WireError, decode_json
 from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.events import (Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall, Transcript,

@@ -6,7 +6,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from engine.wire import ascii_int
+from engine.common.wire import ascii_int
 
 SIP_VERSION = "SIP/2.0"
 AGENT = "diffusion-voice"

@@ -21,7 +21,7 @@ import logging
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.wire import WireError, ascii_int, decode_json
+from engine.common.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.session import Session
@@ -77,7 +77,7 @@ class TwilioCall:
     async def handle(self, text: str) -> str | None:
         max_bytes = getattr(self.stages.config.session, "max_text_bytes", MAX_TEXT_BYTES)
         try:
-            msg = decode_json(text, max_bytes=max_bytes)  # the one decoder of every front (engine.wire)
+            msg = decode_json(text, max_bytes=max_bytes)  # the one decoder of every front (engine.common.wire)
         except WireError as err:
             self.drop("bad_json", err.message[:100])
             return None

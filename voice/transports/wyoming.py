@@ -18,7 +18,7 @@ A request that fails gets an `error` and its connection is closed (Home Assistan
 TTS clients have no timeout of their own: a closed connection fails, an error alone would hang);
 the assistant answers `not-handled` instead, which Home Assistant treats as the end. Events this
 server does not know are dropped, as the protocol asks. Whatever a client sends is bounded
-([wyoming]): each event is read by `read_event` (engine/wire.py's JSON, sizes and types checked)
+([wyoming]): each event is read by `read_event` (engine/common/wire.py's JSON, sizes and types checked)
 within `idle_timeout_s`, each write must be read within it too, and a connection gives its
 socket back on every way out. Each connection with a request is a session in the call records
 (transport "wyoming"), each request a turn, and its stage times go to /metrics like any
@@ -51,7 +51,7 @@ from wyoming.info import (AsrModel, AsrProgram, Attribution, Describe, HandleMod
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
-from engine.wire import WireError, decode_json
+from engine.common.wire import WireError, decode_json
 from voice import events, vad
 from voice.auth import source_allowed
 from voice.asr import SAMPLE_RATE, StreamingTranscriber
@@ -121,7 +121,7 @@ def info(stages: Stages) -> Info:
 async def read_event(reader: asyncio.StreamReader, config: WyomingConfig) -> Event | None:
     """The next event, or None at the end of the stream. Unlike the library's reader this bounds
     each part of an event (the JSON line, its data block, its payload), decodes the JSON with
-    engine/wire.py (no deep nesting, no infinite or endless number) and checks the header's types:
+    engine/common/wire.py (no deep nesting, no infinite or endless number) and checks the header's types:
     whatever is wrong is a RequestFailed, never another exception."""
     try:
         line = await reader.readuntil(b"\n")
@@ -151,7 +151,7 @@ async def read_event(reader: asyncio.StreamReader, config: WyomingConfig) -> Eve
 
 
 def json_object(raw: bytes, max_bytes: int, part: str) -> dict:
-    """An event's header or data block: a JSON object within the bounds of engine/wire.py."""
+    """An event's header or data block: a JSON object within the bounds of engine/common/wire.py."""
     try:
         value = decode_json(raw, max_bytes=max_bytes)
     except WireError as err:

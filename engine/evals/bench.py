@@ -1,6 +1,6 @@
 """`engine bench`: autoregressive vs block-diffusion decoding of the same weights on the same prompts.
 
-Each prompt (with `engine.data.VOICE_SYSTEM_PROMPT`) is answered once per mode, each time on a
+Each prompt (with `engine.train.data.VOICE_SYSTEM_PROMPT`) is answered once per mode, each time on a
 fresh `Conversation` (so every request prefills its whole prompt), after one warm-up request
 per mode. The order of the two modes alternates between prompts so that slow drift in machine
 load does not favour one of them. Per request:
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.data import VOICE_SYSTEM_PROMPT, chat
+from engine.train.data import VOICE_SYSTEM_PROMPT, chat
 from engine.decode import DecodeConfig
 from engine.stream import Conversation, Engine
 
@@ -45,7 +45,7 @@ MODES = ("ar", "diffusion")
 FIRST_N = 8  # ttfb8: time to this many reply tokens
 
 
-# --- helpers shared with engine.eval -----------------------------------------------------------
+# --- helpers shared with engine.evals.eval -----------------------------------------------------------
 
 def read_prompts(path: Path, limit: int = 0) -> list[str]:
     """Prompts from a JSONL file of {"prompt": "..."} objects (blank lines skipped)."""

@@ -3,7 +3,7 @@
 The teacher is the same checkpoint with no adapter (`Engine.load(model, adapter="")`; for
 `small --adapter default` that is the plain packaged SmolLM2, the model the shipped adapter was
 distilled from; when no adapter is merged at all, the loaded model serves as its own teacher).
-Per prompt (as a chat with `engine.data.VOICE_SYSTEM_PROMPT`):
+Per prompt (as a chat with `engine.train.data.VOICE_SYSTEM_PROMPT`):
 
 - the model under test replies with diffusion decoding (the given config, mode forced to
   diffusion): tokens per forward and TTFB (call -> first committed piece);
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import effective_adapter, machine_info, percentile, ratio, read_prompts, timed_request, write_json
-from engine.data import VOICE_SYSTEM_PROMPT, chat
+from engine.evals.bench import (effective_adapter, machine_info, percentile, ratio, read_prompts, timed_request,
+                                write_json)
+from engine.train.data import VOICE_SYSTEM_PROMPT, chat
 from engine.decode import DecodeConfig
 from engine.model import Transformer, visibility_mask
 from engine.stream import Engine

@@ -45,7 +45,7 @@ def chitchat_prompts(split: str, heldout_percent: int = 5) -> list[str]:
 
 def chitchat_pairs(split: str, n: int, seed: int = 0, heldout_percent: int = 5) -> list[tuple[str, str]]:
     """`n` (turn, the person's reply to it) pairs of chitchat conversations (each 3-30 words), shuffled:
-    text a draft head can learn the base's next tokens on (`engine.train_draft.read_corpus`)."""
+    text a draft head can learn the base's next tokens on (`engine.train.draft.read_corpus`)."""
     pairs = [(a, b) for turns in _chitchat_turns(split, heldout_percent) for a, b in zip(turns, turns[1:])
              if _spoken_length(a) and _spoken_length(b)]
     random.Random(seed).shuffle(pairs)
@@ -191,7 +191,7 @@ def _knowledge_makers(rng: random.Random) -> list:
 
 
 def answer_set_prompts() -> set[str]:
-    folder = Path(__file__).parent / "prompts"
+    folder = Path(__file__).parents[1] / "prompts"
     return {json.loads(line)["prompt"] for f in folder.glob("answers_*.jsonl") for line in f.open() if line.strip()}
 
 

@@ -2,9 +2,9 @@
 
 `decode_json` is used for every JSON text that arrives from outside: the native websocket
 protocol's messages (`voice/transports/native.py`), Twilio Media Streams messages
-(`voice/transports/twilio.py`) and `engine serve` request bodies (`engine/server.py`). It lives
+(`voice/transports/twilio.py`) and `engine serve` request bodies (`engine/api/server.py`). It lives
 here, at the bottom, because `engine/` never imports `voice/` while `voice/` may import this
-small, dependency-free module (as it does `engine/keys.py`).
+small, dependency-free module (as it does `engine/common/keys.py`).
 
 What it accepts is I-JSON (RFC 7493) with bounds, so that nothing hostile gets past it:
 

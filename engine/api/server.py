@@ -19,9 +19,9 @@ Security and limits (docs/SECURITY.md): with API keys configured, every `/v1/*` 
 `$ENGINE_API_KEYS_FILE`, and refuses to listen on a non-loopback host without any unless
 `ENGINE_ALLOW_UNAUTHENTICATED=1`. Request bodies are capped (`$ENGINE_MAX_BODY_BYTES`, 1 MiB:
 413) and so is the text of the messages (`$ENGINE_MAX_INPUT_CHARS`, 32768 characters: 400
-`string_above_max_length`). Bodies are decoded by `engine.wire.decode_json`, the one JSON
+`string_above_max_length`). Bodies are decoded by `engine.common.wire.decode_json`, the one JSON
 decoder of every front (bounded depth and number length, no lone surrogates: 400
-`invalid_json`), and `engine.redact` keeps keys out of every log line.
+`invalid_json`), and `engine.common.redact` keeps keys out of every log line.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from starlette.routing import Route
 from engine.decode import COMMIT_RULES, ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
 from engine.tools import Tool, ToolUse, calls_in, starts_a_call, tag_terminals
-from engine.keys import ConfigError, is_loopback, load_keys
-from engine.redact import install_redaction
+from engine.common.keys import ConfigError, is_loopback, load_keys
+from engine.common.redact import install_redaction
 from engine.stream import Conversation, Engine, Piece
-from engine.wire import WireError, ascii_int, decode_json
+from engine.common.wire import WireError, ascii_int, decode_json
 
 log = logging.getLogger("engine.server")
 
@@ -411,7 +411,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
               kept_conversations: int = 8) -> Starlette:
     """`api_keys` (name -> key): when given and not empty, /v1/* requires one of them.
     `kept_conversations`: KV caches kept for conversations that may continue (PrefixCaches)."""
-    install_redaction((api_keys or {}).values())  # no key in any log line (engine.redact)
+    install_redaction((api_keys or {}).values())  # no key in any log line (engine.common.redact)
     caches = PrefixCaches(engine, kept_conversations)
     model_id = engine.name
     created = int(time.time())
@@ -433,7 +433,7 @@ def build_app(engine: Engine, defaults: DecodeConfig, api_keys: dict[str, str] |
     async def chat_completions(request: Request) -> Response | EventStream:
         info = request.scope.setdefault(LOG_KEY, {})
         raw = await _read_body(request, max_body_bytes)
-        try:  # the one decoder of every front (engine.wire): bounded depth and numbers, no lone surrogates
+        try:  # the one decoder of every front (engine.common.wire): bounded depth and numbers, no lone surrogates
             body = decode_json(raw, max_bytes=max_body_bytes)
         except WireError as err:
             if err.reason == "too_large":
@@ -655,7 +655,7 @@ class BearerAuth:
 
 
 def load_api_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE (`engine.keys` format)."""
+    """$ENGINE_API_KEYS and the file named by $ENGINE_API_KEYS_FILE (`engine.common.keys` format)."""
     env = os.environ if env is None else env
     try:
         return load_keys(env, "ENGINE_API_KEYS", env.get("ENGINE_API_KEYS_FILE", ""))

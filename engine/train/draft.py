@@ -1,7 +1,7 @@
 """`engine draft`: train a draft head on the frozen base model's own greedy replies.
 
 1. Distil: the base answers chitchat turns and templated assistant questions greedily
-   (`engine.data.distill`); deterministic targets are what a parallel drafter can learn.
+   (`engine.train.data.distill`); deterministic targets are what a parallel drafter can learn.
 2. Read: one causal forward of the base over each prompt + reply gives its last hidden state
    at every position; nothing else of the base is ever run, so a CPU hour covers many more
    tokens than training through the model would.
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.data import chat
+from engine.train.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
 from engine.decode import CacheState, DecodeConfig, run

@@ -1,0 +1,1 @@
+"""Measuring the runtime: speed (`engine bench`) and what it says (`engine eval`)."""

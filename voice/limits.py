@@ -25,6 +25,12 @@ _trim = {"running": False, "again": False}
 TRIM_AFTER_S = 1.0  # what a closed connection held is freed as its tasks finish, just after it ends
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system now (blocking; see give_back_freed_memory)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
 def give_back_freed_memory() -> None:
     """Hand the C heap's free pages back to the system (glibc's `malloc_trim`), in a thread (~20 ms
     per 200 MB, never on the event loop). A session's buffers (long prompts, Piper's and ONNX
@@ -43,7 +49,7 @@ def give_back_freed_memory() -> None:
     def run() -> None:
         while True:
             time.sleep(TRIM_AFTER_S)
-            _malloc_trim(0)
+            trim_heap()
             with _trim_lock:
                 if not _trim["again"]:
                     _trim["running"] = False

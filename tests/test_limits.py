@@ -222,7 +222,7 @@ def test_bad_frame_flood_is_bounded():
         s = Session(stages, 16000, 16000)
         for _ in range(5000):
             s.error("bad_frame", "odd length")
-        assert len(s.log.open_turns) == 0 and s.log.error_counts["bad_frame"] == 5000
+        assert len(s.call_log.open_turns) == 0 and s.call_log.error_counts["bad_frame"] == 5000
         assert len(s.tracker.turns) == 0
         await s.close()
         assert stages.lm.closed == 1  # the session's conversation was given back

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from voice.config import Config
-from voice.events import Error, ReplyText, ToolCall, ToolResult, TtsAudio
+from voice.events import Error, Event, ReplyText, ToolCall, ToolResult, TtsAudio
 from voice.lm import Chat
 from voice.playback import Playback
 from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
@@ -61,21 +61,38 @@ class Reply:
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class ReplySink(Protocol):
+    """Where a reply goes: the session (voice/session.py), as a ReplyRunner sees it."""
+
+    def emit(self, ev: Event, wire: bool = True, track: bool = True) -> bool:
+        """Send `ev` to the client (if `wire`) and the latency tracker (if `track`); False if not queued."""
+        ...
+
+    def first_audio(self) -> None:
+        """A reply's first audio is synthesised: nobody waits in silence any more."""
+        ...
+
+    def fault(self, failure: StageFailure) -> None:
+        """Count a stage's fault (for /healthz and the metrics)."""
+        ...
+
+    def is_current(self, turn: int) -> bool:
+        """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
+        ...
+
+
 class ReplyRunner:
-    """Runs a session's replies. Its hooks into the session are the narrow ones it needs:
-    `emit` an event, `first_audio` (nobody waits in silence any more), `fault` (count a stage
-    fault), `is_current` (a barge-in has not cleared this turn); and the session's `timers`."""
+    """Runs a session's replies. What it needs of the session is its `sink` (a ReplySink) and
+    the session's `timers`."""
 
     def __init__(self, config: Config, chat: Chat, synthesizer: SpeechSynthesizer, out_rate: int, lm_mode: str | None,
-                 apology: bytes | None, emit: Callable[..., bool], first_audio: Callable[[], None],
-                 fault: Callable[[StageFailure], None], is_current: Callable[[int], bool], name: str, tools: Toolbox,
-                 timers: Timers):
+                 apology: bytes | None, sink: ReplySink, name: str, tools: Toolbox, timers: Timers):
         self.config, self.chat, self.synthesizer = config, chat, synthesizer
         self.out_rate, self.lm_mode = out_rate, lm_mode
         self.tools, self.timers = tools, timers
         self.client_tools: list[dict] = []  # functions the client runs itself (Realtime `session.tools`)
         self.apology = apology
-        self.emit, self.first_audio, self.fault, self.is_current = emit, first_audio, fault, is_current
+        self.sink = sink
         self.name = name  # the session, for logs
 
     async def prepare(self, messages: list[dict]) -> None:
@@ -165,8 +182,8 @@ class ReplyRunner:
                 if block.text:
                     self._say(reply, block.text, splitter.push(block.text), phrases)
                     await reply.released.wait()
-                    self.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
-                                        block.steps))
+                    self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
+                                             block.steps))
                 if len(reply.text) >= limit:
                     log.warning("session=%s turn=%d reply cut at %d characters", self.name, reply.turn, limit)
                     break
@@ -199,7 +216,7 @@ class ReplyRunner:
             if pending and cfg.filler.strip():
                 filler = cfg.filler.strip()
                 self._say(reply, filler + " ", [filler], phrases)  # a phrase of its own
-                self.emit(ReplyText(reply.turn, time.monotonic(), filler + " ", reply.blocks))
+                self.sink.emit(ReplyText(reply.turn, time.monotonic(), filler + " ", reply.blocks))
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -215,14 +232,14 @@ class ReplyRunner:
             run = ToolRun.of(call)
             run.status, run.result = "client", "run by the client"
             reply.tools.append(run)
-            self.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
+            self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
 
     async def _run_tool(self, reply: Reply, run: ToolRun) -> None:
         """A pure tool runs at once (also during a speculation); one that acts only once the turn is real."""
         work = asyncio.ensure_future(self.tools.run(run, self.timers)) if self.tools.pure(run.name) else None
         try:
             await reply.released.wait()
-            self.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
+            self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
             await (work or self.tools.run(run, self.timers))
         finally:
             if work is not None:
@@ -230,8 +247,8 @@ class ReplyRunner:
             if run.status == "running":  # cancelled before it started
                 run.status, run.result = "cancelled", "cancelled (the user spoke)"
             if reply.released.is_set():
-                self.emit(ToolResult(reply.turn, time.monotonic(), run.id, run.name, run.result, run.status,
-                                     round(run.ms, 1)))
+                self.sink.emit(ToolResult(reply.turn, time.monotonic(), run.id, run.name, run.result, run.status,
+                                          round(run.ms, 1)))
 
     async def _speak(self, reply: Reply, phrases: asyncio.Queue) -> None:
         timeout = self.config.faults.tts_timeout_s
@@ -249,29 +266,30 @@ class ReplyRunner:
             except Exception as err:
                 log.warning("session=%s turn=%d TTS failed: %r", self.name, reply.turn, err)
                 raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
-            self.first_audio()
+            self.sink.first_audio()
             await reply.released.wait()
-            if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
+            if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate,
+                                                    phrase)):
                 playback.handed_over()
 
     async def announce(self, reply: Reply, text: str) -> None:
         """Speak `text` as it is (no LM), until the client has played it."""
         pcm = await asyncio.wait_for(self.synthesizer.synthesize(text, self.out_rate), self.config.faults.tts_timeout_s)
         reply.text = text
-        if len(pcm) and self.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, text),
-                                  track=False):
+        if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, text),
+                                       track=False):
             reply.playback.handed_over()
         await reply.playback.played()
 
     def fail(self, reply: Reply, failure: StageFailure) -> None:
         """The turn failed: say so (an `error`), then the cached apology instead of the rest of the reply."""
-        self.first_audio()
-        self.fault(failure)
+        self.sink.first_audio()
+        self.sink.fault(failure)
         reply.failure = failure
         reply.playback.apology_at = reply.playback.emitted
-        apology = bool(self.apology) and self.is_current(reply.turn)
-        self.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
-        if apology and self.apology is not None and self.emit(
+        apology = bool(self.apology) and self.sink.is_current(reply.turn)
+        self.sink.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
+        if apology and self.apology is not None and self.sink.emit(
                 TtsAudio(reply.turn, time.monotonic(), self.apology, self.out_rate, self.config.faults.apology),
                 track=False):
             reply.playback.handed_over()

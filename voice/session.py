@@ -1,12 +1,16 @@
 """One conversation: audio in -> VAD -> ASR -> LM -> TTS -> audio out, with barge-in and history.
 
     transport --push_audio--> TurnTaker (VAD, ASR, speculation)   voice/turns.py
+              <--its turn events, dispatched in `_on_turn`
               --final transcript--> ReplyRunner (LM -> TTS)       voice/reply.py
               <--outbox-- events; audio_sent --> Playback ledger  voice/playback.py
 
 Transports feed `push_audio` and drain `outbox`; they report what reached the wire with
 `audio_sent`, which is how the session knows what the user actually heard. The session
-knows nothing about wire formats, and the latency tracker only watches its events.
+knows nothing about wire formats, and the latency tracker only watches its events. The
+TurnTaker returns what happened to the user's turn (voice/turns.py's events) and the session
+acts on them in one place, `_on_turn`; a ReplyRunner sends its reply through the session as
+its `ReplySink` (emit, first_audio, fault, is_current).
 
 The parts beside the line: the call log (voice/calllog.py) writes each turn's row before its
 `reply_done` is sent; the outbox (voice/outbox.py) is bounded; the history (voice/history.py)
@@ -28,8 +32,8 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
-from typing import cast
+from collections.abc import Awaitable, Coroutine
+from typing import assert_never, cast
 
 from voice.calllog import CallLog
 from voice.config import Config
@@ -42,7 +46,7 @@ from voice.outbox import Outbox
 from voice.reply import Reply, ReplyRunner, StageFailure
 from voice.stages import Stages
 from voice.tools import Timers, with_results
-from voice.turns import TurnHooks, TurnTaker
+from voice.turns import Final, Partial, SpeculationDropped, Started, Stopped, TooLong, TurnEvent, TurnTaker
 
 log = logging.getLogger("voice.session")
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
@@ -59,17 +63,16 @@ class Session:
         self.stages, self.config, self.in_rate, self.out_rate = stages, cfg, in_rate, out_rate
         self.transport = transport
         self.outbox = Outbox(cfg.limits, stages.metrics.audio_dropped.labels(transport), self.id)
-        self.log = CallLog(stages.records, self.uid, self.id, stages.metrics.errors)
+        self.call_log = CallLog(stages.records, self.uid, self.id, stages.metrics.errors)
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
                                cfg.lm.history_turns, cfg.lm.max_prompt_chars)
-        self.turns = TurnTaker(cfg, stages.whisper, in_rate, TurnHooks(
-            self._speech_started, self._speech_stopped, self._partial, self._final, self._drop_speculation,
-            self._utterance_too_long), self.id)
+        self.turns = TurnTaker(cfg, stages.whisper, in_rate, self.id)
         self.timers = Timers(self.announce, stages.tools.zone)
         self.replies = ReplyRunner(cfg, stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
-                                   stages.apology.get(out_rate), self.emit, self._first_audio, stages.fault,
-                                   self.is_current, self.id, stages.tools, self.timers)
+                                   stages.apology.get(out_rate), self, self.id, stages.tools, self.timers)
+        self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
+        self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.reply: Reply | None = None
         self.reply_tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.closed = False
@@ -79,7 +82,7 @@ class Session:
         self.close_code = 1000
         stages.metrics.sessions.labels(transport).inc()
         stages.live.add(self)
-        self.log.opened(transport, principal, peer, {
+        self.call_log.opened(transport, principal, peer, {
             "in_rate": in_rate, "out_rate": out_rate, "lm_mode": lm_mode,
             "custom_system_prompt": system_prompt is not None, **(meta or {})})
         try:
@@ -96,24 +99,41 @@ class Session:
     async def push_audio(self, pcm16: bytes) -> None:
         """PCM16LE mono at the session's input rate, any length: on to VAD and ASR."""
         self.last_audio = now = time.monotonic()
-        self.turns.push(pcm16, now)
+        self._on_turn(self.turns.push(pcm16, now))
 
-    def _speech_started(self, turn: int, now: float) -> None:
-        self.barge_in(now)
-        self.log.started(turn)
-        self.emit(SpeechStarted(turn, now))
+    def _on_turn(self, events: list[TurnEvent]) -> None:
+        """What the session does at each point of the user's turn (the TurnTaker's events, in order)."""
+        for ev in events:
+            match ev:
+                case Started(turn, now):  # the user started talking: a reply still playing stops
+                    self.barge_in(now)
+                    self.call_log.started(turn)
+                    self.emit(SpeechStarted(turn, now))
+                case Partial(turn, text):
+                    task = asyncio.create_task(self._partial(turn, text))
+                    self.partial_tasks.add(task)
+                    task.add_done_callback(self.partial_tasks.discard)
+                case SpeculationDropped():  # the user went on talking: the final and its reply are void
+                    assert self.final_task is not None  # the speculative final's
+                    self.final_task.cancel()
+                    self._drop_speculation()
+                case Stopped(turn, now, speech_end):
+                    self.emit(SpeechStopped(turn, now, speech_end))
+                case Final(turn, transcript, ended):
+                    self.stages.scheduler.start_waiting(self)  # until the first audio, this user hears nothing
+                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended))
+                case TooLong(limit):
+                    self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
+                                                     "it is ignored until you pause")
+                case _:
+                    assert_never(ev)
 
-    def _speech_stopped(self, turn: int, now: float, speech_end: float) -> None:
-        self.emit(SpeechStopped(turn, now, speech_end))
+    async def _partial(self, turn: int, text: Awaitable[str | None]) -> None:
+        said = await text
+        if said and self.turns.listening(turn):
+            self.emit(Transcript(turn, time.monotonic(), said, False))
 
-    def _partial(self, turn: int, text: str) -> None:
-        self.emit(Transcript(turn, time.monotonic(), text, False))
-
-    def _final(self, turn: int, transcript, ended: asyncio.Event) -> asyncio.Task:
-        self.stages.scheduler.start_waiting(self)  # from here until the first audio, this user hears nothing
-        return asyncio.create_task(self._finalise(turn, transcript, ended))
-
-    async def _finalise(self, turn: int, transcript, ended: asyncio.Event) -> None:
+    async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
         set yet) the reply starts as soon as the transcript is known, held back until `ended`."""
         try:
@@ -133,7 +153,7 @@ class Session:
             self._unreplied(turn, text, "superseded")
             return
         self.emit(Transcript(turn, time.monotonic(), text, True))
-        self.log.transcript(turn, text)
+        self.call_log.transcript(turn, text)
         if text and reply is None:
             reply = self._start_reply(turn, text)
         if reply is not None:
@@ -169,15 +189,15 @@ class Session:
             latency.pop("turn", None)
         playback = reply.playback
         apologised = playback.apology_at is not None and playback.emitted > playback.apology_at
-        if not await self.log.replied(reply.turn, status, user_text, reply.text.strip(), heard, not reply.finished,
-                                      apologised, latency, [run.record() for run in reply.tools]):
+        if not await self.call_log.replied(reply.turn, status, user_text, reply.text.strip(), heard, not reply.finished,
+                                           apologised, latency, [run.record() for run in reply.tools]):
             self.error("record_failed", "this turn could not be written to the call records")
         if not self.closed:
             self.outbox.release(held)
 
     # --- turns without a reply ----------------------------------------------------------------
 
-    async def _transcript(self, transcript) -> str:
+    async def _transcript(self, transcript: Awaitable[str]) -> str:
         timeout = self.config.faults.asr_timeout_s
         try:
             return (await asyncio.wait_for(transcript, timeout)).strip()
@@ -206,7 +226,7 @@ class Session:
         """A turn that ends without a reply_done: recorded without waiting."""
         self.stages.scheduler.stop_waiting(self)
         self.tracker.forget(turn)
-        self.log.unreplied(turn, transcript, status)
+        self.call_log.unreplied(turn, transcript, status)
 
     def _drop_speculation(self) -> None:
         self.stages.scheduler.stop_waiting(self)
@@ -215,12 +235,15 @@ class Session:
             self.reply.task.cancel()
             self.reply = None
 
-    def _utterance_too_long(self, limit: float) -> None:
-        self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
-                                         "it is ignored until you pause")
+    # --- the reply's sink (voice.reply.ReplySink): emit, is_current, and these -----------------
 
-    def _first_audio(self) -> None:
-        self.stages.scheduler.stop_waiting(self)  # nothing of ours is urgent any more
+    def first_audio(self) -> None:
+        """The reply's first audio is synthesised: nothing of ours is urgent any more."""
+        self.stages.scheduler.stop_waiting(self)
+
+    def fault(self, failure: StageFailure) -> None:
+        """A stage failed or overran its timeout (for /healthz and the metrics)."""
+        self.stages.fault(failure)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -235,8 +258,8 @@ class Session:
         now = time.monotonic()
         self.barge_in(now)
         turn = self.turns.new_turn()
-        self.log.started(turn)
-        self.log.transcript(turn, text)
+        self.call_log.started(turn)
+        self.call_log.transcript(turn, text)
         self.emit(Transcript(turn, now, text, True))
         self.stages.scheduler.start_waiting(self)
         self._start_reply(turn, text).released.set()
@@ -251,11 +274,13 @@ class Session:
 
     def end_speech(self) -> bool:
         """The client says the user stopped talking; False if nobody was."""
-        return self.turns.end_now(time.monotonic())
+        events = self.turns.end_now(time.monotonic())
+        self._on_turn(events)
+        return bool(events)
 
     def clear_speech(self) -> None:
         """The client drops what the user said so far in this utterance."""
-        self.turns.clear(time.monotonic())
+        self._on_turn(self.turns.clear(time.monotonic()))
 
     def cancel_reply(self) -> None:
         """The client cancels the reply in progress (as a barge-in would)."""
@@ -332,7 +357,7 @@ class Session:
         if track:
             self.tracker.observe(ev)
         if isinstance(ev, Error):
-            self.log.error(ev)
+            self.call_log.error(ev)
         return queued
 
     def error(self, code: str, message: str) -> None:
@@ -356,7 +381,8 @@ class Session:
     def busy(self) -> bool:
         """A turn is in flight: the user is speaking, or their turn is not done yet."""
         reply_task = self.reply.task if self.reply else None
-        return self.turns.in_turn or (reply_task is not None and not reply_task.done())
+        return (self.turns.speaking or (self.final_task is not None and not self.final_task.done())
+                or (reply_task is not None and not reply_task.done()))
 
     async def close(self, reason: str = "closed") -> None:
         if self.closed:
@@ -365,8 +391,8 @@ class Session:
         self.stages.scheduler.stop_waiting(self)
         cancelled = []
         self.timers.cancel_all()
-        for task in (*self.turns.close(), self.reply.task if self.reply else None, self.watchdog,
-                     *self.reply_tasks):
+        for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.reply.task if self.reply else None,
+                     self.watchdog, *self.reply_tasks):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
                 cancelled.append(task)
@@ -374,9 +400,9 @@ class Session:
         self.stages.live.discard(self)
         reason = self.end_reason or reason
         try:
-            if cancelled and self.log.open_turns:  # a cancelled reply records its own turn (interrupted) first
+            if cancelled and self.call_log.open_turns:  # a cancelled reply records its own turn (interrupted) first
                 await asyncio.wait(cancelled, timeout=CLOSE_WAIT_S)
         finally:
             self.replies.chat.close()  # nobody continues the conversation: its LM cache goes back
-            self.log.closed(reason, self.turn)
+            self.call_log.closed(reason, self.turn)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)

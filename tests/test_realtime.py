@@ -388,6 +388,15 @@ def refusals(talk: Talk, events: list[dict]) -> list[dict]:
     return [e["error"] for e in talk.of("error") if e["error"]["event_id"] in ids]
 
 
+async def send_refused(conn, events: list[dict]) -> Talk:
+    """Send `events` as they are, and wait until each has been answered with an error."""
+    talk = Talk(conn)
+    for event in events:
+        await conn.send_raw(json.dumps(event))
+    await talk.wait("error", len(events))
+    return talk
+
+
 async def still_answers(talk: Talk, n: int = 1) -> None:
     await talk.ask({"type": "input_text", "text": "Still there?"})
     await talk.wait("response.done", n)
@@ -400,10 +409,7 @@ def test_wrongly_typed_session_updates_get_errors_and_the_connection_stays_open(
 
     async def go():
         async with connect(served) as conn:
-            talk = Talk(conn)
-            for event in events:
-                await conn.send_raw(json.dumps(event))
-            await talk.wait("error", len(events))
+            talk = await send_refused(conn, events)
             assert not talk.of("session.updated")
             await conn.send_raw(json.dumps({"type": "session.update", "session": {"turn_detection": {
                 "type": "server_vad", "silence_duration_ms": None}}}))  # null: the default
@@ -429,10 +435,7 @@ def test_wrongly_typed_function_outputs_get_errors_and_the_connection_stays_open
 
     async def go():
         async with connect(served) as conn:
-            talk = Talk(conn)
-            for event in events:
-                await conn.send_raw(json.dumps(event))
-            await talk.wait("error", len(events))
+            talk = await send_refused(conn, events)
             await still_answers(talk)
             await conn.close()
             return talk

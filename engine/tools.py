@@ -22,7 +22,6 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.grammar import LAYOUT
 
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 CALL_STARTS = ("<", "{")  # how a call begins, in tags or as bare JSON; the grammar's text begins with neither
@@ -55,6 +54,7 @@ class ToolUse:
     def grammar(self, tags: tuple[str, str] = ('"<tool_call>"', '"</tool_call>"')) -> str:
         """The reply's grammar, in llguidance's Lark (JSON schemas embedded with %json); `tags`: how
         it spells the call's opening and closing tag (see `tag_terminals`)."""
+        from engine.grammar import LAYOUT  # here: reading calls (`calls_in`) needs neither torch nor llguidance
         # Text may not start like a call: small models (Qwen2.5-Coder-0.5B) often write a call as bare
         # JSON or in a Markdown fence instead of in tags; either way it must then be a valid call.
         text = 'TEXT: /[^<{`](?s:.)*/\n'  # none of CALL_STARTS, nor a fence

@@ -9,7 +9,10 @@ its own `Chat` so a local engine keeps the conversation's prefix cached between 
 
 A remote endpoint that can't be reached is retried with backoff before the first block
 (`lm.retries`, `lm.retry_backoff_s`); its health (last success or failure, and a periodic
-probe of `/models`) is what /healthz reports.
+probe of `/models`, skipped while a reply streams) is what /healthz reports. A remote reply
+offered tools may write its calls as text (`<tool_call>{...}</tool_call>` or bare JSON: Qwen's
+template on llama.cpp's server, which parses none) instead of as `tool_calls`: such text is
+never spoken, and its calls are read from it (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -191,6 +194,7 @@ class RemoteLM:
                                          max_retries=0, timeout=30.0)  # we retry ourselves, and say so in /healthz
         self.ok = True
         self.failures = 0  # consecutive
+        self.streaming = 0  # replies being streamed from the endpoint now
         self.last_error = ""
         self.since = time.time()  # of the current state
 
@@ -217,7 +221,11 @@ class RemoteLM:
             log.warning("LM endpoint %s failed (%d in a row): %s", self.config.url, self.failures, self.last_error)
 
     async def probe(self) -> None:
-        """GET /models: is the endpoint up (for /healthz, between real calls)?"""
+        """GET /models: is the endpoint up (for /healthz, between real calls)? Not while a reply
+        streams: that is proof enough, and a server that serves one request at a time (llama.cpp's
+        Python server) would answer the probe only after the reply, or cut the reply short for it."""
+        if self.streaming:
+            return
         try:
             await asyncio.wait_for(self.client.models.list(), 5.0)
         except Exception as err:  # noqa: BLE001 - any failure means "down"
@@ -245,6 +253,8 @@ class RemoteChat:
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
         from openai import omit  # what the SDK sends for an argument not given
+
+        from engine.tools import calls_in, starts_a_call
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
             try:
@@ -262,11 +272,17 @@ class RemoteChat:
                 await asyncio.sleep(cfg.retry_backoff_s * 2 ** attempt)
         lm.succeeded()
         calls: dict[int, dict] = {}  # index -> the call so far (its arguments may come in pieces)
+        text, said = "", 0  # the reply's text so far; how much of it was yielded
+        lm.streaming += 1
         try:
             async for chunk in stream:
                 delta = chunk.choices[0].delta if chunk.choices else None
                 if delta is not None and delta.content:
-                    yield Block(delta.content)
+                    text += delta.content
+                    # offered tools, the reply's first visible characters say whether it is a call written as text
+                    if not tools or (text.strip() and not starts_a_call(text.lstrip())):
+                        yield Block(text[said:])
+                        said = len(text)
                 for part in (delta.tool_calls if delta is not None else None) or ():
                     call = calls.setdefault(part.index, {"id": "", "type": "function",
                                                          "function": {"name": "", "arguments": ""}})
@@ -274,12 +290,14 @@ class RemoteChat:
                     if part.function is not None:
                         call["function"]["name"] += part.function.name or ""
                         call["function"]["arguments"] += part.function.arguments or ""
-            if calls:
-                yield Block("", calls=[calls[i] for i in sorted(calls)])
+            written = calls_in(text) if tools and starts_a_call(text.lstrip()) else []
+            if calls or written:  # none from a call written wrong: the reply is empty, and answered without tools
+                yield Block("", calls=[calls[i] for i in sorted(calls)] + written)
         except Exception as err:  # the endpoint went away mid-reply
             lm.failed(err)
             raise
         finally:
+            lm.streaming -= 1
             await stream.close()
 
 

@@ -21,11 +21,13 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from engine.tools import calls_in, starts_a_call
 from voice.config import LmConfig
 from voice.scheduler import Scheduler
 
@@ -240,6 +242,30 @@ class RemoteLM:
                                 openai.InternalServerError))
 
 
+FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```)?\s*$", re.S)
+
+
+def looks_like_a_call(text: str) -> bool:
+    """Does a remote reply offered tools that begins with `text` write a call as text: in tags or as
+    bare JSON (engine.tools.starts_a_call), or in a Markdown fence (never how a spoken reply begins)?"""
+    text = text.lstrip()
+    return starts_a_call(text) or text.startswith("`")
+
+
+def calls_written(text: str) -> list[dict]:
+    """The tool calls a remote reply wrote as text, OpenAI-shaped ([] if none is whole): in tags or
+    as bare JSON lines (engine.tools.calls_in), or one JSON object over several lines, fenced or
+    not (Qwen2.5-Coder-1.5B on llama.cpp's server writes ```json\n{\n  "name": ...\n}\n```)."""
+    fenced = FENCED.match(text.strip())
+    body = fenced.group(1) if fenced else text.strip()
+    if calls := calls_in(body):
+        return calls
+    try:
+        return calls_in(json.dumps(json.loads(body)))
+    except ValueError:
+        return []
+
+
 class RemoteChat:
     def __init__(self, lm: RemoteLM):
         self.lm = lm
@@ -253,8 +279,6 @@ class RemoteChat:
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
         from openai import omit  # what the SDK sends for an argument not given
-
-        from engine.tools import calls_in, starts_a_call
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
             try:
@@ -280,7 +304,7 @@ class RemoteChat:
                 if delta is not None and delta.content:
                     text += delta.content
                     # offered tools, the reply's first visible characters say whether it is a call written as text
-                    if not tools or (text.strip() and not starts_a_call(text.lstrip())):
+                    if not tools or (text.strip() and not looks_like_a_call(text)):
                         yield Block(text[said:])
                         said = len(text)
                 for part in (delta.tool_calls if delta is not None else None) or ():
@@ -290,7 +314,7 @@ class RemoteChat:
                     if part.function is not None:
                         call["function"]["name"] += part.function.name or ""
                         call["function"]["arguments"] += part.function.arguments or ""
-            written = calls_in(text) if tools and starts_a_call(text.lstrip()) else []
+            written = calls_written(text) if tools and looks_like_a_call(text) else []
             if calls or written:  # none from a call written wrong: the reply is empty, and answered without tools
                 yield Block("", calls=[calls[i] for i in sorted(calls)] + written)
         except Exception as err:  # the endpoint went away mid-reply

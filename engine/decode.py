@@ -135,9 +135,10 @@ class CacheState:
                 return start
         return keep
 
-    def fork(self, model: Transformer | LlamaCppModel) -> "CacheState":
-        """A new state holding this one's cached tokens (their cache rows copied), to go on separately."""
-        other = CacheState.new(model, self.capacity)
+    def fork(self, model: Transformer | LlamaCppModel, into: "CacheState | None" = None) -> "CacheState":
+        """A state holding this one's cached tokens (their cache rows copied), to go on separately:
+        `into` (an idle state of the same model and capacity, e.g. from a pool), else a new one."""
+        other = into if into is not None else CacheState.new(model, self.capacity)
         n = len(self.ids)
         if self.slot is not None:
             assert isinstance(model, LlamaCppModel) and other.slot is not None  # a slot is llama.cpp's

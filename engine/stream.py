@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from engine.decode import Block, CacheState, DecodeConfig, Forward, Steps, drive, plan, run_many
+from engine.decode import Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
 from engine.llamacpp import LlamaCppModel
 from engine.tools import Tool, for_template
@@ -99,6 +99,23 @@ class _Reply:
 
 
 @dataclass
+class _Probe:
+    """A request for the next token's probabilities instead of a reply (`Engine.probe`)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    scores: list[float] = field(default_factory=list)  # filled by its forward
+    state: CacheState | None = None  # the copy of the conversation's cache it runs on
+    source: CacheState | None = None  # the conversation's cache when it was copied
+
+
+def probe_steps(state: CacheState, new: list[int], probe: _Probe) -> Steps:
+    """One forward writing `new` after `state`'s cached tokens; the probabilities of `probe.tokens` next."""
+    last, _ = yield Forward(state, new)
+    probe.scores.extend(last.float().softmax(-1)[probe.tokens].tolist())
+
+
+@dataclass
 class _Request:
     """A streamed request inside the scheduler."""
 
@@ -110,6 +127,7 @@ class _Request:
     constraint: Constraint | None = None
     tools: list[Tool] | None = None
     warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
+    probe: _Probe | None = None  # only the next token's probabilities (Engine.probe): WAITED throughout
     start: float = field(default_factory=time.perf_counter)
     steps: Steps | None = None  # set when admitted (with `reply`)
     reply: _Reply | None = None
@@ -121,6 +139,8 @@ class _Request:
     def level(self) -> int:
         if self.warm:
             return BACKGROUND
+        if self.probe is not None:
+            return WAITED
         assert self.reply is not None  # only admitted requests are ranked
         if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
             return WAITED
@@ -165,6 +185,12 @@ class Engine:
         """The prompt: `messages` (tool calls and results too) and `tools`, in the model's template."""
         messages, rendered = for_template(messages, tools or [], self.tokenizer.supports_tools)
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=rendered)
+
+    def open_prompt_ids(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
+        """`prompt_ids` with the last message left open (no end-of-turn token after it): a prefix of
+        the prompt of a reply to the same messages."""
+        messages, rendered = for_template(messages, tools or [], self.tokenizer.supports_tools)
+        return self.tokenizer.encode_chat_open(messages, tools=rendered)
 
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Steps, _Reply]:
@@ -241,7 +267,7 @@ class Engine:
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
-                     **overrides) -> AsyncIterator[Piece]:
+                     probe: _Probe | None = None, **overrides) -> AsyncIterator[Piece]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
         the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
@@ -257,7 +283,8 @@ class Engine:
                 pass
 
         request = _Request(messages, replace(cfg or self.defaults, **overrides),
-                           conversation or Conversation(abandoned=True), deliver, priority, constraint, tools, warm)
+                           conversation or Conversation(abandoned=True), deliver, priority, constraint, tools, warm,
+                           probe)
         self._ensure_scheduler()
         self._inbox.put(request)
         try:
@@ -274,6 +301,45 @@ class Engine:
         while its user speaks). BACKGROUND priority; the one token it decodes is dropped."""
         async for _ in self.stream(messages, conversation=conversation, tools=tools, warm=True, max_new_tokens=1):
             pass
+
+    async def probe(self, prompt: list[int], tokens: list[int], conversation: Conversation | None = None
+                    ) -> list[float]:
+        """The model's probability of each of `tokens` right after `prompt` (ids), from one forward
+        that someone waits for (WAITED). On `conversation` it runs on a copy of that conversation's
+        cache, so only the prompt's uncached tail is prefilled and a reply running there is never
+        disturbed; if the conversation is idle when it ends, the copy becomes its cache, so a reply
+        whose prompt starts with `prompt` prefills only what follows (the voice service asks whether
+        the user's turn is over on the words its reply will start from)."""
+        request = _Probe(prompt, tokens)
+        async for _ in self.stream([], conversation=conversation, probe=request):
+            pass  # a probe delivers no pieces
+        return request.scores
+
+    def _begin_probe(self, probe: _Probe, conversation: Conversation, start: float) -> tuple[Steps, _Reply]:
+        if len(probe.prompt) >= self.max_seq_len:
+            raise ContextOverflow(f"a prompt of {len(probe.prompt)} tokens does not fit the context "
+                                  f"of {self.max_seq_len}")
+        probe.source = conversation.state
+        probe.state = self._take_cache()
+        if probe.source is not None and probe.source.ids:
+            probe.source.fork(self.model, into=probe.state)
+        reply = _Reply(self, probe.prompt, probe.state, start)
+        return probe_steps(probe.state, probe.state.reuse_for(probe.prompt), probe), reply
+
+    def _settle_probe(self, probe: _Probe, conversation: Conversation) -> None:
+        """A finished probe's cache becomes its conversation's if that is idle and still has the cache
+        the probe copied; otherwise, and the replaced one, it goes back to the pool (the caller holds
+        `_leave_lock`)."""
+        keep, spare = probe.state, None
+        if keep is not None and probe.scores and not conversation.abandoned and conversation.active is None \
+                and conversation.state is probe.source:
+            keep, spare, conversation.state = None, conversation.state, keep
+        for state in (keep, spare):
+            if state is not None:
+                state.clear()
+                with self._pool_lock:
+                    if len(self._pool) < self.pool_size:
+                        self._pool.append(state)
 
     def _ensure_scheduler(self) -> None:
         if self._scheduler is None:
@@ -330,6 +396,15 @@ class Engine:
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation
+        if request.probe is not None:  # beside the conversation's reply, on a copy of its cache
+            try:
+                request.steps, request.reply = self._begin_probe(request.probe, conversation, request.start)
+            except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
+                request.deliver(err)
+                self._leave(request)
+                return
+            active.append(request)
+            return
         if isinstance(conversation.active, _Request) and conversation.active in active:
             active.remove(conversation.active)
         try:
@@ -371,6 +446,9 @@ class Engine:
         abandoned conversation's cache (a one-off's, or one Engine.abandon was called for) goes back
         to the pool."""
         with self._leave_lock:
+            if request.probe is not None:
+                self._settle_probe(request.probe, request.conversation)
+                return
             if request.conversation.active is request:
                 request.conversation.active = None
             if request.conversation.abandoned:

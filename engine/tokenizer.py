@@ -51,6 +51,19 @@ class Tokenizer:
                     tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
+    def encode_chat_open(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """`messages` in the template with the last one left open: its text, and not the token that
+        ends it, so the model's next token says whether (and how) it would go on. The ids are a
+        prefix of the whole prompt's (the template's end-of-turn is a special token, a split in BPE)."""
+        if not messages:
+            raise ValueError("an open prompt needs a message to leave open")
+        mark = "\x00open\x00"  # text no message holds: where the last message's content ends
+        last = {**messages[-1], "content": messages[-1]["content"] + mark}
+        rendered = self.render_chat([*messages[:-1], last], add_generation_prompt=False, tools=tools)
+        if rendered.count(mark) != 1:
+            raise ValueError("the chat template does not render the last message's content as given")
+        return self.encode(rendered[:rendered.index(mark)])
+
 
 @functools.lru_cache(maxsize=8)
 def _compiled(chat_template: str) -> jinja2.Template:

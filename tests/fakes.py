@@ -70,6 +70,13 @@ class FakeChat:
     async def prepare(self, messages, tools=None):
         self.lm.prepared.append((messages, tools))
 
+    async def end_of_turn_probability(self, messages, text, tools=None) -> float | None:
+        """`FakeLM.end_of_turn` when scripted, else 0.9 after a sentence's closing punctuation, 0.1 elsewhere."""
+        self.lm.end_of_turn_asked.append(text)
+        if self.lm.end_of_turn is not None:
+            return self.lm.end_of_turn
+        return 0.9 if text.rstrip().endswith((".", "?", "!")) else 0.1
+
     def close(self) -> None:
         self.lm.closed += 1
 
@@ -88,6 +95,8 @@ class FakeLM:
         self.tool_calls: list[dict] = []  # when set, a reply offered tools calls these (OpenAI-shaped)
         self.asked: list[tuple] = []  # (messages, tools) of every reply
         self.prepared: list[tuple] = []  # (messages, tools) of every `prepare`
+        self.end_of_turn: float | None = None  # scripted end_of_turn_probability (None: from the punctuation)
+        self.end_of_turn_asked: list[str] = []  # the texts it was asked about
 
     def chat(self) -> FakeChat:
         return FakeChat(self)

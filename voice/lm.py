@@ -60,6 +60,13 @@ class Chat(Protocol):
     async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
         """Get ready for a conversation that starts with `messages` (the user is still speaking)."""
 
+    async def end_of_turn_probability(self, messages: list[dict], text: str,
+                                      tools: list[dict] | None = None) -> float | None:
+        """How likely the user's turn is over after saying `text` (a transcript, maybe partial),
+        following `messages`: the LM's probability of ending the user's message there. None: this
+        backend cannot tell (voice.endofturn then decides on the audio alone)."""
+        ...
+
     def close(self) -> None:
         """The conversation is over: give back what it holds."""
 
@@ -178,6 +185,16 @@ class LocalChat:
         speaking, so their first turn prefills only their words."""
         await self.lm.engine.warm(messages, self.conversation, self.lm.tool_grammar(tools)[0] if tools else None)
 
+    async def end_of_turn_probability(self, messages: list[dict], text: str,
+                                      tools: list[dict] | None = None) -> float | None:
+        """The probability of the template's end-of-turn token (Qwen's <|im_end|>) right after the
+        user's `text`. Its forward prefills the user's words into this conversation's cache (when no
+        reply runs there), so a reply to `text` then prefills only the few tokens that follow."""
+        engine = self.lm.engine
+        prompt = engine.open_prompt_ids([*messages, {"role": "user", "content": text}],
+                                        self.lm.tool_grammar(tools)[0] if tools else None)
+        return (await engine.probe(prompt, [engine.tokenizer.turn_end_id], self.conversation))[0]
+
     def close(self) -> None:
         """Nobody continues this conversation: its KV cache goes back to the engine's pool."""
         self.lm.engine.abandon(self.conversation)
@@ -272,6 +289,11 @@ class RemoteChat:
 
     async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
         """Nothing to prepare: the endpoint keeps its own caches."""
+
+    async def end_of_turn_probability(self, messages: list[dict], text: str,
+                                      tools: list[dict] | None = None) -> float | None:
+        """No signal: chat completions give no probabilities of a user's message ending."""
+        return None
 
     def close(self) -> None:
         """Nothing to give back: the endpoint keeps its own caches."""

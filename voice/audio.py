@@ -36,6 +36,22 @@ def resample(x: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
     return soxr.resample(np.asarray(x, dtype=np.float32), from_rate, to_rate)
 
 
+class StreamResampler:
+    """A stream of float audio to `out_rate`, chunk by chunk without clicks at the joins (soxr's
+    stream); the input rate may change between chunks (a new stream starts then)."""
+
+    def __init__(self, out_rate: int):
+        self.out_rate, self.in_rate = out_rate, out_rate
+        self.stream: soxr.ResampleStream | None = None
+
+    def push(self, audio: np.ndarray, rate: int) -> np.ndarray:
+        if rate != self.in_rate:
+            self.in_rate = rate
+            self.stream = (soxr.ResampleStream(rate, self.out_rate, 1, dtype="float32") if rate != self.out_rate
+                           else None)
+        return self.stream.resample_chunk(audio) if self.stream is not None else audio
+
+
 def rms_dbfs(x: np.ndarray) -> float:
     """RMS level of float audio relative to full scale; -inf for empty or digital silence."""
     if x.size == 0:

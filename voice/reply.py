@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from voice.config import Config
 from voice.events import Error, Event, ReplyText, ToolCall, ToolResult, TtsAudio
+from voice.faults import StageFailure, blocks_within, synthesis_within
 from voice.lm import Chat
 from voice.playback import Playback
 from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
@@ -25,23 +27,6 @@ from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter, SpeechSynthesizer
 
 log = logging.getLogger("voice.reply")
-
-
-class StageFailure(Exception):
-    """A stage failed or overran its timeout: the turn ends with `code` and an apology."""
-
-    def __init__(self, code: str, message: str, stage: str, kind: str):
-        super().__init__(message)
-        self.code, self.message, self.stage, self.kind = code, message, stage, kind
-
-
-def client_caused(err: BaseException) -> bool:
-    """Did the LM fail because of what this client sent, rather than being broken? A conversation
-    too long for its context (engine ContextOverflow), text it cannot encode, or a remote LM
-    answering 400/413/422. Such a failure ends the turn like any other but is no service fault."""
-    if isinstance(err, UnicodeError) or any(c.__name__ == "ContextOverflow" for c in type(err).__mro__):
-        return True
-    return getattr(err, "status_code", None) in (400, 413, 422)
 
 
 @dataclass
@@ -152,46 +137,28 @@ class ReplyRunner:
     async def _blocks(self, reply: Reply, messages: list[dict], splitter: PhraseSplitter, phrases: asyncio.Queue,
                       speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
         """One LM reply, each block under its timeout; the tool calls it makes instead of text, if any."""
-        faults, limit = self.config.faults, self.config.limits.max_reply_chars
-        blocks = self.chat.reply(messages, self.lm_mode, urgent=lambda: (
+        limit = self.config.limits.max_reply_chars
+        stream = self.chat.reply(messages, self.lm_mode, urgent=lambda: (
             not reply.phrased or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
         calls: list[dict] = []
         try:
-            while True:
-                timeout = faults.lm_first_block_timeout_s if reply.blocks == 0 else faults.lm_block_timeout_s
-                try:
-                    block = await asyncio.wait_for(blocks.__anext__(), timeout)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    which = "first block" if reply.blocks == 0 else f"block {reply.blocks + 1}"
-                    raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s "
-                                                        f"for its {which}", "lm", "timeout") from None
-                except (StageFailure, asyncio.CancelledError):
-                    raise
-                except Exception as err:
-                    if client_caused(err):  # this conversation, not the service: no fault in /healthz
-                        log.warning("session=%s turn=%d LM refused this conversation: %r", self.name, reply.turn, err)
-                        raise StageFailure("reply_failed", f"the language model could not take this conversation: "
-                                                           f"{err}"[:300], "lm", "client") from err
-                    log.warning("session=%s turn=%d LM failed: %r", self.name, reply.turn, err)
-                    raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
-                if speaker.done() and not speaker.cancelled() and (tts_error := speaker.exception()) is not None:
-                    raise tts_error  # TTS failed: no point in generating more
-                calls += block.calls
-                if block.text:
-                    self._say(reply, block.text, splitter.push(block.text), phrases)
-                    await reply.released.wait()
-                    self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
-                                             block.steps))
-                if len(reply.text) >= limit:
-                    log.warning("session=%s turn=%d reply cut at %d characters", self.name, reply.turn, limit)
-                    break
-        finally:
-            try:
-                await asyncio.wait_for(blocks.aclose(), 5.0)
-            except (Exception, asyncio.TimeoutError) as err:  # noqa: BLE001 - the reply is done: log it and go on
-                log.warning("session=%s turn=%d closing the LM stream failed: %r", self.name, reply.turn, err)
+            async with aclosing(blocks_within(stream, self.config.faults)) as blocks:
+                async for block in blocks:
+                    if speaker.done() and not speaker.cancelled() and (tts_error := speaker.exception()) is not None:
+                        raise tts_error  # TTS failed: no point in generating more
+                    calls += block.calls
+                    if block.text:
+                        self._say(reply, block.text, splitter.push(block.text), phrases)
+                        await reply.released.wait()
+                        self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
+                                                 block.steps))
+                    if len(reply.text) >= limit:
+                        log.warning("session=%s turn=%d reply cut at %d characters", self.name, reply.turn, limit)
+                        break
+        except StageFailure as failure:
+            if failure.stage == "lm":
+                log.warning("session=%s turn=%d %s", self.name, reply.turn, failure.message)
+            raise
         return calls
 
     @staticmethod
@@ -251,21 +218,10 @@ class ReplyRunner:
                                           round(run.ms, 1)))
 
     async def _speak(self, reply: Reply, phrases: asyncio.Queue) -> None:
-        timeout = self.config.faults.tts_timeout_s
         playback = reply.playback
         while (phrase := await phrases.get()) is not None:
-            try:
-                synthesis = self.synthesizer.synthesize(phrase, self.out_rate, urgent=lambda: (
-                    not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
-                pcm = await asyncio.wait_for(synthesis, timeout)
-            except asyncio.TimeoutError:
-                raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
-                                   "timeout") from None
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:
-                log.warning("session=%s turn=%d TTS failed: %r", self.name, reply.turn, err)
-                raise StageFailure("reply_failed", f"speech synthesis failed: {err}", "tts", "error") from err
+            pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
+                not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
             self.sink.first_audio()
             await reply.released.wait()
             if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate,

@@ -39,11 +39,12 @@ from voice.calllog import CallLog
 from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, LatencyReport, ReplyDone, SpeechStarted,
                           SpeechStopped, Transcript)
+from voice.faults import StageFailure, transcript_within
 from voice.history import History
 from voice.latency import LatencyTracker
 from voice.limits import watch_session
 from voice.outbox import Outbox
-from voice.reply import Reply, ReplyRunner, StageFailure
+from voice.reply import Reply, ReplyRunner
 from voice.stages import Stages
 from voice.tools import Timers, with_results
 from voice.turns import Final, Partial, SpeculationDropped, Started, Stopped, TooLong, TurnEvent, TurnTaker
@@ -137,8 +138,9 @@ class Session:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
         set yet) the reply starts as soon as the transcript is known, held back until `ended`."""
         try:
-            text = await self._transcript(transcript)
+            text = await transcript_within(transcript, self.config.faults)
         except StageFailure as failure:
+            log.warning("session=%s turn=%d %s", self.id, turn, failure.message)
             await ended.wait()
             await self._asr_failed(turn, failure)
             return
@@ -196,17 +198,6 @@ class Session:
             self.outbox.release(held)
 
     # --- turns without a reply ----------------------------------------------------------------
-
-    async def _transcript(self, transcript: Awaitable[str]) -> str:
-        timeout = self.config.faults.asr_timeout_s
-        try:
-            return (await asyncio.wait_for(transcript, timeout)).strip()
-        except asyncio.TimeoutError:
-            raise StageFailure("asr_timeout", f"speech recognition took longer than {timeout:g} s", "asr",
-                               "timeout") from None
-        except Exception as err:  # the ASR failing must not take the session down
-            log.exception("session=%s asr failed", self.id)
-            raise StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error") from err
 
     async def _asr_failed(self, turn: int, failure: StageFailure) -> None:
         """The turn ends with the error and the apology, unless the user has spoken again since."""

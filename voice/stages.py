@@ -16,7 +16,7 @@ from voice.config import Config
 from voice.latency import Metrics
 from voice.limits import Admission
 from voice.lm import LanguageModel, LocalLM, load_lm
-from voice.reply import StageFailure
+from voice.faults import StageFailure
 from voice.scheduler import Scheduler
 from voice.tools import Toolbox
 from voice.tts import SpeechSynthesizer, Synthesizer, load_voice

@@ -18,11 +18,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import numpy as np
-import soxr
 
 from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
-from voice.audio import float_to_pcm16, pcm16_to_float
+from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
 from voice.config import Config
 
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
@@ -79,6 +78,42 @@ class TooLong:
 TurnEvent = Started | Stopped | Partial | Final | SpeculationDropped | TooLong
 
 
+class EarlyFinal:
+    """The final transcript decoded speculatively once the speaker has been quiet `early_ms`, while
+    the VAD still waits out its hangover: if the pause was the end, ASR time is off the critical
+    path; if they speak again, it is void. Used by the session's TurnTaker and Wyoming's dictation."""
+
+    def __init__(self, transcriber: StreamingTranscriber, early_ms: int):
+        self.transcriber, self.early_ms = transcriber, early_ms
+        self.pending: asyncio.Future[str] | None = None
+
+    def quiet(self, silence_ms: int) -> bool:
+        """Has the speaker been quiet long enough to take the final early?"""
+        return bool(self.early_ms) and silence_ms >= self.early_ms
+
+    def take(self) -> asyncio.Future[str] | None:
+        """Start decoding the final now: its future, or None if it was taken in this pause already."""
+        if self.pending is not None:
+            return None
+        self.pending = self.transcriber.snapshot()
+        return self.pending
+
+    def drop(self) -> bool:
+        """The speaker went on: the early final (if one was taken) is void. Was there one?"""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.cancel()
+        return pending is not None
+
+    def final(self) -> Awaitable[str]:
+        """The utterance is over: the early final if nothing but silence followed it, else decoded now."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.transcriber.reset()
+            return pending
+        return self.transcriber.finish()
+
+
 class TurnTaker:
     """Audio in, turn events out: `push`, `end_now` and `clear` return what happened, in order,
     for the session to act on. The ASR's tasks are its own; what is done with a transcript is not."""
@@ -87,15 +122,15 @@ class TurnTaker:
         self.config, self.name = config, name
         self.endpointer = vad.Endpointer(config.vad, SAMPLE_RATE)
         self.transcriber = StreamingTranscriber(whisper, config.asr)
-        self.resampler = (soxr.ResampleStream(in_rate, SAMPLE_RATE, 1, dtype="float32")
-                          if in_rate != SAMPLE_RATE else None)
+        self.early = EarlyFinal(self.transcriber, config.asr.early_final_ms)
+        self.in_rate, self.resampler = in_rate, StreamResampler(SAMPLE_RATE)
         self.turn = 0
         self.audio_s = 0.0  # seconds of 16 kHz audio received
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
         self.pre_roll: deque[np.ndarray] = deque()
         self.utterance_start_s = 0.0  # audio time the current utterance started
         self.partial_task: asyncio.Future[str | None] | None = None
-        self.turn_ended: asyncio.Event | None = None  # of a final decoded speculatively during the hangover
+        self.turn_ended: asyncio.Event | None = None  # of the early final (decoded during the hangover)
 
     @property
     def speaking(self) -> bool:
@@ -108,9 +143,7 @@ class TurnTaker:
 
     def push(self, pcm16: bytes, now: float) -> list[TurnEvent]:
         """PCM16LE mono at the session's input rate, any length: what it did to the turn, in order."""
-        audio = pcm16_to_float(pcm16)
-        if self.resampler is not None:
-            audio = self.resampler.resample_chunk(audio)
+        audio = self.resampler.push(pcm16_to_float(pcm16), self.in_rate)
         if not len(audio):
             return []
         self.audio_s += len(audio) / SAMPLE_RATE
@@ -147,14 +180,13 @@ class TurnTaker:
 
     def _listen(self, silence_ms: int) -> list[TurnEvent]:
         """Partials while the user talks; a speculative final once they have been quiet a while."""
-        early_ms = self.config.asr.early_final_ms
-        if early_ms and silence_ms >= early_ms:
-            if self.turn_ended is not None:
+        if self.early.quiet(silence_ms):
+            if (early := self.early.take()) is None:
                 return []
             self.turn_ended = asyncio.Event()
-            return [Final(self.turn, self.transcriber.snapshot(), self.turn_ended)]
+            return [Final(self.turn, early, self.turn_ended)]
         out: list[TurnEvent] = []
-        if self.turn_ended is not None:  # they spoke again: the speculation is stale
+        if self.early.drop():  # they spoke again: the speculation is stale
             self.turn_ended = None
             out.append(SpeculationDropped())
         if silence_ms == 0 and (self.partial_task is None or self.partial_task.done()):
@@ -168,11 +200,10 @@ class TurnTaker:
         if self.partial_task is not None:
             self.partial_task.cancel()
         ended, self.turn_ended = self.turn_ended, None
+        transcript = self.early.final()  # the early final's, if one was taken (then it went out already)
         if ended is None:
             ended = asyncio.Event()
-            out.append(Final(self.turn, self.transcriber.finish(), ended))
-        else:
-            self.transcriber.reset()
+            out.append(Final(self.turn, transcript, ended))
         ended.set()
         return out
 
@@ -194,7 +225,7 @@ class TurnTaker:
         if self.partial_task is not None:
             self.partial_task.cancel()
         out: list[TurnEvent] = []
-        if self.turn_ended is not None:  # a speculative final for what is now dropped
+        if self.early.drop():  # a speculative final for what is now dropped
             self.turn_ended = None
             out.append(SpeculationDropped())
         self.transcriber.reset()
@@ -218,5 +249,6 @@ class TurnTaker:
 
     def close(self) -> list[asyncio.Future]:
         """Stop listening; the tasks still running (to cancel)."""
+        self.early.drop()
         self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         return [self.partial_task] if self.partial_task is not None else []

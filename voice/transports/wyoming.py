@@ -35,12 +35,13 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable
+from contextlib import aclosing
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import soxr
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -55,15 +56,17 @@ from engine.common.wire import WireError, decode_json
 from voice import events, vad
 from voice.auth import source_allowed
 from voice.asr import SAMPLE_RATE, StreamingTranscriber
-from voice.audio import float_to_pcm16, pcm16_to_float
+from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
 from voice.calllog import CallLog
 from voice.config import TtsConfig, WyomingConfig
+from voice.faults import StageFailure, blocks_within, synthesis_within, transcript_within
 from voice.history import History
 from voice.latency import observe_stages
 from voice.limits import LimitError, Ticket, give_back_freed_memory
 from voice.lm import Chat
 from voice.stages import Stages
 from voice.tts import PhraseSplitter
+from voice.turns import EarlyFinal
 
 if TYPE_CHECKING:
     from wyoming.zeroconf import HomeAssistantZeroconf
@@ -187,17 +190,17 @@ def text_of(event: Event, most: int, before: int = 0) -> str:
 
 class Dictation:
     """One transcription, audio-start to audio-stop, as 16 kHz audio into a StreamingTranscriber.
-    The VAD only decides when the final may be decoded early; every sample is transcribed."""
+    The VAD only decides when the final may be decoded early (voice/turns.py's EarlyFinal, as for
+    /ws); every sample is transcribed."""
 
     def __init__(self, stages: Stages):
         cfg = stages.config
         self.transcriber = StreamingTranscriber(stages.whisper, cfg.asr)
         self.endpointer = vad.Endpointer(cfg.vad, SAMPLE_RATE)
-        self.early_ms, self.max_s = cfg.asr.early_final_ms, cfg.limits.max_utterance_s
-        self.resampler: soxr.ResampleStream | None = None
-        self.rate = SAMPLE_RATE
+        self.early = EarlyFinal(self.transcriber, cfg.asr.early_final_ms)
+        self.resampler = StreamResampler(SAMPLE_RATE)
+        self.max_s = cfg.limits.max_utterance_s
         self.seconds = 0.0
-        self.early: asyncio.Future | None = None  # the final, decoded once the speaker went quiet
         self.streamed = ""  # partial text sent as transcript-chunks
 
     def push(self, chunk: AudioChunk) -> None:
@@ -210,36 +213,27 @@ class Dictation:
         if self.max_s and self.seconds >= self.max_s:
             return  # past the utterance limit: the rest is not transcribed
         audio = pcm16_to_float(chunk.audio).reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
-        if chunk.rate != self.rate:
-            self.rate, self.resampler = chunk.rate, (soxr.ResampleStream(chunk.rate, SAMPLE_RATE, 1, dtype="float32")
-                                                     if chunk.rate != SAMPLE_RATE else None)
-        if self.resampler is not None:
-            audio = self.resampler.resample_chunk(audio)
+        audio = self.resampler.push(audio, chunk.rate)
         if not len(audio):
             return
         self.seconds += len(audio) / SAMPLE_RATE
         self.transcriber.insert_audio_chunk(audio)
-        for ev in self.endpointer.push(float_to_pcm16(audio)):
-            if isinstance(ev, vad.SpeechStarted):
-                self._drop_early()
-        if self.endpointer.in_speech and self.early_ms:
-            if self.endpointer.silence_ms < self.early_ms:
-                self._drop_early()  # (still) speaking
-            elif self.early is None:
-                self.early = self.transcriber.snapshot()
+        if any(isinstance(ev, vad.SpeechStarted) for ev in self.endpointer.push(float_to_pcm16(audio))):
+            self.early.drop()
+        if self.endpointer.in_speech:
+            if self.early.quiet(self.endpointer.silence_ms):
+                self.early.take()
+            else:
+                self.early.drop()  # (still) speaking
 
-    def _drop_early(self) -> None:
-        if self.early is not None:
-            self.early.cancel()
-            self.early = None
-
-    async def finish(self) -> str:
+    def finish(self) -> Awaitable[str]:
         """The final transcript: the early one when nothing but silence came after it."""
-        early, self.early = self.early, None
-        if early is not None:
-            self.transcriber.reset()
-            return (await early).strip()
-        return (await self.transcriber.finish()).strip()
+        return self.early.final()
+
+    def cancel(self) -> None:
+        """The dictation is dropped: nothing of it is decoded any more."""
+        self.early.drop()
+        self.transcriber.reset()
 
 
 class Conversations:
@@ -397,6 +391,14 @@ class Connection:
         assert self.calls is not None  # opened as the request began
         await self.calls.replied(self.turn, status, transcript, reply, "", False, False, {"stages": stages})
 
+    def failed(self, failure: StageFailure) -> RequestFailed:
+        """A stage failed this request: a fault for /healthz and `voice_stage_faults`, as /ws's are;
+        the request's `error` to raise."""
+        self.stages.fault(failure)
+        code = failure.code if failure.stage in ("asr", "lm") else \
+            f"{failure.stage}_{'timeout' if failure.kind == 'timeout' else 'failed'}"
+        return RequestFailed(code, failure.message)
+
     # --- speech to text -------------------------------------------------------------------------
 
     async def start_dictation(self) -> None:
@@ -406,7 +408,7 @@ class Connection:
                                                         f"{self.language!r}")
         if self.dictation is not None:  # a second audio-start: the first dictation is dropped
             assert self.calls is not None  # the first dictation began a request
-            self.dictation.transcriber.reset()
+            self.dictation.cancel()
             self.calls.unreplied(self.turn, "", "superseded")
         self.begin()
         self.dictation = Dictation(self.stages)
@@ -428,13 +430,9 @@ class Connection:
         scheduler = self.stages.scheduler
         scheduler.start_waiting(self)
         try:
-            async with asyncio.timeout(self.stages.config.faults.asr_timeout_s):
-                text = await dictation.finish()
-        except TimeoutError:
-            raise RequestFailed("asr_timeout", "speech recognition took too long") from None
-        except Exception as err:
-            log.exception("wyoming=%s speech recognition failed", self.id)
-            raise RequestFailed("asr_failed", f"speech recognition failed: {err}") from None
+            text = await transcript_within(dictation.finish(), self.stages.config.faults)
+        except StageFailure as failure:
+            raise self.failed(failure) from None
         finally:
             scheduler.stop_waiting(self)
         asr_ms = (time.monotonic() - stopped) * 1000
@@ -491,15 +489,11 @@ class Connection:
                         continue
                     if self.writer.is_closing():  # the client has gone: its phrases would only wait for others'
                         raise ConnectionResetError("the client has gone")
-                    try:
-                        async with asyncio.timeout(cfg.faults.tts_timeout_s):
-                            # (asked while this phrase waits for the worker: first_ms is current then)
-                            pcm = await synth.synthesize(phrase, rate, urgent=lambda: first_ms is None)  # noqa: B023
-                    except TimeoutError:
-                        raise RequestFailed("tts_timeout", "speech synthesis took too long") from None
-                    except Exception as err:  # noqa: BLE001 - any failure of synthesis is this request's tts_failed
-                        log.warning("wyoming=%s speech synthesis failed: %r", self.id, err)
-                        raise RequestFailed("tts_failed", f"speech synthesis failed: {err}") from None
+                    try:  # (asked while this phrase waits for the worker: first_ms is current then)
+                        pcm = await synthesis_within(synth, phrase, rate, cfg.faults,
+                                                     urgent=lambda: first_ms is None)  # noqa: B023
+                    except StageFailure as failure:
+                        raise self.failed(failure) from None
                     for i in range(0, len(pcm), AUDIO_CHUNK_SAMPLES):
                         await self.write(AudioChunk(rate=rate, width=2, channels=1,
                                                     audio=pcm[i:i + AUDIO_CHUNK_SAMPLES].tobytes()).event())
@@ -525,31 +519,27 @@ class Connection:
         history, chat = self.server.conversations.get(conversation_id)
         started, first_ms, reply = self.begin(), None, ""
         await self.write(HandledStart(context=context).event())
-        scheduler, faults = self.stages.scheduler, self.stages.config.faults
+        scheduler = self.stages.scheduler
         scheduler.start_waiting(self)
-        blocks = chat.reply(history.messages(transcript.text), urgent=lambda: first_ms is None)
+        stream = chat.reply(history.messages(transcript.text), urgent=lambda: first_ms is None)
         try:
-            while len(reply) < self.stages.config.limits.max_reply_chars:
-                timeout = faults.lm_first_block_timeout_s if first_ms is None else faults.lm_block_timeout_s
-                try:
-                    async with asyncio.timeout(timeout):
-                        block = await blocks.__anext__()
-                except StopAsyncIteration:
-                    break
-                if first_ms is None:
-                    first_ms = (time.monotonic() - started) * 1000
-                    scheduler.stop_waiting(self)
-                reply += block.text
-                await self.write(HandledChunk(text=block.text).event())
-        except Exception as err:  # noqa: BLE001 - any failure of the LM is this request's reply_failed
-            self.error("reply_failed", f"the language model failed: {err!r}")
+            async with aclosing(blocks_within(stream, self.stages.config.faults)) as blocks:
+                async for block in blocks:
+                    if first_ms is None:
+                        first_ms = (time.monotonic() - started) * 1000
+                        scheduler.stop_waiting(self)
+                    reply += block.text
+                    await self.write(HandledChunk(text=block.text).event())
+                    if len(reply) >= self.stages.config.limits.max_reply_chars:
+                        break
+        except StageFailure as failure:
+            self.error(self.failed(failure).code, failure.message)
             await self.write(NotHandled(text="Sorry, I could not answer that.", context=context).event())
             assert self.calls is not None  # opened by `begin` above
             self.calls.unreplied(self.turn, transcript.text, "failed")
             return
         finally:
             scheduler.stop_waiting(self)
-            await blocks.aclose()
         reply = reply.strip()
         history.add(transcript.text, reply)
         await self.write(Handled(text=reply, context=context).event())
@@ -568,7 +558,7 @@ class Connection:
                 if not task.cancelled():
                     task.exception()  # what it failed with ends with this connection: nothing to report
         if self.dictation is not None:
-            self.dictation.transcriber.reset()
+            self.dictation.cancel()
             self.dictation = None
 
     async def close(self) -> None:

@@ -7,6 +7,9 @@ it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs ev
 `live_voice_server`: the real voice service behind uvicorn on a free port, shared by the client
 tests (test_web.py, test_mic.py).
 
+`postgres_server` / `postgres_url`: a throwaway PostgreSQL (tests/postgres.py) for the run, and a
+new empty database in it per test (its URL).
+
 Markers (README, "Tests"), set by each module's `pytestmark`: `slow` = the module loads real
 models (an LM, Whisper, Piper); `live` = it also drives a real peer or system tool (Chromium,
 PulseAudio, sipp/baresip, wyoming-bench), and is slow too. The fast subset, `./dev test -m "not
@@ -80,6 +83,21 @@ def live_voice_server(real_stages):
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     with serving(build_app(config, real_stages(config))) as port:
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def postgres_server(require_system):
+    """A throwaway PostgreSQL (tests/postgres.py) for the whole run, started on first use (~1 s)."""
+    from postgres import PostgresServer, binaries
+    require_system(binaries(), "PostgreSQL's initdb/postgres are not installed (apt-get install postgresql)")
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """postgresql://... of a new, empty database in `postgres_server`, one per test."""
+    return postgres_server.create_database()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,15 @@
 """Call records (voice/records.py): committed before a turn is reported done, survive a crash.
 
-* the writer: FIFO commits, a bounded queue that pushes back, a locked database that times
-  turns out instead of hanging them, `voice records` (JSON and CSV);
+The writer, `voice records` and the session tests run on both databases: an SQLite file, and a
+real PostgreSQL (Debian's `postgresql`, a throwaway server from tests/postgres.py; those cases
+are marked `live`, and skip locally / fail under VOICE_CI=1 without it).
+
+* the writer: FIFO commits, a committed turn readable from another connection the moment its
+  write returns, a locked database that times turns out instead of hanging them, a queue that
+  pushes back, schema migrations from version 1, several processes creating the tables at once,
+  `voice records` (JSON and CSV);
+* PostgreSQL only: a killed connection is reopened and the turn still committed; a server that
+  goes away makes turns time out, and what was queued lands once it is back;
 * the session (stand-in models): the record of a turn is in the database the moment its
   `reply_done` arrives; barge-in, apology and no-speech turns are recorded as such;
 * the real thing: `voice serve` as a subprocess with a temporary database, one turn over the
@@ -14,15 +22,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +42,9 @@ import websockets
 
 from fakes import LiveServer, fake_stages, make_config, speech
 from voice import records as rec
+from voice.config import RecordsConfig
 from voice.latency import Metrics
+from voice.recordsdb import SCHEMA_VERSION, RecordsError, open_database
 
 ROOT = Path(__file__).resolve().parents[1]
 VOICE = [sys.executable, "-m", "voice.cli"]
@@ -39,47 +53,104 @@ FRAME = 640
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
-def voice_records(db: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(VOICE + ["records", "--db", str(db), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+class Store:
+    """One test's database, seen from outside the writer: its own connections, as another process's."""
+
+    def __init__(self, kind: str, database: str):
+        self.kind, self.database = kind, database
+
+    def query(self, sql: str, args: tuple = ()) -> list[dict]:
+        """Rows as dicts, through a new connection (`?` placeholders)."""
+        db = open_database(self.database)
+        conn = db.connect(readonly=True)
+        try:
+            return db.rows(conn, sql, args)
+        finally:
+            conn.close()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Another connection holds the write lock until the block ends."""
+        if self.kind == "sqlite":
+            blocker = sqlite3.connect(self.database, isolation_level=None, timeout=0)
+            blocker.execute("BEGIN EXCLUSIVE")
+        else:
+            import psycopg
+            blocker = psycopg.connect(self.database, autocommit=True)
+            blocker.execute("BEGIN")
+            blocker.execute("LOCK TABLE sessions, turns, errors IN ACCESS EXCLUSIVE MODE")
+        try:
+            yield
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+
+    def cli(self) -> list[str]:
+        return ["--db", self.database] if self.kind == "sqlite" else ["--url", self.database]
+
+    def config_toml(self) -> str:
+        key = "path" if self.kind == "sqlite" else "url"
+        return f'[records]\n{key} = "{self.database}"\n'
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.live)])
+def store(request, tmp_path) -> Store:
+    if request.param == "sqlite":
+        return Store("sqlite", str(tmp_path / "r.sqlite3"))
+    return Store("postgresql", request.getfixturevalue("postgres_url"))
+
+
+def voice_records(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(VOICE + ["records", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def a_turn(uid: str, turn: int, transcript: str = "t") -> list:
+    return rec.turn_done(uid, turn, 1.0, 2.0, "ok", transcript, "r", "r", False, False, {"voice_to_voice_ms": 5.0}, [])
 
 
 # --- the writer --------------------------------------------------------------------------------
 
-def test_writes_commit_in_order_and_close_drains(tmp_path):
-    db = tmp_path / "r.sqlite3"
-    records = rec.Records(db, queue_size=100, timeout_s=5)
+def test_writes_commit_in_order_and_close_drains(store):
+    records = rec.Records(store.database, queue_size=100, timeout_s=5)
 
     async def scenario():
         records.write_nowait(rec.session_opened("u1", "s1", "native", "anonymous", "", 1.0, {}))
         for turn in range(1, 6):
             records.write_nowait(rec.error("u1", turn, 2.0, "bad_frame", "odd"))
-            ok = await records.write(rec.turn_done("u1", turn, 1.0, 2.0, "ok", f"t{turn}", "r", "r", False, False,
-                                                   {"voice_to_voice_ms": 5.0}, []))
+            ok = await records.write(a_turn("u1", turn, f"t{turn}"))
             assert ok
             # committed: visible to another connection right now, with everything queued before it
-            with sqlite3.connect(db) as c:
-                assert c.execute("SELECT count(*) FROM turns").fetchone()[0] == turn
-                assert c.execute("SELECT count(*) FROM errors").fetchone()[0] == turn
+            assert store.query("SELECT count(*) AS n FROM turns")[0]["n"] == turn
+            assert store.query("SELECT count(*) AS n FROM errors")[0]["n"] == turn
         records.write_nowait(rec.session_closed("u1", 3.0, "disconnect", 5))
 
     asyncio.run(scenario())
     records.close()
     assert records.written == 12 and records.failed == 0
-    with sqlite3.connect(db) as c:
-        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    [s] = rec.read_sessions(db)
+    if store.kind == "sqlite":
+        with sqlite3.connect(store.database) as c:
+            assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    [s] = rec.read_sessions(store.database)
     assert s["end_reason"] == "disconnect" and s["turn_count"] == 5 and [t["transcript"] for t in s["turns"]] == [
         "t1", "t2", "t3", "t4", "t5"]
     assert len(s["errors"]) == 5 and s["turns"][0]["latency"] == {"voice_to_voice_ms": 5.0}
+    assert s["started"] == 1.0 and isinstance(s["turns"][0]["turn"], int)
 
 
-def test_a_stuck_database_times_turns_out_and_the_queue_pushes_back(tmp_path):
-    db = tmp_path / "r.sqlite3"
+def test_a_rewritten_turn_is_still_one_row(store):
+    records = rec.Records(store.database)
+
+    async def twice():
+        assert await records.write(a_turn("u", 1, "first"))
+        assert await records.write(a_turn("u", 1, "again"))
+    asyncio.run(twice())
+    records.close()
+    assert store.query("SELECT transcript FROM turns") == [{"transcript": "again"}]
+
+
+def test_a_stuck_database_times_turns_out_and_the_queue_pushes_back(store):
     metrics = Metrics()
-    records = rec.Records(db, queue_size=2, timeout_s=0.5, metrics=metrics)
-    blocker = sqlite3.connect(db, isolation_level=None, timeout=0)
-    blocker.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+    records = rec.Records(store.database, queue_size=2, timeout_s=0.5, metrics=metrics)
 
     async def scenario():
         t0 = time.monotonic()
@@ -89,26 +160,77 @@ def test_a_stuck_database_times_turns_out_and_the_queue_pushes_back(tmp_path):
             records.write_nowait(rec.error("u", 1, 1.0, "x", str(i)))
         return ok, waited
 
-    ok, waited = asyncio.run(scenario())
-    assert ok is False and 0.4 < waited < 3.0  # the turn was told "not recorded" in time, not hung
-    assert records.failed >= 8 and metrics.records_failed._value.get() >= 8
-    blocker.execute("ROLLBACK")
-    blocker.close()
+    with store.locked():  # another process holds the write lock
+        ok, waited = asyncio.run(scenario())
+        assert ok is False and 0.4 < waited < 3.0  # the turn was told "not recorded" in time, not hung
+        assert records.failed >= 8 and metrics.records_failed._value.get() >= 8
 
     async def later():
         return await records.write(rec.turn_done("u", 2, 1.0, 2.0, "ok", "c", "d", "d", False, False, None, []))
 
     deadline = time.monotonic() + 20
-    while not asyncio.run(later()):  # the writer gets through its backlog (busy timeout) and recovers
+    while not asyncio.run(later()):  # the writer gets through its backlog and recovers
         assert time.monotonic() < deadline
     records.close()
-    with sqlite3.connect(db) as c:
-        assert c.execute("SELECT transcript FROM turns WHERE turn = 2").fetchone()[0] == "c"
+    assert store.query("SELECT transcript FROM turns WHERE turn = 2") == [{"transcript": "c"}]
 
 
-def test_voice_records_lists_and_exports(tmp_path):
-    db = tmp_path / "r.sqlite3"
-    records = rec.Records(db)
+def test_a_first_version_database_is_migrated(store):
+    db = open_database(store.database)
+    conn = db.connect()
+    with db.transaction(conn):  # version 1: no turns.tools
+        for sql in db.tables:
+            db.execute(conn, re.sub(r"\n\s*tools TEXT[^\n]*", "", sql))
+        db.execute(conn, "INSERT INTO meta (key, value) VALUES ('schema_version', '1')")
+        db.execute(conn, "INSERT INTO sessions (uid, session_id, transport, started) VALUES ('u', 's1', 'native', 1.0)")
+        db.execute(conn, "INSERT INTO turns (session_uid, turn, ended, status) VALUES ('u', 1, 2.0, 'ok')")
+    conn.close()
+
+    records = rec.Records(store.database)
+    tools = [{"id": "c1", "name": "get_time", "arguments": {}, "result": "noon", "status": "ok", "ms": 3}]
+    assert asyncio.run(records.write(rec.turn_done("u", 2, 1.0, 3.0, "ok", "what time", "Noon.", "Noon.", False,
+                                                   False, None, [], tools)))
+    records.close()
+    [s] = rec.read_sessions(store.database)
+    assert [t["tools"] for t in s["turns"]] == [[], tools]
+    assert store.query("SELECT value FROM meta WHERE key = 'schema_version'") == [{"value": str(SCHEMA_VERSION)}]
+    rec.init_db(store.database)  # again: nothing to do
+    assert len(rec.read_sessions(store.database)[0]["turns"]) == 2
+
+
+def test_a_database_of_a_newer_version_is_refused(store):
+    rec.init_db(store.database)
+    db = open_database(store.database)
+    conn = db.connect()
+    with db.transaction(conn):
+        db.execute(conn, "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    conn.close()
+    with pytest.raises(RecordsError, match=f"schema version {SCHEMA_VERSION + 1}, newer"):
+        rec.Records(store.database)
+
+
+def test_several_processes_create_the_tables_at_once(store):
+    failures: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def create():
+        start.wait()
+        try:
+            rec.init_db(store.database)
+        except BaseException as err:  # noqa: BLE001 - collected and asserted below
+            failures.append(err)
+
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == []
+    assert store.query("SELECT value FROM meta") == [{"value": str(SCHEMA_VERSION)}]
+
+
+def test_voice_records_lists_and_exports(store, tmp_path):
+    records = rec.Records(store.database)
 
     async def fill():
         for n in (1, 2):
@@ -120,33 +242,87 @@ def test_voice_records_lists_and_exports(tmp_path):
                                               [{"code": "bad_frame", "message": "odd"}]))
     asyncio.run(fill())
     records.close()
-    out = voice_records(db)
+    out = voice_records(*store.cli())
     assert out.returncode == 0, out.stderr
     sessions = json.loads(out.stdout)
     assert [s["session_id"] for s in sessions] == ["s1", "s2"]  # oldest first
     assert sessions[1]["meta"] == {"callSid": "CA1"} and sessions[1]["turns"][0]["heard"] == "Hi"
-    only = json.loads(voice_records(db, "--session", "s2").stdout)
+    assert sessions[1]["started_at"] == "1970-01-01T00:16:42.000+00:00"
+    only = json.loads(voice_records(*store.cli(), "--session", "s2").stdout)
     assert [s["uid"] for s in only] == ["u2"]
-    assert [s["uid"] for s in json.loads(voice_records(db, "--session", "u1").stdout)] == ["u1"]
-    assert [s["uid"] for s in json.loads(voice_records(db, "--limit", "1").stdout)] == ["u2"]
-    csv_out = voice_records(db, "--format", "csv").stdout.splitlines()
+    assert [s["uid"] for s in json.loads(voice_records(*store.cli(), "--session", "u1").stdout)] == ["u1"]
+    assert [s["uid"] for s in json.loads(voice_records(*store.cli(), "--limit", "1").stdout)] == ["u2"]
+    csv_out = voice_records(*store.cli(), "--format", "csv").stdout.splitlines()
     assert csv_out[0].startswith("session_id,uid,transport") and len(csv_out) == 3
     assert '"Hi ""you""."' in csv_out[1] and "812.5" in csv_out[1] and "bad_frame" in csv_out[1]
-    missing = voice_records(tmp_path / "nope.sqlite3")
-    assert missing.returncode == 1 and "no records database" in missing.stderr
+    config = tmp_path / "voice.toml"  # the database the config names
+    config.write_text(store.config_toml())
+    from_config = voice_records("--config", str(config))
+    assert from_config.returncode == 0 and json.loads(from_config.stdout) == sessions, from_config.stderr
+    if store.kind == "sqlite":
+        missing = voice_records("--db", str(tmp_path / "nope.sqlite3"))
+        assert missing.returncode == 1 and "no records database" in missing.stderr
+    else:
+        missing = voice_records("--url", store.database.rsplit("/", 1)[0] + "/nope")
+        assert missing.returncode == 1 and 'database "nope" does not exist' in missing.stderr, missing.stderr
+        assert voice_records("--url", "mysql://x/y").returncode == 2
+
+
+def test_the_records_url_must_be_postgresql():
+    with pytest.raises(ValueError, match="postgresql://"):
+        RecordsConfig(url="mysql://u@h/db")
+    assert RecordsConfig(url="postgresql://u@h/db").database == "postgresql://u@h/db"
+    assert RecordsConfig(path="").database == ""  # records off
+
+
+# --- PostgreSQL: the connection and the server can go away -------------------------------------
+
+@pytest.mark.live
+def test_a_killed_connection_is_reopened_and_the_turn_committed(postgres_url):
+    import psycopg
+    records = rec.Records(postgres_url, timeout_s=10)
+    assert asyncio.run(records.write(a_turn("u", 1)))
+    with psycopg.connect(postgres_url, autocommit=True) as admin:  # the writer's backend dies (as on a failover)
+        killed = admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                               "WHERE application_name = 'voice records' AND pid <> pg_backend_pid()").fetchall()
+    assert killed == [(True,)]
+    assert asyncio.run(records.write(a_turn("u", 2)))
+    records.close()
+    turns = Store("postgresql", postgres_url).query("SELECT turn FROM turns ORDER BY turn")
+    assert records.failed == 0 and [t["turn"] for t in turns] == [1, 2]
+
+
+@pytest.mark.live
+def test_a_server_that_goes_away_times_turns_out_and_queued_writes_land_when_it_is_back(require_system):
+    from postgres import PostgresServer, binaries
+    require_system(binaries(), "PostgreSQL's initdb/postgres are not installed (apt-get install postgresql)")
+    with PostgresServer() as pg:
+        url = pg.create_database("records")
+        records = rec.Records(url, timeout_s=1.0)
+        assert asyncio.run(records.write(a_turn("u", 1)))
+        pg.stop()
+        t0 = time.monotonic()
+        assert asyncio.run(records.write(a_turn("u", 2))) is False  # told "not recorded", in time
+        assert time.monotonic() - t0 < 3.0
+        pg.start()
+        deadline = time.monotonic() + 30
+        while not asyncio.run(records.write(a_turn("u", 3))):
+            assert time.monotonic() < deadline
+        records.close()
+        turns = Store("postgresql", url).query("SELECT turn FROM turns ORDER BY turn")
+    assert [t["turn"] for t in turns] == [1, 2, 3]  # turn 2 was queued and committed once the server was back
 
 
 # --- the session (stand-in models) ------------------------------------------------------------
 
-def test_turns_are_committed_before_reply_done_arrives(tmp_path):
-    db = tmp_path / "r.sqlite3"
-    config = make_config(records={"path": str(db)}, limits={"outbox_audio_s": 60.0})
+def test_turns_are_committed_before_reply_done_arrives(store):
+    config = make_config(records={"path": store.database} if store.kind == "sqlite" else {"url": store.database},
+                         limits={"outbox_audio_s": 60.0})
     stages = fake_stages(config)
 
     def row(turn: int):
-        with sqlite3.connect(db) as c:
-            c.row_factory = sqlite3.Row
-            return c.execute("SELECT * FROM turns WHERE turn = ?", (turn,)).fetchone()
+        rows = store.query("SELECT * FROM turns WHERE turn = ?", (turn,))
+        return rows[0] if rows else None
 
     async def scenario():
         rows = {}
@@ -211,7 +387,7 @@ def test_turns_are_committed_before_reply_done_arrives(tmp_path):
     assert rows[2]["heard"] == " ".join(rows[2]["reply"].split()[:len(rows[2]["heard"].split())])
     assert rows[4]["status"] == "failed" and rows[4]["apology"] == 1
     assert json.loads(rows[4]["errors"])[0]["code"] == "reply_failed"
-    [s] = rec.read_sessions(db)
+    [s] = rec.read_sessions(store.database)
     statuses = {t["turn"]: t["status"] for t in s["turns"]}
     assert statuses == {1: "ok", 2: "interrupted", 3: "ok", 4: "failed", 5: "no_speech"}, statuses
     assert s["end_reason"] == "disconnect" and s["turn_count"] == 5
@@ -309,7 +485,7 @@ def test_records_survive_sigkill_and_shutdown_is_graceful(tmp_path):
     # 2. restart on the same database; the turn is there
     server = VoiceServe(config, log)
     try:
-        out = voice_records(db, "--format", "json")
+        out = voice_records("--db", str(db), "--format", "json")
         assert out.returncode == 0, out.stderr
         [crashed] = json.loads(out.stdout)
         assert crashed["ended"] is None  # it never closed: the process died
@@ -336,7 +512,7 @@ def test_records_survive_sigkill_and_shutdown_is_graceful(tmp_path):
     assert seen[-2]["type"] == "error" and seen[-2]["code"] == "shutting_down", seen[-3:]
     assert seen[-1] == {"type": "closed", "code": 1001, "reason": "shutting_down"}, seen[-3:]
     assert server.proc.returncode in (0, -signal.SIGTERM), server.proc.returncode
-    sessions = json.loads(voice_records(db).stdout)
+    sessions = json.loads(voice_records("--db", str(db)).stdout)
     assert len(sessions) == 2 and sessions[1]["end_reason"] == "shutting_down"
     assert [t["status"] for t in sessions[1]["turns"]] == ["ok"]
     assert sessions[1]["turns"][0]["reply"] == done2["text"]

@@ -23,8 +23,9 @@ def cmd_serve(a) -> int:
         config.sip.port = a.sip_port
     if a.wyoming_port:
         config.wyoming.port = a.wyoming_port
-    if a.records is not None:
-        config.records.path = a.records
+    if a.records is not None:  # a postgresql:// URL, else the SQLite path ("" = off)
+        postgres = a.records.startswith(("postgresql://", "postgres://"))
+        config.records.url, config.records.path = (a.records, "") if postgres else ("", a.records)
     from voice.auth import ConfigError
     try:
         serve(config)
@@ -38,13 +39,17 @@ def cmd_records(a) -> int:
     import json
 
     from voice import records
-    path = a.db or load_config(a.config).records.path
-    if not path:
-        print("voice records: call records are off (records.path is empty); pass --db", file=sys.stderr)
+    if a.url and not a.url.startswith(("postgresql://", "postgres://")):
+        print(f"voice records: --url must be a postgresql:// URL, not {a.url!r}", file=sys.stderr)
+        return 2
+    database = a.url or a.db or load_config(a.config).records.database
+    if not database:
+        print("voice records: call records are off (records.path and records.url are empty); pass --db or --url",
+              file=sys.stderr)
         return 2
     try:
-        sessions = records.read_sessions(path, a.session, a.limit)
-    except (FileNotFoundError, records.sqlite3.Error) as err:
+        sessions = records.read_sessions(database, a.session, a.limit)
+    except records.RecordsError as err:
         print(f"voice records: {err}", file=sys.stderr)
         return 1
     if a.format == "csv":
@@ -94,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wyoming-port", type=int, default=0,
                    help="also serve Home Assistant over Wyoming on this TCP port (wyoming.port, e.g. 10300; "
                         "speech-to-text, text-to-speech and the assistant; see docs/HOME_ASSISTANT.md)")
-    p.add_argument("--records", default=None, metavar="PATH",
-                   help="call records database (records.path; \"\" = off; default runs/records.sqlite3)")
+    p.add_argument("--records", default=None, metavar="PATH|URL",
+                   help="call records: an SQLite file (records.path; \"\" = off; default runs/records.sqlite3) "
+                        "or a postgresql:// URL (records.url)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="stream WAV files to a running service in real time and time each turn",
@@ -123,8 +129,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("records", help="list or export call records (transcripts, replies, latency, errors)",
                        description="Sessions and their turns from the call records database, newest last.")
-    p.add_argument("--db", default="", help="database (default: records.path of --config, runs/records.sqlite3)")
-    p.add_argument("--config", default=None, help="TOML config whose records.path to read")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--db", default="", help="SQLite database (default: records.url or records.path of --config, "
+                                                "runs/records.sqlite3)")
+    where.add_argument("--url", default="", help="PostgreSQL database: postgresql://user@host:port/dbname")
+    p.add_argument("--config", default=None, help="TOML config whose records.url or records.path to read")
     p.add_argument("--session", default="", help="only this session (its id, e.g. s7, or its uid)")
     p.add_argument("--format", choices=["json", "csv"], default="json",
                    help="json: sessions with nested turns and errors; csv: one row per turn")

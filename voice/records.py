@@ -1,12 +1,16 @@
-"""Call records: every session and every turn, in an embedded SQLite database.
+"""Call records: every session and every turn, in an embedded SQLite database (the default) or
+in PostgreSQL (`[records] url`, shared by several instances); voice/recordsdb.py has the schema
+and the two dialects.
 
-One writer thread per process owns the connection (WAL mode, `synchronous=FULL`) and drains
-a bounded queue of writes, committing them in batches in the order they were queued. A turn
-that ends with a reply awaits its own write (`Records.write`): the session sends `reply_done`
-and `latency` only once the record is committed, so whatever a client was told is done
-survives a crash of the server (docs/RELIABILITY.md). Everything else (sessions opening and
-closing, errors, turns that got no reply) is queued without waiting; because the queue is
-FIFO, a committed turn also means every earlier write of the process is committed.
+One writer thread per process owns the connection and drains a bounded queue of writes,
+committing them in batches in the order they were queued. A turn that ends with a reply awaits
+its own write (`Records.write`): the session sends `reply_done` and `latency` only once the
+record is committed, so whatever a client was told is done survives a crash of the server
+(docs/RELIABILITY.md). Everything else (sessions opening and closing, errors, turns that got no
+reply) is queued without waiting; because the queue is FIFO, a committed turn also means every
+earlier write of the process is committed. A lost PostgreSQL connection is reopened and the
+batch retried (rows are keyed, so a retried turn is still one row); meanwhile waiting turns time
+out as `record_failed`.
 
 Tables: `sessions` (one row per session, keyed by `uid`: session ids like `s7` restart with
 every process), `turns` (one row per user turn) and `errors`. `voice records` reads them.
@@ -21,85 +25,24 @@ import io
 import json
 import logging
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
+
+from voice.recordsdb import TABLES, Op, RecordsError, open_database
 
 log = logging.getLogger("voice.records")
 
-SCHEMA_VERSION = 2  # 2: turns.tools
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (
-    uid TEXT PRIMARY KEY,           -- unique over processes
-    session_id TEXT NOT NULL,       -- what the client saw (ready.session_id); restarts at s1 per process
-    transport TEXT NOT NULL,        -- native | twilio | sip
-    principal TEXT NOT NULL DEFAULT '',  -- API key name, "twilio", "sip:ADDR", "anonymous"
-    peer TEXT NOT NULL DEFAULT '',
-    started REAL NOT NULL,          -- unix time
-    ended REAL,
-    end_reason TEXT,
-    turns INTEGER NOT NULL DEFAULT 0,
-    meta TEXT NOT NULL DEFAULT '{}' -- JSON: rates, lm_mode, Twilio callSid...
-);
-CREATE INDEX IF NOT EXISTS sessions_by_id ON sessions (session_id);
-CREATE INDEX IF NOT EXISTS sessions_by_start ON sessions (started);
-CREATE TABLE IF NOT EXISTS turns (
-    session_uid TEXT NOT NULL,
-    turn INTEGER NOT NULL,
-    started REAL,                   -- unix time the user started speaking
-    ended REAL NOT NULL,            -- unix time the turn ended (reply done)
-    status TEXT NOT NULL,           -- ok | interrupted | failed | no_speech | asr_failed | superseded | abandoned
-    transcript TEXT NOT NULL DEFAULT '',
-    reply TEXT NOT NULL DEFAULT '', -- everything the LM committed
-    heard TEXT NOT NULL DEFAULT '', -- what the user heard (a prefix of reply after a barge-in)
-    interrupted INTEGER NOT NULL DEFAULT 0,
-    apology INTEGER NOT NULL DEFAULT 0,  -- the spoken apology was played (a stage failed)
-    latency TEXT NOT NULL DEFAULT '{}',  -- JSON: the latency event (stages_ms, marks_ms, over_budget)
-    errors TEXT NOT NULL DEFAULT '[]',   -- JSON: [{code, message}] of this turn
-    tools TEXT NOT NULL DEFAULT '[]',    -- JSON: [{id, name, arguments, result, status, ms}] the LM called
-    PRIMARY KEY (session_uid, turn)
-);
-CREATE TABLE IF NOT EXISTS errors (
-    id INTEGER PRIMARY KEY,
-    session_uid TEXT NOT NULL,
-    turn INTEGER NOT NULL,
-    at REAL NOT NULL,
-    code TEXT NOT NULL,
-    message TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS errors_by_session ON errors (session_uid);
-"""
-
+SCHEMA = ";\n".join(TABLES) + ";\n"  # SQLite's rendering, for tests that build old databases
 _STOP = object()
-Op = tuple[str, tuple]
 
 
-def connect(path: str | Path, readonly: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), timeout=10.0, isolation_level=None)  # explicit transactions
-    conn.execute("PRAGMA busy_timeout = 10000")
-    if readonly:
-        conn.execute("PRAGMA query_only = ON")
-    return conn
-
-
-def init_db(path: Path) -> None:
-    """Create the database and tables (idempotent); raises on an unusable path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = connect(path)
-    try:
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            log.warning("records: %s is not in WAL mode (%s)", path, mode)
-        conn.executescript(SCHEMA)
-        if "tools" not in {row[1] for row in conn.execute("PRAGMA table_info(turns)")}:  # a version 1 database
-            conn.execute("ALTER TABLE turns ADD COLUMN tools TEXT NOT NULL DEFAULT '[]'")
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-    finally:
-        conn.close()
+def init_db(database: str | Path) -> None:
+    """Create the tables or migrate them (idempotent); raises RecordsError on an unusable database."""
+    open_database(database).init()
 
 
 class _Write:
@@ -110,20 +53,21 @@ class _Write:
 
 
 class Records:
-    """The process's one writer. `write` waits for the commit; `write_nowait` doesn't."""
+    """The process's one writer. `write` waits for the commit; `write_nowait` doesn't.
+    `database`: the path of an SQLite file or a `postgresql://` URL."""
 
-    def __init__(self, path: str | Path, queue_size: int = 1000, timeout_s: float = 5.0, metrics=None):
-        self.path = Path(path).expanduser()
+    def __init__(self, database: str | Path, queue_size: int = 1000, timeout_s: float = 5.0, metrics=None):
+        self.db = open_database(database)
         self.timeout_s = timeout_s
         self.metrics = metrics
-        init_db(self.path)
+        self.db.init()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.written = 0  # committed writes
         self.failed = 0  # writes that could not be committed (or queued)
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="records-writer", daemon=True)
         self.thread.start()
-        log.info("call records in %s", self.path)
+        log.info("call records in %s", self.db)
 
     # --- the API the session uses ---------------------------------------------------------------
 
@@ -179,9 +123,7 @@ class Records:
     # --- the writer thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        conn = connect(self.path)
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = FULL")  # a committed turn survives power loss too
+        conn = None
         stop = False
         try:
             while not stop:
@@ -194,48 +136,82 @@ class Records:
                 if _STOP in batch:
                     stop = True
                     batch = [w for w in batch if w is not _STOP]
-                self._commit(conn, batch)
+                conn = self._commit(conn, batch)
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
+    def _commit(self, conn: Any, batch: list[_Write]) -> Any:
+        """Commit `batch`, resolve its futures; returns the connection (reopened if it was lost)."""
         if not batch:
-            return
-        try:
-            self._transaction(conn, [op for w in batch for op in w.ops])
-            results = [True] * len(batch)
-        except sqlite3.Error as err:  # find the culprit: one transaction per write
-            log.error("records: batch of %d writes failed (%s); retrying one by one", len(batch), err)
-            results = []
-            for w in batch:
-                try:
-                    self._transaction(conn, w.ops)
-                    results.append(True)
-                except sqlite3.Error as one:
-                    log.error("records: write failed: %s", one)
-                    results.append(False)
+            return conn
+        while True:
+            if conn is None:
+                conn = self._connect()
+                if conn is None:
+                    results = [False] * len(batch)
+                    break
+            try:
+                results = self._apply(conn, batch)
+                break
+            except self.db.errors as err:  # the connection is gone: reopen it, retry the batch
+                log.error("records: lost the connection to %s (%s); reconnecting", self.db, err)
+                conn.close()
+                conn = None
         for w, ok in zip(batch, results):
             if ok:
                 self.written += 1
             else:
-                self._failed("a write was rejected by SQLite")
+                self._failed("a write was rejected by the database")
             if w.future is not None:
                 assert w.loop is not None  # given with the future
                 try:
                     w.loop.call_soon_threadsafe(_resolve, w.future, ok)
                 except RuntimeError:  # the loop is gone (shutdown)
                     pass
+        return conn
 
-    @staticmethod
-    def _transaction(conn: sqlite3.Connection, ops: list[Op]) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+    def _apply(self, conn: Any, batch: list[_Write]) -> list[bool]:
+        """One transaction for the batch; if it fails, one per write to find the culprit. Raises
+        only when the connection was lost."""
         try:
-            for sql, args in ops:
-                conn.execute(sql, args)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+            self.db.run(conn, [op for w in batch for op in w.ops])
+            return [True] * len(batch)
+        except self.db.errors as err:
+            if self.db.lost(conn):
+                raise
+            log.error("records: batch of %d writes failed (%s); retrying one by one", len(batch), err)
+        results = []
+        for w in batch:
+            try:
+                self.db.run(conn, w.ops)
+                results.append(True)
+            except self.db.errors as one:
+                if self.db.lost(conn):
+                    raise
+                log.error("records: write failed: %s", one)
+                results.append(False)
+        return results
+
+    def _connect(self) -> Any:
+        """A connection, retried with backoff while the database is unreachable; None once the
+        records are closing and it still is."""
+        delay, attempt = 0.1, 0
+        while True:
+            attempt += 1
+            try:
+                conn = self.db.connect()
+                if attempt > 1:
+                    log.warning("records: connected to %s again after %d attempts", self.db, attempt)
+                return conn
+            except self.db.errors as err:
+                if self.closed:
+                    log.error("records: %s is unreachable (%s) and the records are closing", self.db, err)
+                    return None
+                if attempt == 1:
+                    log.error("records: cannot connect to %s (%s); retrying", self.db, err)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
 
 def _resolve(future: asyncio.Future, ok: bool) -> None:
@@ -247,25 +223,27 @@ def _resolve(future: asyncio.Future, ok: bool) -> None:
 
 def session_opened(uid: str, session_id: str, transport: str, principal: str, peer: str, started: float,
                    meta: dict) -> list[Op]:
-    return [("INSERT OR REPLACE INTO sessions (uid, session_id, transport, principal, peer, started, meta) "
-             "VALUES (?, ?, ?, ?, ?, ?, ?)",
+    return [("INSERT INTO sessions (uid, session_id, transport, principal, peer, started, meta) "
+             "VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (uid) DO UPDATE SET session_id = excluded.session_id, "
+             "transport = excluded.transport, principal = excluded.principal, peer = excluded.peer, "
+             "started = excluded.started, meta = excluded.meta",
              (uid, session_id, transport, principal, peer, started, json.dumps(meta, default=str)))]
 
 
-def session_closed(uid: str, ended: float, reason: str, turns: int, meta: dict | None = None) -> list[Op]:
-    ops: list[Op] = [("UPDATE sessions SET ended = ?, end_reason = ?, turns = ? WHERE uid = ?",
-                      (ended, reason, turns, uid))]
-    if meta:
-        ops.append(("UPDATE sessions SET meta = json_patch(meta, ?) WHERE uid = ?",
-                    (json.dumps(meta, default=str), uid)))
-    return ops
+def session_closed(uid: str, ended: float, reason: str, turns: int) -> list[Op]:
+    return [("UPDATE sessions SET ended = ?, end_reason = ?, turns = ? WHERE uid = ?", (ended, reason, turns, uid))]
 
 
 def turn_done(uid: str, turn: int, started: float | None, ended: float, status: str, transcript: str, reply: str,
               heard: str, interrupted: bool, apology: bool, latency: dict | None, errors: list[dict],
               tools: list[dict] | None = None) -> list[Op]:
-    return [("INSERT OR REPLACE INTO turns (session_uid, turn, started, ended, status, transcript, reply, heard, "
-             "interrupted, apology, latency, errors, tools) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    """The turn's one row (a retried write replaces it: rows are keyed by session and turn)."""
+    return [("INSERT INTO turns (session_uid, turn, started, ended, status, transcript, reply, heard, "
+             "interrupted, apology, latency, errors, tools) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+             "ON CONFLICT (session_uid, turn) DO UPDATE SET started = excluded.started, ended = excluded.ended, "
+             "status = excluded.status, transcript = excluded.transcript, reply = excluded.reply, "
+             "heard = excluded.heard, interrupted = excluded.interrupted, apology = excluded.apology, "
+             "latency = excluded.latency, errors = excluded.errors, tools = excluded.tools",
              (uid, turn, started, ended, status, transcript, reply, heard, int(interrupted), int(apology),
               json.dumps(latency or {}), json.dumps(errors), json.dumps(tools or [], ensure_ascii=False)))]
 
@@ -281,39 +259,38 @@ def _iso(t: float | None) -> str | None:
     return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
-def read_sessions(path: str | Path, session: str = "", limit: int = 20) -> list[dict]:
+def read_sessions(database: str | Path, session: str = "", limit: int = 20) -> list[dict]:
     """The `limit` most recent sessions (or those whose id or uid is `session`), oldest first,
-    each with its turns and errors."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"no records database at {path}")
-    conn = connect(path, readonly=True)
-    conn.row_factory = sqlite3.Row
+    each with its turns and errors. `database`: an SQLite path or a `postgresql://` URL."""
+    db = open_database(database)
+    try:
+        conn = db.connect(readonly=True)
+    except db.errors as err:
+        raise RecordsError(f"cannot open the call records in {db}: {err}") from err
     try:
         if session:
-            rows = conn.execute("SELECT * FROM sessions WHERE session_id = ? OR uid = ? ORDER BY started DESC "
-                                "LIMIT ?", (session, session, limit)).fetchall()
+            rows = db.rows(conn, "SELECT * FROM sessions WHERE session_id = ? OR uid = ? ORDER BY started DESC "
+                                 "LIMIT ?", (session, session, limit))
         else:
-            rows = conn.execute("SELECT * FROM sessions ORDER BY started DESC LIMIT ?", (limit,)).fetchall()
+            rows = db.rows(conn, "SELECT * FROM sessions ORDER BY started DESC LIMIT ?", (limit,))
         out = []
-        for row in reversed(rows):
-            s = dict(row)
+        for s in reversed(rows):
             s["turn_count"] = s.pop("turns")
             s["meta"] = json.loads(s["meta"] or "{}")
             s["started_at"], s["ended_at"] = _iso(s["started"]), _iso(s["ended"])
-            turns = conn.execute("SELECT * FROM turns WHERE session_uid = ? ORDER BY turn", (s["uid"],)).fetchall()
             s["turns"] = []
-            for t in turns:
-                t = dict(t)
+            for t in db.rows(conn, "SELECT * FROM turns WHERE session_uid = ? ORDER BY turn", (s["uid"],)):
                 t.pop("session_uid")
                 t["interrupted"], t["apology"] = bool(t["interrupted"]), bool(t["apology"])
                 t["latency"], t["errors"], t["tools"] = (json.loads(t["latency"]), json.loads(t["errors"]),
                                                          json.loads(t["tools"]))
                 s["turns"].append(t)
-            s["errors"] = [dict(e) for e in conn.execute(
-                "SELECT turn, at, code, message FROM errors WHERE session_uid = ? ORDER BY id", (s["uid"],))]
+            s["errors"] = db.rows(conn, "SELECT turn, at, code, message FROM errors WHERE session_uid = ? ORDER BY id",
+                                  (s["uid"],))
             out.append(s)
         return out
+    except db.errors as err:
+        raise RecordsError(f"cannot read the call records in {db}: {err}") from err
     finally:
         conn.close()
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from starlette.websockets import WebSocket
 
 from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
 from voice.config import Config
-from voice.records import Records
+from voice.records import Records, RecordsError
 from voice.stages import Stages
 from voice.tools import webhook_secrets
 from voice.transports import native, twilio
@@ -85,13 +84,12 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
         if state.stages is None:
             state.stages = Stages.load(config)
         stages = state.stages
-        if config.records.path and stages.records is None:
+        if config.records.database and stages.records is None:
             try:
-                stages.records = Records(config.records.path, config.records.queue, config.records.timeout_s,
+                stages.records = Records(config.records.database, config.records.queue, config.records.timeout_s,
                                          stages.metrics)
-            except (OSError, sqlite3.Error) as err:
-                log.error("cannot open the call records database %s: %s (set records.path, or \"\" for no "
-                          "records)", config.records.path, err)
+            except (OSError, RecordsError) as err:
+                log.error("call records: %s (set records.path or records.url, or both \"\" for no records)", err)
                 raise
             app.state.records_owned = True
         if config.lm.backend == "openai" and config.lm.probe_interval_s:

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -267,7 +267,7 @@ class Engine:
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
-                     probe: _Probe | None = None, **overrides) -> AsyncIterator[Piece]:
+                     probe: _Probe | None = None, **overrides) -> AsyncGenerator[Piece, None]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
         the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays

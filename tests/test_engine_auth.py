@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from engine.decode import DecodeConfig
-from engine.api.server import build_app, load_api_keys
+from engine.api.middleware import load_api_keys
+from engine.api.server import build_app
 from liveserver import serving
 from fakes import StandInEngine
 

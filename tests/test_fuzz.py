@@ -274,7 +274,7 @@ def test_sip_allow_list_drops_other_sources_silently(stages):
                                       "stream_options", "stop", "n", "threshold", "top_p")})))
 def test_engine_parse_request_only_raises_api_errors(body):
     from engine.decode import DecodeConfig
-    from engine.api.server import APIError, parse_request
+    from engine.api.requests import APIError, parse_request
     with no_hang("engine parse_request"):
         try:
             messages, cfg, opts = parse_request(body, DecodeConfig(), 2048)
@@ -282,5 +282,5 @@ def test_engine_parse_request_only_raises_api_errors(body):
             assert 400 <= err.status < 500 and err.message
             return
     assert messages and all(isinstance(m["content"], str) for m in messages)
-    assert 1 <= cfg.max_new_tokens <= 2048 and isinstance(opts["stream"], bool)
+    assert 1 <= cfg.max_new_tokens <= 2048 and isinstance(opts.stream, bool)
 

@@ -1,0 +1,279 @@
+"""Requests of `/v1/chat/completions`: the body read within its bound, checked field by field, into
+messages, a decode config and the options of the answer; whatever is wrong is an `APIError` with
+OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from engine.common.wire import ascii_int
+from engine.decode import COMMIT_RULES, DecodeConfig
+from engine.tools import Tool, ToolUse
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a request wants its answer, besides the decode config."""
+
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    json: bool = False  # response_format json_object / json_schema: the reply is held to `schema`
+    schema: dict | None = None
+    tools: ToolUse | None = None
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value that means "off"
+    "n": lambda v: v in (None, 1),
+    "stop": lambda v: v in (None, "", []),
+    "logprobs": lambda v: v in (None, False),
+    "functions": lambda v: v in (None, []),  # the legacy form of `tools`
+    "function_call": lambda v: v in (None, "none"),
+    "logit_bias": lambda v: v in (None, {}),
+    "top_logprobs": lambda v: v in (None, 0),
+}
+
+
+def _missing(name: str) -> APIError:
+    return APIError(400, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+
+
+def _number(body: dict, name: str, lo: float, hi: float, integer: bool) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
+        raise APIError(400, f"Invalid type for '{name}': expected {kind}, but got {json.dumps(value)[:40]}.",
+                       name, "invalid_type")
+    if not lo <= value <= hi:
+        raise APIError(400, f"Invalid value for '{name}': {value} is not between {lo} and {hi}.", name,
+                       "invalid_value")
+    return value
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise _missing("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array of messages.", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(400, f"{where} must be an object.", where, "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:  # a list or object is not even hashable
+            raise APIError(400, f"Invalid value for '{where}.role': {json.dumps(role)[:40]}; supported roles are "
+                           f"{', '.join(ROLES)}.", f"{where}.role", "invalid_value")
+        content = m.get("content")
+        calls = _tool_calls(m, where) if role == "assistant" and m.get("tool_calls") is not None else None
+        if content is None and calls:
+            content = ""
+        if isinstance(content, list):  # content parts: only text is understood here
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"{where}.content: only text content parts are supported.",
+                                   f"{where}.content", "invalid_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or an array of text parts.",
+                           f"{where}.content", "invalid_type")
+        message: dict[str, Any] = {"role": ROLES[role], "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError(400, f"Missing required parameter: '{where}.tool_call_id'.", f"{where}.tool_call_id",
+                               "missing_required_parameter")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    return out
+
+
+def _tool_calls(m: dict, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`, checked: functions with a name and JSON arguments."""
+    calls = m["tool_calls"]
+    if not isinstance(calls, list):
+        raise APIError(400, f"Invalid type for '{where}.tool_calls': expected an array.", f"{where}.tool_calls",
+                       "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise APIError(400, f"'{at}' must be a function call with a 'name' and string 'arguments'.", at,
+                           "invalid_value")
+        try:
+            json.loads(fn["arguments"])
+        except ValueError:
+            raise APIError(400, f"'{at}.function.arguments' is not valid JSON.", f"{at}.function.arguments",
+                           "invalid_value") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def _tool_use(body: dict) -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked (None: no tools offered)."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(400, "Invalid type for 'parallel_tool_calls': expected a boolean.", "parallel_tool_calls",
+                       "invalid_type")
+    if tools in (None, []):
+        if choice not in (None, "none"):
+            raise APIError(400, "'tool_choice' is only allowed when 'tools' are specified.", "tool_choice",
+                           "invalid_value")
+        return None
+    if not isinstance(tools, list) or len(tools) > 128:
+        raise APIError(400, "'tools' must be an array of at most 128 tools.", "tools", "invalid_value")
+    found = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"]):
+            raise APIError(400, f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                           "with a name of 1-64 letters, digits, '_' or '-'.", f"tools[{i}]", "invalid_value")
+        parameters = fn.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise APIError(400, f"Invalid type for 'tools[{i}].function.parameters': expected an object.",
+                           f"tools[{i}].function.parameters", "invalid_type")
+        found.append(Tool(fn["name"], str(fn.get("description") or ""), parameters))
+    names = {t.name for t in found}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise APIError(400, "'tool_choice' must name one of the 'tools'.", "tool_choice", "invalid_value")
+        choice = name
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("auto", "none", "required"):
+        raise APIError(400, "Invalid value for 'tool_choice': expected none, auto, required or a function.",
+                       "tool_choice", "invalid_value")
+    return ToolUse(found, choice, True if parallel is None else parallel)
+
+
+def _response_format(body: dict) -> tuple[bool, dict | None]:
+    """(is the reply constrained to JSON, the schema or None for any object) from `response_format`."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return False, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind != "json_schema":
+        raise APIError(400, "Invalid value for 'response_format.type': expected one of text, json_object, "
+                       "json_schema.", "response_format.type", "invalid_value")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise APIError(400, "'response_format.json_schema' must be an object with a 'name'.",
+                       "response_format.json_schema", "invalid_value")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise APIError(400, "Invalid type for 'response_format.json_schema.schema': expected an object.",
+                       "response_format.json_schema.schema", "invalid_type")
+    return True, schema  # `strict` or not, the reply is held to the schema
+
+
+def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list[dict], DecodeConfig, Options]:
+    """(messages, decode config, options) from a chat-completions body; raises APIError."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
+    messages = _messages(body)
+    for name, off in UNSUPPORTED.items():
+        if not off(body.get(name)):
+            raise APIError(400, f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+    overrides: dict[str, Any] = {}
+    max_tokens = _number(body, "max_completion_tokens", 1, context, True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, context, True)
+    if max_tokens is not None:
+        overrides["max_new_tokens"] = max_tokens
+    for name, field, lo, hi, integer in (("temperature", "temperature", 0, 2, False),
+                                         ("seed", "seed", -2**63, 2**64 - 1, True),
+                                         ("block_size", "block_size", 0, context, True),
+                                         ("first_block_size", "first_block_size", 0, context, True),
+                                         ("threshold", "threshold", 0, 1, False),
+                                         ("topk", "topk", 1, context, True),
+                                         ("max_steps", "max_steps", 0, context, True)):
+        value = _number(body, name, lo, hi, integer)
+        if value is not None:
+            overrides[field] = value
+    if "seed" in overrides:
+        overrides["seed"] %= 2**63  # torch.Generator seeds are unsigned 64-bit; keep it simple and positive
+    _number(body, "top_p", 0, 1, False)  # accepted, not used: sampling is plain temperature sampling
+    for name, choices in (("mode", ("diffusion", "ar")), ("rule", tuple(sorted(COMMIT_RULES)))):
+        value = body.get(name)
+        if value is not None:
+            if value not in choices:
+                raise APIError(400, f"Invalid value for '{name}': {json.dumps(value)[:40]}; expected one of "
+                               f"{', '.join(choices)}.", name, "invalid_value")
+            overrides[name] = value
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(400, "Invalid type for 'stream': expected a boolean.", "stream", "invalid_type")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise APIError(400, "Invalid type for 'stream_options': expected an object.", "stream_options",
+                       "invalid_type")
+    include_usage = (stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, "Invalid type for 'stream_options.include_usage': expected a boolean.",
+                       "stream_options.include_usage", "invalid_type")
+    try:
+        cfg = replace(defaults, **overrides)
+    except ValueError as err:
+        raise APIError(400, str(err), None, "invalid_value") from err
+    json_only, schema = _response_format(body)
+    tool_use = _tool_use(body)
+    if json_only and tool_use is not None:
+        raise APIError(400, "'response_format' cannot be combined with 'tools' here.", "response_format",
+                       "invalid_value")
+    for name, asked in (("response_format", json_only), ("tools", tool_use is not None)):
+        if asked and cfg.mode != "ar" and cfg.rule != "verify":
+            raise APIError(400, f"'{name}' needs rule 'verify' or mode 'ar' (constrained decoding), not rule "
+                           f"'{cfg.rule}'.", name, "invalid_value")
+    return messages, cfg, Options(bool(stream), include_usage, json_only, schema, tool_use)
+
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length", "")
+    if ascii_int(length, 20) is not None and int(length) > limit:
+        raise APIError(413, f"The request body is {length} bytes; this server accepts at most {limit}.", None,
+                       "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body is over {limit} bytes.", None, "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -216,12 +216,20 @@ class RecordsConfig:
     PostgreSQL when `url` is set (docs/SCALING.md)."""
 
     path: str = "runs/records.sqlite3"  # "" = off; a relative path is relative to the working directory
+    url: str = ""  # postgresql://user@host:port/dbname: PostgreSQL instead of `path` (password: PGPASSWORD/.pgpass)
     queue: int = 1000  # writes waiting for the writer thread; a full queue makes turns wait for it
     timeout_s: float = 5.0  # longest a turn's reply_done waits for its record to commit
 
     def __post_init__(self) -> None:
         if self.queue < 1 or self.timeout_s <= 0:
             raise ValueError("records.queue must be at least 1 and records.timeout_s positive")
+        if self.url and not self.url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("records.url must be a postgresql:// URL (or \"\" for the SQLite file of records.path)")
+
+    @property
+    def database(self) -> str:
+        """Where the records go: the PostgreSQL URL, else the SQLite path; "" = records off."""
+        return self.url or self.path
 
 
 @dataclass
@@ -246,20 +254,12 @@ class AuthConfig:
 class WyomingConfig:
     """The Wyoming server for Home Assistant (docs/HOME_ASSISTANT.md); off unless `port` is set."""
 
-    url: str = ""  # postgresql://user@host:port/dbname: PostgreSQL instead of `path` (password: PGPASSWORD/.pgpass)
     port: int = 0  # TCP port (Wyoming's usual: 10300 speech-to-text, 10200 text-to-speech); 0 = off
     host: str = "127.0.0.1"  # interface; Home Assistant on another machine needs "0.0.0.0"
     zeroconf: str = ""  # announce the server over mDNS under this name (needs the zeroconf package); "" = off
     conversations: int = 8  # assistant conversations whose history (and LM cache) are kept; the oldest go
     # client addresses (IP or CIDR) allowed to connect; [] = any, which is only accepted on a loopback host
     allow: list[str] = field(default_factory=list)
-        if self.url and not self.url.startswith(("postgresql://", "postgres://")):
-            raise ValueError("records.url must be a postgresql:// URL (or \"\" for the SQLite file of records.path)")
-
-    @property
-    def database(self) -> str:
-        """Where the records go: the PostgreSQL URL, else the SQLite path; "" = records off."""
-        return self.url or self.path
     idle_timeout_s: float = 60.0  # a connection that sends no whole event, or reads nothing, this long is closed
     max_event_bytes: int = 65536  # one event's JSON header line, and its data block (event_too_large beyond)
     max_payload_bytes: int = 1048576  # one event's payload: an audio chunk is a few kB (event_too_large beyond)

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def main() -> None:
         finally:
             for w in writers.values():
                 w.close()
+            shutil.rmtree(folder, ignore_errors=True)
     print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}; {a.rounds} rounds, alternating")
     print(f"{'database':<12}{'p50 ms':>9}{'p95 ms':>9}{'max ms':>9}   turns/s with {a.sessions} sessions (per round)")
     summary = {}

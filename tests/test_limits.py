@@ -11,6 +11,8 @@ import asyncio
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -30,6 +32,15 @@ def wait_idle(stages, timeout: float = 10):
     while stages.live or stages.admission.total:
         assert time.monotonic() < deadline, (stages.live, stages.admission.active)
         time.sleep(0.05)
+
+
+def http_status(url: str) -> tuple[int, dict]:
+    """(status, JSON body) of a GET, whatever the status."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def ends_with_error_and_close(c: Client, code: str, close_code: int):
@@ -187,15 +198,17 @@ def test_shutdown_lets_the_turn_in_flight_finish_then_says_goodbye(tmp_path):
             t0 = time.monotonic()
             threading.Thread(target=srv.stop, daemon=True).start()  # SIGTERM, as far as uvicorn is concerned
             await asyncio.sleep(0.3)
+            # still listening while it drains, so that a load balancer sees it (docs/SCALING.md)
+            health = await asyncio.to_thread(http_status, srv.http + "/healthz")
             try:
                 late = await Client.open(srv.ws + "/ws")
                 late_result = ("served", late.events())
-            except (OSError, websockets.WebSocketException) as err:
-                late_result = ("refused", type(err).__name__)
+            except websockets.InvalidStatus as err:
+                late_result = ("refused", err.response.status_code, json.loads(err.response.body)["error"]["code"])
             await busy.closed(20)
             await idle.closed(20)
-            return busy, idle, late_result, time.monotonic() - t0
-        busy, idle, late, took = asyncio.run(scenario())
+            return busy, idle, late_result, health, time.monotonic() - t0
+        busy, idle, late, health, took = asyncio.run(scenario())
     finally:
         srv.stop()
     kinds = [e["type"] for e in busy.events()]
@@ -204,7 +217,8 @@ def test_shutdown_lets_the_turn_in_flight_finish_then_says_goodbye(tmp_path):
     assert busy.events("reply_done")[0]["text"] == "One, two, three, four, five."
     ends_with_error_and_close(busy, "shutting_down", 1001)
     ends_with_error_and_close(idle, "shutting_down", 1001)
-    assert late[0] == "refused", late
+    assert late == ("refused", 503, "shutting_down"), late  # before the upgrade: a balancer retries it elsewhere
+    assert health[0] == 503 and health[1]["status"] == "shutting_down", health
     assert took < 12, took
     records = read_sessions(tmp_path / "r.sqlite3")
     assert sorted(r["end_reason"] for r in records) == ["shutting_down", "shutting_down"], records

@@ -3,9 +3,12 @@
 With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app; so
 does the Wyoming server for Home Assistant with `[wyoming] port` (voice/transports/wyoming.py).
 The app also owns the call records (`voice.records`), authentication (`voice.auth`) and the
-graceful shutdown: `VoiceServer` (what `voice serve` runs) stops accepting connections, lets
+graceful shutdown: `VoiceServer` (what `voice serve` runs) stops admitting sessions, lets
 turns in flight finish for up to `limits.shutdown_grace_s`, then ends every session with
-`shutting_down` (websocket close 1001, SIP BYE) before uvicorn closes the sockets.
+`shutting_down` (websocket close 1001, SIP BYE) before uvicorn closes the sockets. It keeps
+listening meanwhile, so that a load balancer sees the drain: /healthz answers 503, and a new
+websocket is refused with HTTP 503 before the upgrade, which a balancer retries on another
+instance (docs/SCALING.md).
 """
 
 from __future__ import annotations
@@ -127,15 +130,27 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
         assert state.stages is not None  # loaded at startup, before any connection is served
         return state.stages
 
+    async def refused_while_draining(ws: WebSocket) -> bool:
+        """While draining, answer a new websocket HTTP 503 before the upgrade: a load balancer retries
+        it on another instance (an error after the upgrade it could not)."""
+        if not state.draining or "websocket.http.response" not in ws.scope.get("extensions", {}):
+            return False  # (a server without the denial extension: admission refuses it after the upgrade)
+        body = {"error": {"code": "shutting_down", "message": "the server is shutting down; try again in a moment"}}
+        await ws.send_denial_response(JSONResponse(body, status_code=503, headers={"retry-after": "1"}))
+        return True
+
     async def ws_native(ws: WebSocket):
-        await native.handle(ws, loaded(), auth)
+        if not await refused_while_draining(ws):
+            await native.handle(ws, loaded(), auth)
 
     async def ws_realtime(ws: WebSocket):
         from voice.transports import realtime
-        await realtime.handle(ws, loaded(), auth)
+        if not await refused_while_draining(ws):
+            await realtime.handle(ws, loaded(), auth)
 
     async def ws_twilio(ws: WebSocket):
-        await twilio.handle(ws, loaded(), auth)
+        if not await refused_while_draining(ws):
+            await twilio.handle(ws, loaded(), auth)
 
     async def healthz(request: Request):
         stages = state.stages
@@ -221,15 +236,15 @@ async def _probe(lm, interval: float) -> None:
 
 
 class VoiceServer(uvicorn.Server):
-    """uvicorn, but on shutdown the app drains first (turns finish, sessions get a goodbye)."""
+    """uvicorn, but on shutdown the app drains first (turns finish, sessions get a goodbye), still
+    listening: /healthz says 503 `shutting_down` meanwhile, so a load balancer takes this instance
+    out instead of finding its port closed."""
 
     def __init__(self, config: uvicorn.Config, app: Starlette):
         super().__init__(config)
         self.voice_app = app
 
     async def shutdown(self, sockets=None) -> None:
-        for server in self.servers:  # stop accepting new connections
-            server.close()
         try:
             await self.voice_app.state.drain()
         except Exception:  # noqa: BLE001 - shutting down regardless

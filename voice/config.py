@@ -41,6 +41,33 @@ class VadConfig:
             raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
 
 
+TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined")
+
+
+@dataclass
+class TurnConfig:
+    """When the user's turn is over (voice/endofturn.py): after `min_silence_ms` of silence the policy
+    weighs how likely the turn is over and waits for more silence the less likely it is, up to
+    `ceiling_ms`, where it is over regardless. `fixed`: the VAD's hangover alone (vad.hangover_ms)."""
+
+    policy: str = "combined"  # fixed | smart_turn (the audio) | lm (the transcript) | combined (the lower of both)
+    min_silence_ms: int = 200  # silence before the policy is first asked
+    ceiling_ms: int = 1000  # silence after which the turn is over whatever the policy thinks
+    threshold: float | None = None  # done at min_silence_ms from this probability on; None: the policy's calibrated
+    threads: int = 1  # Smart Turn's CPU threads (it shares the cores with ASR, LM and TTS)
+
+    def __post_init__(self) -> None:
+        if self.policy not in TURN_POLICIES:
+            raise ValueError(f"turn.policy must be one of {', '.join(TURN_POLICIES)}, not {self.policy!r}")
+        if not 0 < self.min_silence_ms <= self.ceiling_ms:
+            raise ValueError(f"turn.min_silence_ms must be positive and at most turn.ceiling_ms, got "
+                             f"{self.min_silence_ms} and {self.ceiling_ms}")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            raise ValueError(f"turn.threshold must be within (0, 1], got {self.threshold}")
+        if self.threads < 1:
+            raise ValueError(f"turn.threads must be at least 1, got {self.threads}")
+
+
 @dataclass
 class AsrConfig:
     model: str = "tiny.en"  # packaged tiny.en | packaged base (multilingual) | a CTranslate2 folder | a size name
@@ -384,6 +411,7 @@ class FaultsConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     vad: VadConfig = field(default_factory=VadConfig)
+    turn: TurnConfig = field(default_factory=TurnConfig)
     asr: AsrConfig = field(default_factory=AsrConfig)
     lm: LmConfig = field(default_factory=LmConfig)
     tts: TtsConfig = field(default_factory=TtsConfig)

@@ -1,0 +1,195 @@
+"""Is the user's turn over? Asked once they have been quiet a short while (`turn.min_silence_ms`).
+
+A fixed VAD hangover is both too long for a finished "Yes." and too short for someone pausing in
+the middle of a phone number. Two signals say which it is: Smart Turn v3.2 (Pipecat's ~8M-parameter
+audio model, BSD-2) hears whether the speech so far sounds finished, and the LM reads whether the
+transcript so far is (the probability of its end-of-turn token right after the user's words,
+`voice.lm.Chat.end_of_turn_probability`). The less likely the turn is over, the longer the policy
+waits in silence: done at `min_silence_ms` from the policy's threshold on, then a threshold falling
+linearly to 0 at `ceiling_ms`, where the turn is over whatever the signals say. If the user speaks
+again before then, it was a pause, and the next silence asks again.
+
+`EndOfTurn.decide` runs Smart Turn on the scheduler's "endofturn" worker as work someone waits for,
+beside the LM's forward on the engine's own thread, never on the event loop. Figures (cut-offs,
+waits, CPU per decision): `voice eot-eval`, BENCHMARKS.md "End of turn".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import importlib.metadata
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+from faster_whisper.feature_extractor import FeatureExtractor
+
+from engine.common.packages import MissingPackageError
+from voice.config import TurnConfig, VadConfig
+from voice.scheduler import Scheduler, Worker
+
+SAMPLE_RATE = 16000
+
+# Smart Turn v3.2, int8 ONNX, as shipped in the pipecat-ai wheel (./dev installs it --no-deps)
+SMART_TURN_PACKAGE, SMART_TURN_VERSION = "pipecat-ai", "1.14.0"
+SMART_TURN_FILE = "pipecat/audio/turn/smart_turn/data/smart-turn-v3.2-cpu.onnx"
+SMART_TURN_SIZE = 8_679_182
+SMART_TURN_SHA256 = "2bb026316b14a660486a75b1733cd3fbab8c2fd0314dc9af7be49f8cca967e4f"
+SMART_TURN_WINDOW_S = 8  # it hears the last 8 s, zero-padded in front when shorter
+
+# Probability from which a policy says "done" at min_silence_ms, calibrated on the calibration split of
+# `voice eot-eval` (BENCHMARKS.md, "End of turn"); `turn.threshold` overrides it.
+THRESHOLDS = {"smart_turn": 0.1, "lm": 0.65, "combined": 0.55}
+
+# OpenAI Realtime's semantic_vad eagerness: how soon to answer. (threshold scale, ceiling scale)
+EAGERNESS = {"low": (1.5, 1.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "high": (0.5, 0.6)}
+
+TextSignal = Callable[[str], Awaitable[float | None]]  # transcript -> the LM's probability (None: no signal)
+
+
+def smart_turn_path() -> Path:
+    """Smart Turn's ONNX inside the installed pipecat-ai, checked by size and SHA-256."""
+    try:
+        dist = importlib.metadata.distribution(SMART_TURN_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is None or dist.version != SMART_TURN_VERSION:
+        found = f"version {dist.version} is installed" if dist else "it is not installed"
+        raise MissingPackageError(f"Smart Turn needs {SMART_TURN_PACKAGE}=={SMART_TURN_VERSION} ({found}): "
+                                  f"pip install --no-deps {SMART_TURN_PACKAGE}=={SMART_TURN_VERSION} (./dev setup)")
+    return checked(Path(str(dist.locate_file(SMART_TURN_FILE))), SMART_TURN_SIZE, SMART_TURN_SHA256)
+
+
+def checked(path: Path, size: int, sha256: str) -> Path:
+    """`path` if it is the file of that size and SHA-256, else MissingPackageError saying how to mend it."""
+    if not path.is_file():
+        raise MissingPackageError(f"{path} is missing: reinstall {SMART_TURN_PACKAGE}=={SMART_TURN_VERSION}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if path.stat().st_size != size or digest != sha256:
+        raise MissingPackageError(f"{path} is not the file we checked ({path.stat().st_size} bytes, SHA-256 "
+                                  f"{digest}; expected {size}, {sha256}): pip install --force-reinstall --no-deps "
+                                  f"{SMART_TURN_PACKAGE}=={SMART_TURN_VERSION}")
+    return path
+
+
+class SmartTurn:
+    """Smart Turn v3.2: the probability that speech ending where the audio ends is a finished turn.
+
+    Its input is Whisper's 80-bin log-mel spectrogram of the last 8 s (zero-mean, unit-variance
+    samples first), which faster-whisper's own feature extractor computes (checked against Pipecat's:
+    within 5e-6). Thread-safe: onnxruntime sessions may run concurrently."""
+
+    def __init__(self, path: Path | None = None, threads: int = 1) -> None:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        self.session = onnxruntime.InferenceSession(str(path or smart_turn_path()), options,
+                                                    providers=["CPUExecutionProvider"])
+        self.features = FeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE, chunk_length=SMART_TURN_WINDOW_S)
+
+    def probability(self, audio: np.ndarray) -> float:
+        """`audio`: 16 kHz mono float in [-1, 1], the utterance so far with its trailing silence."""
+        window = np.zeros(SMART_TURN_WINDOW_S * SAMPLE_RATE, dtype=np.float32)
+        tail = np.asarray(audio, dtype=np.float32)[-len(window):]
+        if len(tail):
+            window[-len(tail):] = tail
+        window = (window - window.mean()) / np.sqrt(window.var() + 1e-7)
+        mel = self.features(window, padding=0)  # (80, 800): 10 ms hops over 8 s
+        (out,) = self.session.run(None, {"input_features": mel[np.newaxis].astype(np.float32)})
+        return float(np.asarray(out).ravel()[0])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The policy's answer at `silence_ms` of silence."""
+
+    done: bool  # the turn is over now
+    wait_ms: int  # the silence at which it is over if the user stays quiet (<= silence_ms when done)
+    probability: float | None = None  # the combined probability that the turn is over (None: not asked)
+    audio: float | None = None  # Smart Turn's probability
+    text: float | None = None  # the LM's probability
+    spent_ms: float = 0.0  # wall time the signals took (they run at once)
+
+
+def wait_for(probability: float, threshold: float, min_silence_ms: int, ceiling_ms: int) -> int:
+    """The silence after which the turn is over: `min_silence_ms` from `threshold` on, then longer as
+    the probability falls, up to `ceiling_ms` at 0."""
+    short = min(probability / threshold, 1.0) if threshold > 0 else 1.0
+    return round(ceiling_ms - short * (ceiling_ms - min_silence_ms))
+
+
+def for_eagerness(config: TurnConfig, eagerness: str) -> TurnConfig:
+    """The Realtime API's `semantic_vad` eagerness on our policy: `low` waits for more certainty and
+    longer (up to 1.5x the ceiling), `high` answers sooner (half the threshold, 0.6x the ceiling);
+    `medium` and `auto` are the configuration as it is."""
+    if eagerness not in EAGERNESS:
+        raise ValueError(f"eagerness must be one of {', '.join(EAGERNESS)}, not {eagerness!r}")
+    scale_threshold, scale_ceiling = EAGERNESS[eagerness]
+    policy = config.policy if config.policy != "fixed" else "combined"  # semantic_vad asks for a semantic policy
+    threshold = config.threshold if config.threshold is not None else THRESHOLDS[policy]
+    ceiling = max(round(config.ceiling_ms * scale_ceiling), config.min_silence_ms)
+    return dataclasses.replace(config, policy=policy, threshold=min(threshold * scale_threshold, 1.0),
+                               ceiling_ms=ceiling)
+
+
+class EndOfTurn:
+    """The configured policy, shared by every session. `decide` is the one question."""
+
+    def __init__(self, config: TurnConfig, vad: VadConfig, scheduler: Scheduler | None = None,
+                 smart_turn: SmartTurn | None = None) -> None:
+        self.config, self.vad = config, vad
+        needs_audio = config.policy in ("smart_turn", "combined")
+        self.smart_turn = smart_turn or (SmartTurn(threads=config.threads) if needs_audio else None)
+        self.worker: Worker = (scheduler or Scheduler()).worker("endofturn")
+
+    @property
+    def threshold(self) -> float:
+        policy = self.config.policy
+        return self.config.threshold if self.config.threshold is not None else THRESHOLDS.get(policy, 1.0)
+
+    async def decide(self, audio: np.ndarray, silence_ms: int, text: str | None,
+                     text_signal: TextSignal | None = None) -> Verdict:
+        """Is the turn over, `silence_ms` into a silence after `audio` (the utterance so far, 16 kHz
+        float, its silence included) in which the user said `text` (a transcript, None if there is
+        none yet)? `text_signal`: the session's LM (`chat.end_of_turn_probability` with the
+        conversation bound). Not done: it is once silence reaches `wait_ms`, unless the user speaks."""
+        cfg = self.config
+        if cfg.policy == "fixed":
+            return Verdict(silence_ms >= self.vad.hangover_ms, self.vad.hangover_ms)
+        if silence_ms < cfg.min_silence_ms:
+            return Verdict(False, cfg.min_silence_ms)
+        if silence_ms >= cfg.ceiling_ms:
+            return Verdict(True, cfg.ceiling_ms)
+        start = time.perf_counter()
+        audio_p, text_p = await asyncio.gather(self._audio(audio), self._text(text, text_signal))
+        spent = (time.perf_counter() - start) * 1000
+        probability = self.combine(audio_p, text_p)
+        if probability is None:  # no signal at all (the LM alone, without a transcript): the VAD's hangover
+            wait = min(max(self.vad.hangover_ms, cfg.min_silence_ms), cfg.ceiling_ms)
+        else:
+            wait = wait_for(probability, self.threshold, cfg.min_silence_ms, cfg.ceiling_ms)
+        return Verdict(silence_ms >= wait, wait, probability, audio_p, text_p, spent)
+
+    @staticmethod
+    def combine(audio: float | None, text: float | None) -> float | None:
+        """The policy's probability from the signals it has: the lower of the two, so the turn ends at
+        once only when the speech sounds finished and the words read finished (Smart Turn alone calls
+        most pauses in a list or a number finished); one alone when the other is missing."""
+        if audio is None or text is None:
+            return audio if text is None else text
+        return min(audio, text)
+
+    async def _audio(self, audio: np.ndarray) -> float | None:
+        if self.smart_turn is None or not len(audio):
+            return None
+        return await asyncio.wrap_future(self.worker.submit(self.smart_turn.probability, audio))
+
+    async def _text(self, text: str | None, signal: TextSignal | None) -> float | None:
+        if self.config.policy not in ("lm", "combined") or signal is None or not text or not text.strip():
+            return None
+        return await signal(text.strip())

@@ -1,4 +1,4 @@
-"""`voice serve | bench | mic | records | soak`."""
+"""`voice serve | bench | mic | records | soak | eot-eval`."""
 
 from __future__ import annotations
 
@@ -75,6 +75,21 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_eot_eval(a) -> int:
+    import json
+
+    from voice.eot_eval import load_records, run, summarise, table
+    config = load_config(a.config)
+    if a.records:
+        report = summarise(load_records(Path(a.records)), config, a.phone)
+    else:
+        report = run(config, Path(a.json) if a.json else None, phone=a.phone, synthetic=not a.no_synthetic,
+                     use_lm=not a.no_lm)
+    print(table(report))
+    print(json.dumps({k: v for k, v in report.items() if k != "policies"}))
+    return 0
+
+
 def cmd_mic(a) -> int:
     from voice.clients import mic
     if a.list_devices:
@@ -117,6 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=float, default=1500.0,
                    help="voice-to-voice p95 budget for the --sessions sweep (the CPU profile's)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("eot-eval", help="end-of-turn policies: false cut-offs and wait after the end of speech",
+                       description="Builds the end-of-turn set (tests/speech whole and with pauses inserted, Piper "
+                                   "sentences), streams it through the VAD, Smart Turn and the LM's signal, "
+                                   "calibrates each policy on one split and reports the held-out one "
+                                   "(voice/eot_eval.py; BENCHMARKS.md \"End of turn\").")
+    p.add_argument("--config", default=None, help="TOML config ([turn], [vad], [asr], [lm], [tts])")
+    p.add_argument("--json", default="", help="write the report and every item's signals here")
+    p.add_argument("--phone", action="store_true", help="every item through 8 kHz G.711 µ-law first, as Twilio/SIP")
+    p.add_argument("--no-synthetic", action="store_true", help="only the real recordings (no Piper)")
+    p.add_argument("--no-lm", action="store_true", help="without the LM's signal (no LM loaded)")
+    p.add_argument("--records", default="", help="score the policies again on the signals a run wrote with --json "
+                                                 "(no models loaded)")
+    p.set_defaults(func=cmd_eot_eval)
 
     p = sub.add_parser("mic", help="talk to a running service from this machine's microphone (use headphones)",
                        description="Full duplex: stream the microphone to the service, play its replies, show a "

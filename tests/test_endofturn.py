@@ -1,0 +1,199 @@
+"""End of turn (voice/endofturn.py): Smart Turn on real recordings, its file's SHA-256 check, the
+LM's end-of-turn probability, the policy's waits and the Realtime eagerness mapping.
+
+The Smart Turn and LM tests load real models (slow); the policy's logic runs with the real Smart
+Turn where it matters and with the fakes' LM signal otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.common.packages import MissingPackageError
+from voice.audio import read_wav
+from voice.config import TurnConfig, VadConfig
+from voice.endofturn import (SMART_TURN_SHA256, SMART_TURN_SIZE, THRESHOLDS, EndOfTurn, SmartTurn, checked,
+                             for_eagerness, smart_turn_path, wait_for)
+from voice.eot_eval import boundary_s, speech_end_s
+
+pytestmark = pytest.mark.slow
+
+SPEECH = Path(__file__).resolve().parent / "speech"
+RATE = 16000
+
+
+def recording(name: str) -> np.ndarray:
+    audio, rate = read_wav(SPEECH / name)
+    assert rate == RATE
+    return audio
+
+
+def with_silence(audio: np.ndarray, seconds: float = 0.2) -> np.ndarray:
+    """The utterance as the policy gets it: speech, then the silence heard so far."""
+    return np.concatenate([audio[:int(speech_end_s(audio) * RATE)], np.zeros(int(seconds * RATE), np.float32)])
+
+
+@pytest.fixture(scope="module")
+def smart_turn() -> SmartTurn:
+    return SmartTurn()
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from faster_whisper import WhisperModel
+
+    from voice.asr import model_folder
+    return WhisperModel(model_folder("tiny.en"), compute_type="int8")
+
+
+@pytest.mark.parametrize("name, cut_at_word", [("005.wav", 4), ("goforward.wav", 2), ("002.wav", 1)])
+def test_smart_turn_hears_a_finished_recording_above_one_cut_mid_sentence(smart_turn, whisper, name, cut_at_word):
+    audio = recording(name)
+    words = [w for s in whisper.transcribe(audio, language="en", word_timestamps=True)[0] for w in (s.words or [])]
+    cut = boundary_s(audio, words[cut_at_word - 1].end, words[cut_at_word].start)
+    whole = smart_turn.probability(with_silence(audio))
+    mid_sentence = smart_turn.probability(with_silence(audio[:int(cut * RATE)]))
+    assert whole > 0.8 and mid_sentence < whole - 0.3, (whole, mid_sentence)
+
+
+def test_the_packaged_smart_turn_file_is_found_and_checked():
+    path = smart_turn_path()
+    assert path.name == "smart-turn-v3.2-cpu.onnx" and path.stat().st_size == SMART_TURN_SIZE
+
+
+def test_a_modified_smart_turn_file_is_refused(tmp_path):
+    copy = tmp_path / "smart-turn.onnx"
+    shutil.copyfile(smart_turn_path(), copy)
+    assert checked(copy, SMART_TURN_SIZE, SMART_TURN_SHA256) == copy
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, same size
+    copy.write_bytes(bytes(data))
+    with pytest.raises(MissingPackageError, match="not the file we checked"):
+        checked(copy, SMART_TURN_SIZE, SMART_TURN_SHA256)
+    with pytest.raises(MissingPackageError, match="missing"):
+        checked(tmp_path / "absent.onnx", SMART_TURN_SIZE, SMART_TURN_SHA256)
+
+
+def test_the_lms_end_of_turn_probability_is_higher_after_a_whole_question_than_a_cut_one():
+    from voice.config import LmConfig
+    from voice.lm import LocalLM
+    lm = LocalLM(LmConfig())
+    messages = [{"role": "system", "content": LmConfig().system_prompt}]
+
+    async def probabilities() -> tuple[float | None, ...]:
+        chat = lm.chat()
+        try:
+            return tuple([await chat.end_of_turn_probability(messages, text) for text in
+                          ("What time is it in Tokyo?", "What time is it in", "Go forward ten meters.", "Go forward")])
+        finally:
+            chat.close()
+
+    whole_q, cut_q, whole_s, cut_s = asyncio.run(probabilities())
+    assert whole_q is not None and cut_q is not None and whole_s is not None and cut_s is not None
+    assert whole_q > 0.5 > cut_q and whole_s > 0.5 > cut_s, (whole_q, cut_q, whole_s, cut_s)
+    # the probe left the user's words in the conversation's cache: the reply prefills only what follows
+    chat = lm.chat()
+
+    async def reply_after_probe() -> int:
+        await chat.end_of_turn_probability(messages, "What time is it in Tokyo?")
+        async for piece in lm.engine.stream([*messages, {"role": "user", "content": "What time is it in Tokyo?"}],
+                                            conversation=chat.conversation, max_new_tokens=1):
+            return piece.prefilled_tokens
+        return -1
+
+    assert 0 < asyncio.run(reply_after_probe()) <= 6
+    chat.close()
+
+
+def test_wait_falls_from_the_ceiling_to_min_silence_as_the_probability_rises():
+    waits = [wait_for(p, 0.6, 200, 1000) for p in (0.0, 0.3, 0.6, 0.9)]
+    assert waits == [1000, 600, 200, 200]
+
+
+def policy(smart_turn: SmartTurn | None, **turn) -> EndOfTurn:
+    return EndOfTurn(TurnConfig(**turn), VadConfig(), smart_turn=smart_turn)
+
+
+def text_signal(probability: float | None):
+    asked: list[str] = []
+
+    async def signal(text: str) -> float | None:
+        asked.append(text)
+        return probability
+    return signal, asked
+
+
+def test_the_policy_waits_up_to_its_ceiling_and_no_longer():
+    unsure, asked = text_signal(0.0)
+    eot = policy(None, policy="lm", min_silence_ms=200, ceiling_ms=900, threshold=0.5)
+    audio = np.zeros(RATE, np.float32)
+    early = asyncio.run(eot.decide(audio, 100, "I would like", unsure))
+    assert not early.done and early.wait_ms == 200 and asked == []  # too soon to ask anyone
+    asked_at_min = asyncio.run(eot.decide(audio, 200, "I would like", unsure))
+    assert not asked_at_min.done and asked_at_min.wait_ms == 900 and asked == ["I would like"]
+    assert not asyncio.run(eot.decide(audio, 880, "I would like", unsure)).done
+    at_ceiling = asyncio.run(eot.decide(audio, 900, "I would like", unsure))
+    assert at_ceiling.done and at_ceiling.wait_ms == 900 and asked == ["I would like"] * 2  # not asked there
+
+
+def test_a_sure_signal_ends_the_turn_at_min_silence_and_no_signal_falls_back_to_the_hangover():
+    sure, _ = text_signal(0.95)
+    eot = policy(None, policy="lm", min_silence_ms=200, ceiling_ms=1000, threshold=0.5)
+    audio = np.zeros(RATE, np.float32)
+    verdict = asyncio.run(eot.decide(audio, 200, "Yes.", sure))
+    assert verdict.done and verdict.wait_ms == 200 and verdict.text == 0.95
+    silent, _ = text_signal(None)  # a remote LM: no probability
+    verdict = asyncio.run(eot.decide(audio, 200, "Yes.", silent))
+    assert not verdict.done and verdict.wait_ms == VadConfig().hangover_ms and verdict.probability is None
+
+
+def test_the_fixed_policy_is_the_hangover():
+    eot = policy(None, policy="fixed")
+    audio = np.zeros(RATE, np.float32)
+    assert not asyncio.run(eot.decide(audio, 380, "Yes.")).done
+    assert asyncio.run(eot.decide(audio, 400, "Yes.")).done
+
+
+def test_the_combined_policy_waits_longer_after_a_cut_real_recording(smart_turn):
+    """Smart Turn and the LM together, on a real recording: whole, done at once; cut after "go", the
+    policy keeps listening (the LM's signal here is the fakes' punctuation rule)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fakes import FakeLM
+    chat = FakeLM().chat()
+    eot = policy(smart_turn, policy="combined", min_silence_ms=200, ceiling_ms=1000)
+    audio = recording("goforward.wav")
+
+    async def signal(text: str) -> float | None:
+        return await chat.end_of_turn_probability([], text)
+
+    whole = asyncio.run(eot.decide(with_silence(audio), 200, "Go forward ten meters.", signal))
+    cut = asyncio.run(eot.decide(with_silence(audio[:int(0.9 * RATE)]), 200, "Go", signal))
+    assert whole.done and whole.audio is not None and whole.spent_ms > 0
+    assert not cut.done and cut.wait_ms > whole.wait_ms + 300, (whole, cut)
+
+
+def test_eagerness_maps_onto_threshold_and_ceiling():
+    base = TurnConfig(policy="combined", ceiling_ms=1000)
+    low, medium, high = (for_eagerness(base, e) for e in ("low", "medium", "high"))
+    assert medium == dataclasses.replace(base, threshold=THRESHOLDS["combined"]) == for_eagerness(base, "auto")
+    assert low.threshold is not None and medium.threshold is not None and high.threshold is not None
+    assert low.threshold > medium.threshold > high.threshold
+    assert low.ceiling_ms > medium.ceiling_ms > high.ceiling_ms >= base.min_silence_ms
+    assert for_eagerness(TurnConfig(policy="fixed"), "high").policy == "combined"  # semantic_vad is semantic
+    with pytest.raises(ValueError, match="eagerness"):
+        for_eagerness(base, "eager")
+
+
+def test_turn_config_refuses_nonsense():
+    with pytest.raises(ValueError, match="policy"):
+        TurnConfig(policy="guess")
+    with pytest.raises(ValueError, match="min_silence_ms"):
+        TurnConfig(min_silence_ms=1200, ceiling_ms=1000)
+    with pytest.raises(ValueError, match="threshold"):
+        TurnConfig(threshold=1.5)

@@ -1,0 +1,452 @@
+"""`voice eot-eval`: how often each end-of-turn policy cuts a user off, and how long it waits.
+
+The set (built on the fly, nothing big in the repo): the real recordings of tests/speech whole,
+and again with a pause of PAUSES_S inserted between two of their words; sentences Piper speaks
+(SYNTHETIC: phone numbers, lists, "um", a question with more words after it, short answers),
+whole and with pauses at the marked words, labelled synthetic. Word boundaries come from
+faster-whisper's word timestamps; a pause is filled with the recording's own quietest audio.
+Each item is labelled with where speech really ends (`true_end_s`); items split into calibration
+and held-out by a hash of their utterance (`split_of`).
+
+Each item is streamed in VAD frames as the service hears it (voice.vad.Endpointer, pre-roll
+included). Every silence that reaches `turn.min_silence_ms` asks the policy's signals once, as
+the service would: Smart Turn on the utterance so far, and the LM on Whisper's transcript of it.
+Since every policy asks at the same moments, the signals are recorded once and each policy's
+verdict follows from them (`wait_for`), which lets thresholds be calibrated without running the
+models again. A policy that says "done" in a silence after which the user speaks again has cut them off;
+otherwise its wait is the silence from `true_end_s` to its decision. The signals' own time is
+reported beside it (it adds to the wait only when the policy ends the turn as soon as it asks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
+from voice.config import Config, VadConfig
+from voice.endofturn import EndOfTurn, SmartTurn, wait_for
+
+log = logging.getLogger("voice.eot_eval")
+SAMPLE_RATE = 16000
+SPEECH = Path(__file__).resolve().parent.parent / "tests" / "speech"
+PRE_ROLL_S = 0.3  # as voice.turns: audio from before the VAD's start goes with the utterance
+TAIL_S = 2.0  # silence after the last word: past any ceiling
+PAUSES_S = (0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2, 1.5)  # inserted mid-sentence, taken in turn
+# Calibration: the fewest cut-offs among thresholds that answer at least this much sooner (p50) than
+# the fixed hangover (the issue's goal for voice-to-voice latency)
+FASTER_BY_MS = 150
+
+# Piper sentences: the words after which a pause is inserted (1-based word counts), none = complete only
+SYNTHETIC: tuple[tuple[str, tuple[int, ...]], ...] = (
+    ("Yes.", ()),
+    ("No.", ()),
+    ("Stop.", ()),
+    ("Okay, thanks.", ()),
+    ("What time is it?", ()),
+    ("Turn off the lights.", ()),
+    ("My number is five five five, zero one four two, eight eight seven six.", (5, 9)),
+    ("The code is four seven one nine.", (3, 5)),
+    ("I need eggs, milk, bread, and some butter.", (4, 5)),
+    ("Add apples, oranges, and bananas to my shopping list.", (3,)),
+    ("I'd like to book a table for, um, four people tonight.", (7, 8)),
+    ("Set a timer for, uh, twenty minutes.", (4, 5)),
+    ("Play some music by, hmm, the Beatles.", (5,)),
+    ("What's the weather like? In Paris, I mean, tomorrow.", (4,)),
+    ("Can you remind me to call my mother at six?", (6,)),
+    ("How far is it from Berlin to Munich by train?", (6,)),
+    ("Tell me a joke about cats.", (4,)),
+    ("So I was thinking, maybe we could go to the beach on Saturday.", (4, 6)),
+)
+
+
+@dataclass
+class Item:
+    id: str
+    source: str  # the recording or sentence it was made from (the split follows it)
+    kind: str  # real | synthetic
+    text: str
+    audio: np.ndarray = field(repr=False)
+    true_end_s: float  # where the user really finished
+    pauses: list[tuple[float, float]]  # inserted (start s, length s)
+
+    @property
+    def split(self) -> str:
+        return split_of(self.id)
+
+
+def split_of(item_id: str) -> str:
+    """calibration | heldout, by a hash of the item's utterance: a whole recording, or one place a pause
+    went in (its two pause lengths stay together). Seven real recordings split whole would leave
+    the two halves too unlike each other."""
+    key = re.sub(r"/[0-9.]+s$", "", item_id)
+    return "calibration" if hashlib.sha1(key.encode()).digest()[0] % 2 == 0 else "heldout"
+
+
+@dataclass
+class Ask:
+    """One silence that reached min_silence_ms, and what the signals said there."""
+
+    silence_start_s: float  # audio time the VAD's silence began
+    silence_s: float  # how long it lasted before speech resumed (or the item ended)
+    audio: float | None
+    text: float | None
+    transcript: str
+    smart_turn_ms: float  # wall time
+    smart_turn_cpu_ms: float  # its thread's CPU time (onnxruntime runs on it with one intra-op thread)
+    asr_ms: float
+    lm_ms: float  # wall time of the LM's forward (on the engine's thread, queued with nothing else)
+
+
+@dataclass
+class Record:
+    id: str
+    source: str
+    kind: str
+    split: str
+    text: str
+    true_end_s: float
+    pauses: list[tuple[float, float]]
+    silences: list[tuple[float, float]]  # every VAD silence run in speech: (start s, length s)
+    asks: list[Ask]
+
+
+# --- the set ------------------------------------------------------------------------------------
+
+def _frames_rms(audio: np.ndarray, frame: int = 160) -> np.ndarray:
+    n = len(audio) // frame
+    return np.sqrt(np.mean(np.square(audio[:n * frame].reshape(n, frame), dtype=np.float64), axis=1))
+
+
+def speech_end_s(audio: np.ndarray) -> float:
+    """Where the last speech ends: the last 10 ms frame well above the noise floor."""
+    rms = _frames_rms(audio)
+    floor = float(np.percentile(rms, 10))
+    loud = np.nonzero(rms > max(4 * floor, 0.02 * float(rms.max())))[0]
+    return float((loud[-1] + 1) * 0.01) if len(loud) else 0.0
+
+
+QUIET_MAX = 0.0005  # -66 dBFS: the loudest room noise a pause gets (webrtcvad hears louder white noise as speech)
+
+
+def quiet_fill(audio: np.ndarray, seconds: float) -> np.ndarray:
+    """`seconds` of noise at the recording's noise floor (its quietest 10 ms frames), at most QUIET_MAX:
+    a pause in the same room (a quiet stretch of it repeated clicks at every join, which webrtcvad
+    hears, and some recordings are cut too tight to hold one)."""
+    level = min(float(np.percentile(_frames_rms(audio), 10)), QUIET_MAX)
+    rng = np.random.default_rng(len(audio))
+    return (rng.standard_normal(int(seconds * SAMPLE_RATE)) * level).astype(np.float32)
+
+
+def boundary_s(audio: np.ndarray, end_s: float, next_start_s: float) -> float:
+    """The quietest 10 ms between one word's end and the next word's start (Whisper's times are rough)."""
+    lo, hi = max(end_s - 0.05, 0.0), max(next_start_s + 0.05, end_s)
+    rms = _frames_rms(audio[int(lo * SAMPLE_RATE):int(hi * SAMPLE_RATE)])
+    return lo + (int(np.argmin(rms)) * 0.01 if len(rms) else 0.0)
+
+
+def with_pause(audio: np.ndarray, at_s: float, pause_s: float) -> np.ndarray:
+    cut = int(at_s * SAMPLE_RATE)
+    return np.concatenate([audio[:cut], quiet_fill(audio, pause_s), audio[cut:]])
+
+
+def _items_from(source: str, kind: str, text: str, audio: np.ndarray, words: list[tuple[float, float]],
+                after: tuple[int, ...], counter: list[int]) -> list[Item]:
+    """The whole utterance, and one copy per (boundary, pause) with the pause inserted."""
+    audio = np.concatenate([audio, quiet_fill(audio, TAIL_S)])
+    out = [Item(f"{source}/whole", source, kind, text, audio, speech_end_s(audio), [])]
+    for k in after:
+        if not 0 < k < len(words):
+            continue
+        at = boundary_s(audio, words[k - 1][1], words[k][0])
+        for _ in range(2):
+            pause = PAUSES_S[counter[0] % len(PAUSES_S)]
+            counter[0] += 1
+            paused = with_pause(audio, at, pause)
+            out.append(Item(f"{source}/after{k}/{pause:.2f}s", source, kind, text, paused,
+                            speech_end_s(paused), [(at, pause)]))
+    return out
+
+
+def build_items(whisper_model, piper_voice, phone: bool = False) -> list[Item]:
+    """The evaluation set (see the module's docstring); `phone`: every item through 8 kHz G.711 µ-law."""
+    counter = [0]
+    items: list[Item] = []
+    transcripts = dict(line.split("\t", 1) for line in (SPEECH / "transcripts.tsv").read_text().splitlines()[1:])
+    for name in sorted(transcripts):
+        audio, rate = read_wav(SPEECH / name)
+        audio = resample(audio, rate, SAMPLE_RATE)
+        words = _word_times(whisper_model, audio)
+        items += _items_from(f"real/{name}", "real", transcripts[name].strip(), audio, words,
+                             tuple(range(1, len(words))), counter)
+    if piper_voice is not None:
+        for text, after in SYNTHETIC:
+            chunks = list(piper_voice.synthesize(text))
+            audio = resample(np.concatenate([c.audio_float_array for c in chunks]),
+                             piper_voice.config.sample_rate, SAMPLE_RATE)
+            audio = np.concatenate([np.zeros(int(0.3 * SAMPLE_RATE), np.float32), audio])
+            slug = re.sub(r"[^a-z]+", "-", text.lower()).strip("-")[:40]
+            items += _items_from(f"piper/{slug}", "synthetic", text, audio, _word_times(whisper_model, audio),
+                                 after, counter)
+    if phone:
+        items = [replace(item, audio=telephone(item.audio)) for item in items]
+    return items
+
+
+def telephone(audio: np.ndarray) -> np.ndarray:
+    """What a phone call delivers: 8 kHz G.711 µ-law, upsampled back to 16 kHz as the service does."""
+    narrow = np.clip(resample(audio, SAMPLE_RATE, 8000) * 32768, -32768, 32767).astype(np.int16)
+    return resample(ulaw_decode(ulaw_encode(narrow)).astype(np.float32) / 32768, 8000, SAMPLE_RATE)
+
+
+def _word_times(whisper_model, audio: np.ndarray) -> list[tuple[float, float]]:
+    segments, _ = whisper_model.transcribe(audio, language="en", word_timestamps=True, vad_filter=False,
+                                           condition_on_previous_text=False)
+    return [(w.start, w.end) for s in segments for w in (s.words or [])]
+
+
+# --- streaming the items ------------------------------------------------------------------------
+
+async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: SmartTurn | None,
+                  transcribe, chat_factory, system_prompt: str, frame_ms: int = 20) -> Record:
+    """Stream `item` in VAD frames; ask the signals once per silence that reaches `min_silence_ms`."""
+    from voice.audio import float_to_pcm16
+    from voice.vad import Endpointer, SpeechStarted
+    endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)  # never stops speech by itself
+    frame = SAMPLE_RATE * frame_ms // 1000
+    start_s: float | None = None
+    silences: list[tuple[float, float]] = []
+    asks: list[Ask] = []
+    asked = False
+    chat = chat_factory() if chat_factory else None
+    messages = [{"role": "system", "content": system_prompt}]
+    if chat is not None:
+        await chat.prepare(messages)  # as a session does while its user speaks: the system prompt is cached
+    for offset in range(0, len(item.audio) - frame + 1, frame):
+        now = (offset + frame) / SAMPLE_RATE
+        for event in endpointer.push(float_to_pcm16(item.audio[offset:offset + frame])):
+            if isinstance(event, SpeechStarted) and start_s is None:
+                start_s = max(event.t_audio_s - PRE_ROLL_S - vad.start_ms / 1000, 0.0)
+        if start_s is None or not endpointer.in_speech:
+            continue
+        silence_ms = endpointer.silence_ms
+        if silence_ms == 0:
+            asked = False
+            continue
+        if silence_ms == frame_ms:
+            silences.append((now - frame_ms / 1000, 0.0))
+        silences[-1] = (silences[-1][0], now - silences[-1][0])
+        if silence_ms >= min_silence_ms and not asked:
+            asked = True
+            utterance = item.audio[int(start_s * SAMPLE_RATE):offset + frame]
+            asks.append(await _ask(utterance, silences[-1][0], smart_turn, transcribe, chat, messages))
+    for ask in asks:  # how long each asked silence lasted
+        ask.silence_s = next(length for begin, length in silences if begin == ask.silence_start_s)
+    if chat is not None:
+        chat.close()
+    return Record(item.id, item.source, item.kind, item.split, item.text, item.true_end_s, item.pauses,
+                  silences, asks)
+
+
+async def _ask(utterance: np.ndarray, silence_start_s: float, smart_turn: SmartTurn | None, transcribe,
+               chat, messages: list[dict]) -> Ask:
+    audio_p, st_ms, st_cpu_ms = None, 0.0, 0.0
+    if smart_turn is not None:
+        t = time.perf_counter()
+        audio_p, st_cpu_ms = await asyncio.to_thread(_timed, smart_turn.probability, utterance)
+        st_ms = (time.perf_counter() - t) * 1000
+    transcript, text_p, asr_ms, lm_ms = "", None, 0.0, 0.0
+    if transcribe is not None:
+        t = time.perf_counter()
+        transcript = await asyncio.to_thread(transcribe, utterance)
+        asr_ms = (time.perf_counter() - t) * 1000
+        if chat is not None and transcript.strip():
+            t = time.perf_counter()
+            text_p = await chat.end_of_turn_probability(messages, transcript.strip())
+            lm_ms = (time.perf_counter() - t) * 1000
+    return Ask(silence_start_s, 0.0, audio_p, text_p, transcript, st_ms, st_cpu_ms, asr_ms, lm_ms)
+
+
+def _timed(fn, *args) -> tuple[float, float]:
+    """fn(*args) and the CPU time this thread spent on it (ms)."""
+    start = time.thread_time()
+    result = fn(*args)
+    return result, (time.thread_time() - start) * 1000
+
+
+# --- policies on the recorded signals -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    threshold: float = 0.5
+    hangover_ms: int = 400  # fixed only
+
+
+@dataclass
+class Outcome:
+    cut: bool
+    wait_ms: float | None  # of silence after the true end, when not cut
+    spent_ms: float = 0.0  # the signals' time, when the policy ended the turn as soon as it asked them
+
+
+def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int) -> Outcome:
+    """When `policy` ends the turn, on the signals recorded for the item."""
+    asks = {a.silence_start_s: a for a in record.asks}
+    for n, (begin, length) in enumerate(record.silences):
+        ask = asks.get(begin)
+        if policy.name == "fixed":
+            wait_ms, spent = float(policy.hangover_ms), 0.0
+        elif ask is None:
+            continue  # shorter than min_silence_ms: nobody asked
+        else:
+            probability = _probability(policy, ask)
+            wait_ms = ceiling_ms if probability is None else wait_for(probability, policy.threshold,
+                                                                     min_silence_ms, ceiling_ms)
+            spent = _spent(policy, ask) if wait_ms <= min_silence_ms else 0.0  # decided at once: its time shows
+        if length * 1000 >= wait_ms:
+            if n < len(record.silences) - 1:  # the user spoke again after it: a pause, cut
+                return Outcome(True, None)
+            return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent)
+    return Outcome(False, None)  # never decided (speech to the end of the item): counted as undecided
+
+
+def _probability(policy: Policy, ask: Ask) -> float | None:
+    if policy.name == "smart_turn":
+        return ask.audio
+    if policy.name == "lm":
+        return ask.text
+    return EndOfTurn.combine(ask.audio, ask.text)
+
+
+def _spent(policy: Policy, ask: Ask) -> float:
+    """The signals' time on the critical path when the policy decides at once: they run side by side,
+    the LM after the transcript (which the service decodes at early_final_ms anyway)."""
+    audio = ask.smart_turn_ms if policy.name in ("smart_turn", "combined") else 0.0
+    text = ask.lm_ms if policy.name in ("lm", "combined") else 0.0
+    return max(audio, text)
+
+
+def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms: int) -> dict:
+    outcomes = [outcome(policy, r, min_silence_ms, ceiling_ms) for r in records]
+    waits = [o.wait_ms for o in outcomes if o.wait_ms is not None]
+    spent = [o.spent_ms for o in outcomes if o.wait_ms is not None and o.spent_ms]
+    paused = [o for o, r in zip(outcomes, records) if r.pauses]
+    return {"items": len(records), "cut": sum(o.cut for o in outcomes),
+            "undecided": sum(not o.cut and o.wait_ms is None for o in outcomes),
+            "cut_rate": sum(o.cut for o in outcomes) / max(len(records), 1),
+            "cut_rate_paused": sum(o.cut for o in paused) / max(len(paused), 1),
+            "wait_p50_ms": float(np.percentile(waits, 50)) if waits else None,
+            "wait_p95_ms": float(np.percentile(waits, 95)) if waits else None,
+            "at_once": len(spent), "at_once_spent_p50_ms": float(np.percentile(spent, 50)) if spent else None}
+
+
+THRESHOLD_GRID = (*(round(t, 2) for t in np.arange(0.05, 0.951, 0.05)), 0.97, 0.98, 0.99)
+
+
+def calibrate(name: str, records: list[Record], min_silence_ms: int, ceiling_ms: int, max_p50_ms: float) -> Policy:
+    """The policy's threshold with the fewest cut-offs on `records` among those whose p50 wait is at
+    most `max_p50_ms` (the fixed hangover's less FASTER_BY_MS), the shorter wait on a tie; if none
+    is that fast, the fastest."""
+    scored = []
+    for threshold in THRESHOLD_GRID:
+        s = score(Policy(name, threshold), records, min_silence_ms, ceiling_ms)
+        if s["wait_p50_ms"] is not None:
+            scored.append((s["wait_p50_ms"] > max_p50_ms, s["cut_rate"] if s["wait_p50_ms"] <= max_p50_ms else 0.0,
+                           s["wait_p50_ms"], threshold))
+    return Policy(name, min(scored)[3] if scored else THRESHOLD_GRID[0])
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+def run(config: Config, out: Path | None, phone: bool = False, synthetic: bool = True, use_lm: bool = True) -> dict:
+    """Build the set, record the signals, calibrate on one split, report on the other."""
+    from voice.asr import Whisper
+    from voice.lm import LocalLM
+    from voice.tts import load_voice
+    turn = config.turn
+    whisper = Whisper(config.asr)
+    voice = load_voice(config.tts) if synthetic else None
+    t0 = time.perf_counter()
+    items = build_items(whisper.model, voice, phone)
+    log.info("%d items built in %.1f s", len(items), time.perf_counter() - t0)
+    smart_turn = SmartTurn(threads=turn.threads)
+    lm = LocalLM(config.lm) if use_lm else None
+    records: list[Record] = []
+
+    async def stream_all() -> None:
+        for item in items:
+            records.append(await measure(item, config.vad, turn.min_silence_ms, smart_turn, whisper.transcribe,
+                                         lm.chat if lm else None, config.lm.system_prompt, config.vad.frame_ms))
+
+    asyncio.run(stream_all())
+    report = summarise(records, config, phone)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**report, "records": [asdict(r) for r in records]}, indent=1))
+    return report
+
+
+def load_records(path: Path) -> list[Record]:
+    """The records a previous run wrote with --json (to score the policies again without the models)."""
+    records = json.loads(path.read_text())["records"]
+    return [Record(**{**r, "pauses": [tuple(p) for p in r["pauses"]], "silences": [tuple(s) for s in r["silences"]],
+                      "asks": [Ask(**a) for a in r["asks"]]}) for r in records]
+
+
+def summarise(records: list[Record], config: Config, phone: bool = False) -> dict:
+    turn = config.turn
+    calibration = [r for r in records if split_of(r.id) == "calibration"]
+    heldout = [r for r in records if split_of(r.id) == "heldout"]
+    fixed = Policy("fixed", hangover_ms=config.vad.hangover_ms)
+    budget = score(fixed, calibration, turn.min_silence_ms, turn.ceiling_ms)["wait_p50_ms"] - FASTER_BY_MS
+    policies = [fixed] + [calibrate(name, calibration, turn.min_silence_ms, turn.ceiling_ms, budget)
+                          for name in ("smart_turn", "lm", "combined")]
+    asks = [a for r in records for a in r.asks]
+    cost = {name: _stats([getattr(a, name) for a in asks if getattr(a, name)])
+            for name in ("smart_turn_ms", "smart_turn_cpu_ms", "asr_ms", "lm_ms")}
+    rows = []
+    for policy in policies:
+        rows.append({"policy": policy.name, "threshold": policy.threshold if policy.name != "fixed" else None,
+                     "calibration": score(policy, calibration, turn.min_silence_ms, turn.ceiling_ms),
+                     "heldout": score(policy, heldout, turn.min_silence_ms, turn.ceiling_ms)})
+    return {"min_silence_ms": turn.min_silence_ms, "ceiling_ms": turn.ceiling_ms, "phone": phone,
+            "items": {"calibration": len(calibration), "heldout": len(heldout),
+                      "real": sum(r.kind == "real" for r in records),
+                      "synthetic": sum(r.kind == "synthetic" for r in records),
+                      "with_pause": sum(bool(r.pauses) for r in records)},
+            "decisions": len(asks), "cost_ms": cost, "policies": rows}
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95)), "n": len(values)}
+
+
+def table(report: dict) -> str:
+    """The held-out figures as a Markdown table."""
+    lines = ["| policy | threshold | cut-offs (held-out) | with a pause | wait p50 | wait p95 | ended at once, "
+             "signals' time p50 |", "|---|---|---|---|---|---|---|"]
+    for row in report["policies"]:
+        h = row["heldout"]
+        threshold = "" if row["threshold"] is None else f"{row['threshold']:.2f}"
+        p50 = "-" if h["wait_p50_ms"] is None else f"{h['wait_p50_ms']:.0f} ms"
+        p95 = "-" if h["wait_p95_ms"] is None else f"{h['wait_p95_ms']:.0f} ms"
+        at_once = "-" if not h["at_once"] else f"{h['at_once']} turns, {h['at_once_spent_p50_ms']:.0f} ms"
+        lines.append(f"| {row['policy']} | {threshold} | {h['cut']}/{h['items']} ({100 * h['cut_rate']:.0f}%) "
+                     f"| {100 * h['cut_rate_paused']:.0f}% | {p50} | {p95} | {at_once} |")
+    cost = report["cost_ms"]
+    parts = [f"{name.removesuffix('_ms')} p50 {c['p50']:.0f} ms / p95 {c['p95']:.0f} ms"
+             for name, c in cost.items() if c]
+    lines.append("")
+    lines.append(f"Per decision ({report['decisions']} decisions): " + ", ".join(parts))
+    return "\n".join(lines)

@@ -188,8 +188,10 @@ def build_items(whisper_model, piper_voice, phone: bool = False) -> list[Item]:
         items += _items_from(f"real/{name}", "real", transcripts[name].strip(), audio, words,
                              tuple(range(1, len(words))), counter)
     if piper_voice is not None:
+        from piper import SynthesisConfig
+        steady = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)  # Piper samples noise: the same audio every run
         for text, after in SYNTHETIC:
-            chunks = list(piper_voice.synthesize(text))
+            chunks = list(piper_voice.synthesize(text, syn_config=steady))
             audio = resample(np.concatenate([c.audio_float_array for c in chunks]),
                              piper_voice.config.sample_rate, SAMPLE_RATE)
             audio = np.concatenate([np.zeros(int(0.3 * SAMPLE_RATE), np.float32), audio])

@@ -247,6 +247,36 @@ def test_without_turn_detection_commit_ends_the_turn(served):
     assert talk.of("error")[0]["error"]["code"] == "input_audio_buffer_commit_empty"
 
 
+@pytest.mark.parametrize("detection, policy", [({"type": "semantic_vad", "eagerness": "high"}, "combined"),
+                                               ({"type": "semantic_vad", "eagerness": "low"}, "combined"),
+                                               ({"type": "server_vad", "silence_duration_ms": 600}, "fixed")])
+def test_semantic_vad_runs_the_end_of_turn_policy_and_server_vad_the_plain_endpointer(served, detection, policy):
+    """semantic_vad's eagerness maps onto our end-of-turn policy (voice/endofturn.py: `high` a lower
+    threshold and a shorter ceiling than `low`); server_vad stays the VAD, its silence the hangover."""
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": detection}}})
+            updated = await talk.wait("session.updated")
+            talk.stream(at_24k())
+            await talk.wait("response.done")
+            (session,) = served.stages.live
+            turn = session.end_of_turn.config
+            await conn.close()
+            return updated, turn, session.config.vad.hangover_ms
+    updated, turn, hangover_ms = asyncio.run(go())
+    shown = updated["session"]["audio"]["input"]["turn_detection"]
+    assert {k: shown[k] for k in detection} == detection
+    assert turn.policy == policy
+    default = served.config.turn
+    if detection.get("eagerness") == "high":
+        assert turn.ceiling_ms < default.ceiling_ms
+    elif detection.get("eagerness") == "low":
+        assert turn.ceiling_ms > default.ceiling_ms
+    else:
+        assert hangover_ms == 600
+
+
 def bad_events(limit: int) -> list[str]:
     """Malformed or out-of-place client events, as raw text (written flat: CPython 3.11.7 fails to
     compile pytest's rewrite of deeply nested literals here)."""

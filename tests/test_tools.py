@@ -356,7 +356,8 @@ def test_a_fast_tool_gets_no_filler(hooks):
 def test_barge_in_cancels_a_pending_tool_call(hooks, tmp_path):
     hooks.cancelled.clear()
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")},
-                         tools={**vars(webhook_config(hooks.base, "/weather?delay=5")), "filler": ""})
+                         tools={**vars(webhook_config(hooks.base, "/weather?delay=5")), "filler": ""},
+                         turn={"resume_ms": 0})  # a barge-in, not the first utterance resumed (test_endofturn)
     stages = fake_stages(config)
     stages.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
     with LiveServer(config, stages) as srv:

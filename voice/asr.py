@@ -187,7 +187,7 @@ class StreamingTranscriber:
         utterance = self._utterance
         committed = " ".join(self._committed)
         try:
-            hypothesis = (await self._transcribe(self._audio(), prefix=committed)).split()
+            hypothesis = (await self._transcribe(self.audio(), prefix=committed)).split()
         except Exception as err:  # noqa: BLE001 - a partial is a preview: the final transcript still comes
             log.warning("partial transcript failed: %s", err)
             return None
@@ -206,12 +206,12 @@ class StreamingTranscriber:
         The session asks for this while the VAD waits out its hangover: if the user stays
         silent, it becomes the final transcript and ASR time leaves the critical path.
         """
-        return self._submit(self._audio())
+        return self._submit(self.audio())
 
     def finish(self) -> asyncio.Future:
         """Final transcript of the utterance. The audio is taken now, so whatever arrives next
         (even in the same network frame) belongs to the next utterance."""
-        audio = self._audio()
+        audio = self.audio()
         self.reset()
         return self._submit(audio)
 
@@ -223,7 +223,8 @@ class StreamingTranscriber:
             return done
         return asyncio.wrap_future(self._model.worker.submit(self._model.transcribe, audio, ""), loop=loop)
 
-    def _audio(self) -> np.ndarray:
+    def audio(self) -> np.ndarray:
+        """The utterance's audio so far (16 kHz float)."""
         return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
 
     async def _transcribe(self, audio: np.ndarray, prefix: str = "") -> str:

@@ -55,6 +55,9 @@ class TurnConfig:
     ceiling_ms: int = 1000  # silence after which the turn is over whatever the policy thinks
     threshold: float | None = None  # done at min_silence_ms from this probability on; None: the policy's calibrated
     threads: int = 1  # Smart Turn's CPU threads (it shares the cores with ASR, LM and TTS)
+    # Speech that resumes this soon after the turn ended, before its reply is heard, continues that
+    # turn: the new transcript holds both halves, the reply to the first is dropped (0: never)
+    resume_ms: int = 2000
 
     def __post_init__(self) -> None:
         if self.policy not in TURN_POLICIES:
@@ -66,6 +69,8 @@ class TurnConfig:
             raise ValueError(f"turn.threshold must be within (0, 1], got {self.threshold}")
         if self.threads < 1:
             raise ValueError(f"turn.threads must be at least 1, got {self.threads}")
+        if self.resume_ms < 0:
+            raise ValueError(f"turn.resume_ms must not be negative, got {self.resume_ms}")
 
 
 @dataclass

@@ -44,7 +44,7 @@ SMART_TURN_WINDOW_S = 8  # it hears the last 8 s, zero-padded in front when shor
 
 # Probability from which a policy says "done" at min_silence_ms, calibrated on the calibration split of
 # `voice eot-eval` (BENCHMARKS.md, "End of turn"); `turn.threshold` overrides it.
-THRESHOLDS = {"smart_turn": 0.1, "lm": 0.65, "combined": 0.55}
+THRESHOLDS = {"smart_turn": 0.9, "lm": 0.7, "combined": 0.45}
 
 # OpenAI Realtime's semantic_vad eagerness: how soon to answer. (threshold scale, ceiling scale)
 EAGERNESS = {"low": (1.5, 1.5), "medium": (1.0, 1.0), "auto": (1.0, 1.0), "high": (0.5, 0.6)}
@@ -138,14 +138,22 @@ def for_eagerness(config: TurnConfig, eagerness: str) -> TurnConfig:
 
 
 class EndOfTurn:
-    """The configured policy, shared by every session. `decide` is the one question."""
+    """A session's policy (its own TurnConfig: Realtime's semantic_vad eagerness adjusts it) on the
+    shared Smart Turn model. `decide` is the one question."""
 
-    def __init__(self, config: TurnConfig, vad: VadConfig, scheduler: Scheduler | None = None,
+    def __init__(self, config: TurnConfig, vad: VadConfig, worker: Worker | None = None,
                  smart_turn: SmartTurn | None = None) -> None:
+        """`worker`: where Smart Turn runs (the stages' "endofturn" worker, shared by the sessions);
+        `smart_turn`: the loaded model, shared too (loaded here when the policy needs it and none is given)."""
         self.config, self.vad = config, vad
         needs_audio = config.policy in ("smart_turn", "combined")
-        self.smart_turn = smart_turn or (SmartTurn(threads=config.threads) if needs_audio else None)
-        self.worker: Worker = (scheduler or Scheduler()).worker("endofturn")
+        self.smart_turn = (smart_turn or SmartTurn(threads=config.threads)) if needs_audio else None
+        self.worker = worker or Scheduler().worker("endofturn")
+
+    @property
+    def reads_text(self) -> bool:
+        """Does the policy read the transcript (so it is worth waiting for)?"""
+        return self.config.policy in ("lm", "combined")
 
     @property
     def threshold(self) -> float:
@@ -190,6 +198,6 @@ class EndOfTurn:
         return await asyncio.wrap_future(self.worker.submit(self.smart_turn.probability, audio))
 
     async def _text(self, text: str | None, signal: TextSignal | None) -> float | None:
-        if self.config.policy not in ("lm", "combined") or signal is None or not text or not text.strip():
+        if not self.reads_text or signal is None or not text or not text.strip():
             return None
         return await signal(text.strip())

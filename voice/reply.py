@@ -41,6 +41,7 @@ class Reply:
     phrased: bool = False  # a phrase went to synthesis
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
+    superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)

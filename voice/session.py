@@ -47,7 +47,7 @@ from voice.outbox import Outbox
 from voice.reply import Reply, ReplyRunner
 from voice.stages import Stages
 from voice.tools import Timers, with_results
-from voice.turns import Final, Partial, SpeculationDropped, Started, Stopped, TooLong, TurnEvent, TurnTaker
+from voice.turns import Final, Partial, Pause, SpeculationDropped, Started, Stopped, TooLong, TurnEvent, TurnTaker
 
 log = logging.getLogger("voice.session")
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
@@ -69,6 +69,8 @@ class Session:
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
                                cfg.lm.history_turns, cfg.lm.max_prompt_chars)
         self.turns = TurnTaker(cfg, stages.whisper, in_rate, self.id)
+        self.end_of_turn = stages.end_of_turn(cfg)
+        self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
         self.timers = Timers(self.announce, stages.tools.zone)
         self.replies = ReplyRunner(cfg, stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
                                    stages.apology.get(out_rate), self, self.id, stages.tools, self.timers)
@@ -106,7 +108,9 @@ class Session:
         """What the session does at each point of the user's turn (the TurnTaker's events, in order)."""
         for ev in events:
             match ev:
-                case Started(turn, now):  # the user started talking: a reply still playing stops
+                case Started(turn, now, resumed):  # the user started talking: a reply still playing stops
+                    if resumed and self.reply is not None:  # its words are in this turn's transcript too
+                        self.reply.superseded = True
                     self.barge_in(now)
                     self.call_log.started(turn)
                     self.emit(SpeechStarted(turn, now))
@@ -114,6 +118,10 @@ class Session:
                     task = asyncio.create_task(self._partial(turn, text))
                     self.partial_tasks.add(task)
                     task.add_done_callback(self.partial_tasks.discard)
+                case Pause(turn, pause, audio, transcript):  # quiet a while: is the turn over?
+                    if self.judge_task is not None:
+                        self.judge_task.cancel()
+                    self.judge_task = asyncio.create_task(self._judge(pause, audio, transcript))
                 case SpeculationDropped():  # the user went on talking: the final and its reply are void
                     assert self.final_task is not None  # the speculative final's
                     self.final_task.cancel()
@@ -128,6 +136,29 @@ class Session:
                                                      "it is ignored until you pause")
                 case _:
                     assert_never(ev)
+
+    async def _judge(self, pause: int, audio, transcript: asyncio.Future[str] | None) -> None:
+        """Ask the end-of-turn policy about a pause (with the early final's transcript, once decoded,
+        for the LM's signal), and give the TurnTaker its verdict. A policy that fails leaves the
+        turn to end at the ceiling."""
+        text = None
+        if transcript is not None and self.end_of_turn.reads_text:
+            await asyncio.wait([transcript])
+            if transcript.cancelled():
+                return  # they spoke again: this pause is over
+            text = None if transcript.exception() is not None else transcript.result()
+        try:
+            verdict = await self.end_of_turn.decide(audio, self.turns.endpointer.silence_ms, text, self._end_signal)
+        except Exception as err:  # noqa: BLE001 - the VAD's ceiling still ends the turn
+            log.warning("session=%s the end-of-turn policy failed: %r", self.id, err)
+            return
+        self._on_turn(self.turns.verdict(pause, verdict, time.monotonic()))
+
+    async def _end_signal(self, text: str) -> float | None:
+        """The LM's probability that the user's turn ends after `text` (voice/endofturn.py)."""
+        replies = self.replies
+        tools = (replies.tools.openai() + replies.client_tools) or None
+        return await replies.chat.end_of_turn_probability(self.history.messages(text)[:-1], text, tools)
 
     async def _partial(self, turn: int, text: Awaitable[str | None]) -> None:
         said = await text
@@ -173,15 +204,15 @@ class Session:
             await self.replies.run(reply, self.history.messages(user_text))
         finally:
             if reply.released.is_set():  # else a speculation that was dropped: it never happened
-                await self._reply_done(reply, user_text, "ok" if reply.finished else
-                                       "failed" if reply.failure else "interrupted")
+                await self._reply_done(reply, user_text, "ok" if reply.finished else "superseded" if reply.superseded
+                                       else "failed" if reply.failure else "interrupted")
 
     async def _reply_done(self, reply: Reply, user_text: str, status: str) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
         self.stages.scheduler.stop_waiting(self)
         now = time.monotonic()
         heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
-        if user_text:
+        if user_text and not reply.superseded:  # (a superseded turn's words are in the next one's)
             self.history.add(user_text, heard)
         with self.outbox.holding() as held:
             self.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
@@ -310,6 +341,7 @@ class Session:
         now, playback = time.monotonic(), reply.playback
         if playback.started is None and not playback.apology_started():
             playback.started = now
+            self.turns.heard()  # speech from now on is a new utterance, not the last one resumed
             self.emit(AudioSent(turn, now), wire=False, track=not reply.announcement)
         playback.sent(text, now, seconds)
 
@@ -382,8 +414,8 @@ class Session:
         self.stages.scheduler.stop_waiting(self)
         cancelled = []
         self.timers.cancel_all()
-        for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.reply.task if self.reply else None,
-                     self.watchdog, *self.reply_tasks):
+        for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.judge_task,
+                     self.reply.task if self.reply else None, self.watchdog, *self.reply_tasks):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
                 cancelled.append(task)

@@ -13,6 +13,7 @@ from voice import records as rec
 from voice.asr import Transcriber, Whisper
 from voice.audio import RATES, float_to_int16, resample
 from voice.config import Config
+from voice.endofturn import EndOfTurn, SmartTurn
 from voice.latency import Metrics
 from voice.limits import Admission
 from voice.lm import LanguageModel, LocalLM, load_lm
@@ -38,6 +39,8 @@ class Stages:
         self.live: set = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
         self.tools = Toolbox(config.tools)
+        self.smart_turn: SmartTurn | None = None  # the end-of-turn model, loaded when a policy first needs it
+        self.end_of_turn_worker = self.scheduler.worker("endofturn")
 
     @classmethod
     def load(cls, config: Config) -> "Stages":
@@ -47,12 +50,20 @@ class Stages:
         synthesizer = Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts"))
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
         stages = cls(config, whisper, synthesizer, lm, scheduler)
+        stages.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
         if isinstance(lm, LocalLM) and stages.tools:
             lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
         weights = lm.engine.loaded.weights if isinstance(lm, LocalLM) else "remote"
         log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, weights, config.lm.mode)
         return stages
+
+    def end_of_turn(self, config: Config) -> EndOfTurn:
+        """A session's end-of-turn policy (its own config: Realtime's semantic_vad), on the shared
+        Smart Turn model and worker."""
+        if config.turn.policy in ("smart_turn", "combined") and self.smart_turn is None:
+            self.smart_turn = SmartTurn(threads=config.turn.threads)
+        return EndOfTurn(config.turn, config.vad, self.end_of_turn_worker, self.smart_turn)
 
     def fault(self, failure: StageFailure) -> None:
         """Note a stage's failure for /healthz and /metrics (unless this client's input caused it)."""

@@ -3,10 +3,17 @@
 Client audio is resampled to 16 kHz and endpointed by webrtcvad; ~0.3 s of audio from before
 speech is detected goes to ASR with it, so the first syllable is not lost. While the user
 talks, partial transcripts come every `asr.partial_interval_ms`. Once they have been quiet for
-`asr.early_final_ms`, the final transcript is decoded speculatively, while the VAD still waits
-out its hangover: if the hangover confirms the turn ended, that transcript (and the reply the
-session started on it) is kept and ASR time is off the critical path; if they speak again,
-it is dropped.
+`asr.early_final_ms`, the final transcript is decoded speculatively (EarlyFinal): if the turn
+ended there, that transcript (and the reply the session started on it) is kept and ASR time is
+off the critical path; if they speak again, it is dropped.
+
+When the turn ends: after `turn.min_silence_ms` of silence a `Pause` asks the session's
+end-of-turn policy (voice/endofturn.py: Smart Turn on the audio, the LM on the early final's
+words); its verdict (`verdict`) ends the turn now or after more silence, up to `turn.ceiling_ms`,
+where the VAD ends it anyway. With `turn.policy = "fixed"` the VAD's `vad.hangover_ms` alone
+does. A user who resumes within `turn.resume_ms` of the end, before hearing the reply, continues
+the same utterance: the next turn's audio starts with the last one's (`Started.resumed`), so its
+transcript holds both halves and nothing said is lost.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,16 +30,20 @@ from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
 from voice.config import Config
+from voice.endofturn import Verdict
 
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
 
 
 @dataclass(frozen=True)
 class Started:
-    """The user started talking: turn `turn` begins."""
+    """The user started talking: turn `turn` begins. `resumed`: they went on after a pause that
+    ended the last turn before its reply was heard, so this turn's transcript holds that one's
+    words too (the last turn is superseded)."""
 
     turn: int
     now: float
+    resumed: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,17 @@ class Final:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """The user has been quiet `turn.min_silence_ms`: is their turn over? The session asks the
+    end-of-turn policy (voice/endofturn.py) and gives its verdict back (`TurnTaker.verdict`)."""
+
+    turn: int
+    pause: int  # which pause of the session (a verdict for an earlier one is stale)
+    audio: np.ndarray  # the utterance so far, 16 kHz float, its silence included
+    transcript: asyncio.Future[str] | None  # the early final's (None: not taken)
+
+
+@dataclass(frozen=True)
 class SpeculationDropped:
     """The user went on talking after a speculative final: it, and what was started on it, is void."""
 
@@ -75,7 +97,7 @@ class TooLong:
     limit_s: float
 
 
-TurnEvent = Started | Stopped | Partial | Final | SpeculationDropped | TooLong
+TurnEvent = Started | Stopped | Partial | Final | Pause | SpeculationDropped | TooLong
 
 
 class EarlyFinal:
@@ -120,7 +142,10 @@ class TurnTaker:
 
     def __init__(self, config: Config, whisper: Transcriber, in_rate: int, name: str):
         self.config, self.name = config, name
-        self.endpointer = vad.Endpointer(config.vad, SAMPLE_RATE)
+        self.asks = config.turn.policy != "fixed"  # else the VAD's hangover alone ends a turn
+        # Asking, the VAD waits up to the policy's ceiling; the policy's verdict ends the turn sooner.
+        self.endpointer = vad.Endpointer(replace(config.vad, hangover_ms=config.turn.ceiling_ms) if self.asks
+                                         else config.vad, SAMPLE_RATE)
         self.transcriber = StreamingTranscriber(whisper, config.asr)
         self.early = EarlyFinal(self.transcriber, config.asr.early_final_ms)
         self.in_rate, self.resampler = in_rate, StreamResampler(SAMPLE_RATE)
@@ -131,6 +156,12 @@ class TurnTaker:
         self.utterance_start_s = 0.0  # audio time the current utterance started
         self.partial_task: asyncio.Future[str | None] | None = None
         self.turn_ended: asyncio.Event | None = None  # of the early final (decoded during the hangover)
+        self.pauses = 0  # pauses the policy was asked about
+        self.asked = False  # about the current silence
+        self.stop_at_ms: int | None = None  # the policy's verdict: the turn is over at this much silence
+        # The last utterance, until its reply is heard or turn.resume_ms has passed: speech that
+        # resumes by then continues it (`Started.resumed`).
+        self.last_utterance: tuple[np.ndarray, float] | None = None  # (16 kHz audio, monotonic deadline)
 
     @property
     def speaking(self) -> bool:
@@ -157,12 +188,15 @@ class TurnTaker:
         if self.endpointer.in_speech:
             self.transcriber.insert_audio_chunk(audio)
             limit = self.config.limits.max_utterance_s
+            silence_ms = self.endpointer.silence_ms
             if limit and self.audio_s - self.utterance_start_s > limit:
                 stopped = self.endpointer.force_stop()
                 assert stopped is not None  # in speech
-                out += [TooLong(limit), *self._speech_stopped(stopped, now)]
+                out += [TooLong(limit), *self._speech_stopped(stopped, now, resumable=False)]
+            elif self.stop_at_ms is not None and silence_ms >= self.stop_at_ms:
+                out += self._end_of_turn(now)
             else:
-                out += self._listen(self.endpointer.silence_ms)
+                out += self._listen(silence_ms)
         else:
             self.pre_roll.append(audio)
             while sum(len(a) for a in self.pre_roll) > PRE_ROLL_S * SAMPLE_RATE:
@@ -173,19 +207,50 @@ class TurnTaker:
         self.turn += 1
         self.utterance_start_s = self.audio_s
         self.transcriber.reset()
+        last, self.last_utterance = self.last_utterance, None
+        resumed = last is not None and now <= last[1]
+        if last is not None and resumed:
+            self.transcriber.insert_audio_chunk(last[0])
         for chunk in self.pre_roll:
             self.transcriber.insert_audio_chunk(chunk)
         self.pre_roll.clear()
-        return Started(self.turn, now)
+        return Started(self.turn, now, resumed)
+
+    def heard(self) -> None:
+        """The reply to the last utterance is being heard: speech from now on is a new utterance."""
+        self.last_utterance = None
+
+    def verdict(self, pause: int, verdict: Verdict, now: float) -> list[TurnEvent]:
+        """The end-of-turn policy's answer about `pause`: the turn ends now, or once the silence
+        reaches `verdict.wait_ms` (unless the user speaks again first)."""
+        if pause != self.pauses or not self.asked or not self.endpointer.in_speech:
+            return []  # stale: they spoke again since
+        if verdict.done or self.endpointer.silence_ms >= verdict.wait_ms:
+            return self._end_of_turn(now)
+        self.stop_at_ms = verdict.wait_ms
+        return []
+
+    def _end_of_turn(self, now: float) -> list[TurnEvent]:
+        stopped = self.endpointer.force_stop(suppress=False)
+        return self._speech_stopped(stopped, now) if stopped is not None else []
 
     def _listen(self, silence_ms: int) -> list[TurnEvent]:
-        """Partials while the user talks; a speculative final once they have been quiet a while."""
-        if self.early.quiet(silence_ms):
-            if (early := self.early.take()) is None:
-                return []
-            self.turn_ended = asyncio.Event()
-            return [Final(self.turn, early, self.turn_ended)]
+        """Partials while the user talks; a speculative final once they have been quiet a while,
+        and the question whether their turn is over."""
         out: list[TurnEvent] = []
+        if self.early.quiet(silence_ms):
+            if (early := self.early.take()) is not None:
+                self.turn_ended = asyncio.Event()
+                out.append(Final(self.turn, early, self.turn_ended))
+        if self.asks and silence_ms >= self.config.turn.min_silence_ms:
+            if not self.asked:
+                self.asked, self.pauses = True, self.pauses + 1
+                out.append(Pause(self.turn, self.pauses, self.transcriber.audio(), self.early.pending))
+            return out
+        if silence_ms < self.config.turn.min_silence_ms:  # they spoke again: the policy asks at the next pause
+            self.asked, self.stop_at_ms = False, None
+        if self.early.quiet(silence_ms):
+            return out
         if self.early.drop():  # they spoke again: the speculation is stale
             self.turn_ended = None
             out.append(SpeculationDropped())
@@ -194,12 +259,17 @@ class TurnTaker:
             out.append(Partial(self.turn, self.partial_task))
         return out
 
-    def _speech_stopped(self, ev: vad.SpeechStopped, now: float) -> list[TurnEvent]:
+    def _speech_stopped(self, ev: vad.SpeechStopped, now: float, resumable: bool = True) -> list[TurnEvent]:
+        """The utterance is over. `resumable`: a pause ended it (not the client, not the length
+        limit), so speech that resumes soon continues it."""
         # The audio that was just pushed is still part of the utterance's tail; that's fine.
         out: list[TurnEvent] = [Stopped(self.turn, now, self._arrival_of(ev.speech_end_s))]
         if self.partial_task is not None:
             self.partial_task.cancel()
         ended, self.turn_ended = self.turn_ended, None
+        self.asked, self.stop_at_ms = False, None
+        resume_s = self.config.turn.resume_ms / 1000 if resumable else 0
+        self.last_utterance = (self.transcriber.audio(), now + resume_s) if resume_s else None
         transcript = self.early.final()  # the early final's, if one was taken (then it went out already)
         if ended is None:
             ended = asyncio.Event()
@@ -213,7 +283,7 @@ class TurnTaker:
         ev = self.endpointer.force_stop(suppress=False)
         if ev is None:
             return []
-        return self._speech_stopped(ev, now)
+        return self._speech_stopped(ev, now, resumable=False)
 
     def clear(self, now: float) -> list[TurnEvent]:
         """Forget the utterance so far (Realtime `input_audio_buffer.clear`): a turn in progress
@@ -250,5 +320,6 @@ class TurnTaker:
     def close(self) -> list[asyncio.Future]:
         """Stop listening; the tasks still running (to cancel)."""
         self.early.drop()
+        self.last_utterance = None
         self.transcriber.reset()  # no longer someone talking, for the other sessions' partials
         return [self.partial_task] if self.partial_task is not None else []

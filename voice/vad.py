@@ -77,9 +77,9 @@ class Endpointer:
         pauses for a hangover, so a monologue or steady noise is not chopped into back-to-back turns."""
         if not self._in_speech:
             return None
-        self._in_speech, self._run, self._suppressed = False, 0, suppress
-        now = self._seconds(self._frames_seen)
-        return SpeechStopped(t_audio_s=now, speech_end_s=now)
+        unvoiced, self._in_speech, self._run, self._suppressed = self._run, False, 0, suppress
+        return SpeechStopped(t_audio_s=self._seconds(self._frames_seen),
+                             speech_end_s=self._seconds(self._frames_seen - unvoiced))
 
     def _step(self, frame: bytes) -> SpeechStarted | SpeechStopped | None:
         self._frames_seen += 1

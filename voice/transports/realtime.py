@@ -33,6 +33,7 @@ import itertools
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.common.wire import WireError, decode_json
 from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from voice.auth import Auth
+from voice.endofturn import for_eagerness
 from voice.events import (Clear, Error, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall, Transcript,
                           TtsAudio)
 from voice.session import Session
@@ -149,8 +151,7 @@ class Connection:
                 raise RealtimeError("turn_detection cannot change once audio has flowed",
                                     param="session.audio.input.turn_detection")
             changes["turn_detection"] = None if turn is None else {**(self.settings["turn_detection"] or {}),
-                                                                   **turn.model_dump(exclude_none=True),
-                                                                   "type": "server_vad"}
+                                                                   **turn.model_dump(exclude_none=True)}
         if body.instructions is not None:
             wrong = system_prompt_problem(body.instructions, self.config.session.max_system_prompt_chars)
             if wrong:
@@ -195,8 +196,12 @@ class Connection:
             turn = self.settings["turn_detection"]
             if turn is None:  # the client commits each utterance itself
                 config.vad.hangover_ms = int(max(config.limits.max_utterance_s, 1) * 1000) + 1000
-            else:
+                config.turn = replace(config.turn, policy="fixed", resume_ms=0)
+            elif turn["type"] == "semantic_vad":  # our end-of-turn policy, as eager as asked
+                config.turn = for_eagerness(config.turn, turn.get("eagerness", "auto"))
+            else:  # server_vad: the plain endpointer, silence_duration_ms its hangover
                 config.vad.hangover_ms = turn.get("silence_duration_ms", config.vad.hangover_ms)
+                config.turn = replace(config.turn, policy="fixed")
             peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
             self.session = Session(self.stages, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,

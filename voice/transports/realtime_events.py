@@ -49,9 +49,11 @@ Format = Annotated[AudioFormat, BeforeValidator(_named_format)]
 
 
 class TurnDetection(Strict):
-    """Server VAD's settings; semantic_vad is served as server_vad."""
+    """server_vad: the VAD alone, `silence_duration_ms` its hangover; semantic_vad: our end-of-turn
+    policy (voice/endofturn.py), `eagerness` mapped onto its threshold and ceiling."""
 
     type: Literal["server_vad", "semantic_vad"]
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None
     threshold: float | None = Field(None, ge=0, le=1)
     prefix_padding_ms: int | None = Field(None, ge=0)
     silence_duration_ms: int | None = Field(None, ge=100, le=5000)

@@ -1,0 +1,176 @@
+"""When a turn ends, and what a pause may not lose (issue 30): the TurnTaker asks the end-of-turn
+policy at a pause and acts on its verdict; speech that resumes before the reply is heard continues
+the same utterance. Around fake models here; real recordings with a pause inserted mid-sentence, the
+real ASR, Smart Turn and LM in test_a_pause_mid_sentence_loses_no_word (slow). The policy itself:
+tests/test_endofturn.py."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from voice.endofturn import Verdict
+from voice.turns import Pause, Started, Stopped, TurnTaker
+
+FRAME = 640  # bytes: 20 ms of 16 kHz PCM16
+
+
+def silence(seconds: float) -> bytes:
+    return bytes(int(seconds * 16000) * 2)
+
+
+def run_taker(taker: TurnTaker, pcm: bytes, verdict=None) -> list[tuple[float, object]]:
+    """Feed `pcm` in 20 ms frames; answer each Pause with `verdict(pause)`: (audio seconds, event)."""
+    async def feed():
+        out = []
+        for i in range(0, len(pcm), FRAME):
+            now = time.monotonic()
+            for ev in taker.push(pcm[i:i + FRAME], now):
+                out.append((i / 32000, ev))
+                if isinstance(ev, Pause) and verdict is not None:
+                    out += [(i / 32000, e) for e in taker.verdict(ev.pause, verdict(ev), now)]
+        return out
+    return asyncio.run(feed())
+
+
+def kinds(events, kind) -> list:
+    return [(t, e) for t, e in events if isinstance(e, kind)]
+
+
+def taker(**turn) -> TurnTaker:
+    return TurnTaker(make_config(turn={"policy": "smart_turn", **turn}), FakeWhisper(), 16000, "t")
+
+
+def test_a_pause_the_policy_calls_unfinished_does_not_end_the_turn():
+    first, second = speech("001.wav"), speech("002.wav")
+    t = taker(ceiling_ms=1000)
+    events = run_taker(t, first + silence(0.6) + second + silence(1.5), lambda p: Verdict(False, 1000))
+    assert len(kinds(events, Started)) == 1 and len(kinds(events, Stopped)) == 1
+    stopped_at = kinds(events, Stopped)[0][0]
+    assert stopped_at >= (len(first) + len(second)) / 32000 + 0.6 + 1.0  # at the ceiling after the second half
+    assert len(kinds(events, Pause)) >= 2  # asked at the pause, and again after the second half
+
+
+def test_a_sure_verdict_ends_the_turn_at_the_short_silence():
+    first = speech("001.wav")
+    events = run_taker(taker(min_silence_ms=200), first + silence(1.5), lambda p: Verdict(True, 200))
+    (stopped_at, stopped), = kinds(events, Stopped)
+    assert stopped_at - len(first) / 32000 < 0.5  # not the 1 s ceiling, nor a 400 ms hangover
+    assert kinds(events, Pause)[-1][0] == stopped_at
+
+
+def test_an_unsure_verdict_ends_the_turn_at_its_wait():
+    first = speech("001.wav")
+    events = run_taker(taker(ceiling_ms=1000), first + silence(1.5), lambda p: Verdict(False, 600))
+    (stopped_at, _), = kinds(events, Stopped)
+    pause_at = kinds(events, Pause)[-1][0]
+    assert 0.35 <= stopped_at - pause_at <= 0.5  # 600 ms of silence, asked at 200
+
+
+def test_speech_resumed_before_the_reply_is_heard_continues_the_utterance():
+    first, second = speech("001.wav"), speech("002.wav")
+    t = taker(resume_ms=2000)
+    events = run_taker(t, first + silence(0.6), lambda p: Verdict(True, 200))
+    assert len(kinds(events, Stopped)) == 1
+    events = run_taker(t, second)
+    (_, started), = kinds(events, Started)
+    assert started.resumed and started.turn == 2
+    assert len(t.transcriber.audio()) >= (len(first) + len(second)) // 2 - 16000 * 0.2  # both halves to ASR
+
+    run_taker(t, silence(1.5), lambda p: Verdict(True, 200))
+    t.heard()  # the reply to turn 2 is being heard: speech now is a new utterance
+    (_, started), = kinds(run_taker(t, first), Started)
+    assert not started.resumed and len(t.transcriber.audio()) < len(first) // 2 + 16000
+
+
+def test_no_resume_when_turned_off_or_too_late():
+    first = speech("001.wav")
+    t = taker(resume_ms=0)
+    run_taker(t, first + silence(0.6), lambda p: Verdict(True, 200))
+    (_, started), = kinds(run_taker(t, first), Started)
+    assert not started.resumed
+    t = taker(resume_ms=300)
+    run_taker(t, first + silence(0.6), lambda p: Verdict(True, 200))
+    asyncio.run(asyncio.sleep(0.4))
+    (_, started), = kinds(run_taker(t, first), Started)
+    assert not started.resumed
+
+
+def test_the_fixed_policy_never_asks():
+    events = run_taker(TurnTaker(make_config(turn={"policy": "fixed"}), FakeWhisper(), 16000, "t"),
+                       speech("001.wav") + silence(1.0))
+    assert not kinds(events, Pause) and len(kinds(events, Stopped)) == 1
+
+
+def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_path):
+    """The user pauses long enough for the turn to end, a reply starts, and they go on before
+    hearing it: the reply stops (a barge-in, its record `superseded`), and the next reply answers
+    with one user message in its prompt, not the first half and then the whole."""
+    from voice import records as rec
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000}, vad={"hangover_ms": 300},
+                         records={"path": str(tmp_path / "records.sqlite3")})
+    lm = FakeLM(blocks=("A slow", " reply."))
+    lm.delay_s = 1.5  # still thinking when the user goes on
+    stages = fake_stages(config, FakeWhisper("ten of clubs"), lm=lm)
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav"))
+            await c.wait(lambda m: m["type"] == "speech_stopped")
+            c.say(speech("002.wav"))
+            await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    assert [m["turn"] for m in c.events("speech_started")] == [1, 2]
+    assert not [m for m in c.events("reply_text") if m["turn"] == 1]  # the first reply was never heard
+    assert sum(m["role"] == "user" for m in lm.asked[-1][0]) == 1
+    turns = rec.read_sessions(config.records.path)[0]["turns"]
+    assert [t["status"] for t in turns] in (["superseded", "ok"], ["ok"])  # (turn 1 superseded before its final)
+
+
+# --- real recordings, real models -------------------------------------------------------------
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z']+", text.lower())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_s", [0.2, 0.6, 1.0, 1.5])
+def test_a_pause_mid_sentence_loses_no_word(real_stages, pause_s):
+    """A real recording with a pause inserted between two words mid-sentence, streamed in real time
+    over /ws with the default end-of-turn policy: one final transcript with the words of both
+    halves and one reply; or, past the policy's ceiling, turns whose transcripts together hold every
+    word (the second resumes the first, so the last final holds them all), and the last is answered."""
+    from voice.audio import float_to_pcm16, pcm16_to_float
+    from voice.eot_eval import boundary_s, with_pause
+    config = make_config(lm={"max_new_tokens": 24})
+    stages = real_stages(config)
+    audio = pcm16_to_float(speech("forever.wav"))  # "feels like these days go on forever"
+    segments, _ = stages.whisper.model.transcribe(audio, language="en", word_timestamps=True)
+    times = [(w.start, w.end) for s in segments for w in (s.words or [])]
+    at = boundary_s(audio, times[3][1], times[4][0])  # "feels like these days | go on forever"
+    pcm = float_to_pcm16(with_pause(audio, at, pause_s))
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(pcm)
+            await c.wait(lambda m: m["type"] == "reply_done" and not m["interrupted"], timeout=60)
+            await asyncio.sleep(1.5)  # another turn, if any, would have begun by now
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    finals = [m for m in c.events("transcript") if m["final"]]
+    assert finals, c.events()
+    heard = {w for m in finals for w in words(m["text"])}
+    assert {"feels", "days", "go", "forever"} <= heard, finals  # every word of both halves reached a final
+    if pause_s < 1.0:  # within the policy's ceiling: no cut-off at all
+        assert len(finals) == 1, finals
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    assert answered == [finals[-1]["turn"]], c.events("reply_done")  # one reply, to the whole utterance

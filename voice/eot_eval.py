@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -298,6 +299,7 @@ class Outcome:
     cut: bool
     wait_ms: float | None  # of silence after the true end, when not cut
     spent_ms: float = 0.0  # the signals' time, when the policy ended the turn as soon as it asked them
+    endpoint_ms: float | None = None  # the silence the VAD heard before the turn ended (`voice bench`'s endpoint)
 
 
 def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int) -> Outcome:
@@ -317,7 +319,7 @@ def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int
         if length * 1000 >= wait_ms:
             if n < len(record.silences) - 1:  # the user spoke again after it: a pause, cut
                 return Outcome(True, None)
-            return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent)
+            return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent, wait_ms)
     return Outcome(False, None)  # never decided (speech to the end of the item): counted as undecided
 
 
@@ -341,6 +343,7 @@ def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms
     outcomes = [outcome(policy, r, min_silence_ms, ceiling_ms) for r in records]
     waits = [o.wait_ms for o in outcomes if o.wait_ms is not None]
     spent = [o.spent_ms for o in outcomes if o.wait_ms is not None and o.spent_ms]
+    whole = [o.endpoint_ms for o, r in zip(outcomes, records) if not r.pauses and o.endpoint_ms is not None]
     paused = [o for o, r in zip(outcomes, records) if r.pauses]
     return {"items": len(records), "cut": sum(o.cut for o in outcomes),
             "undecided": sum(not o.cut and o.wait_ms is None for o in outcomes),
@@ -348,7 +351,8 @@ def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms
             "cut_rate_paused": sum(o.cut for o in paused) / max(len(paused), 1),
             "wait_p50_ms": float(np.percentile(waits, 50)) if waits else None,
             "wait_p95_ms": float(np.percentile(waits, 95)) if waits else None,
-            "at_once": len(spent), "at_once_spent_p50_ms": float(np.percentile(spent, 50)) if spent else None}
+            "at_once": len(spent), "at_once_spent_p50_ms": float(np.percentile(spent, 50)) if spent else None,
+            "whole_endpoint_p50_ms": float(np.percentile(whole, 50)) if whole else None}
 
 
 THRESHOLD_GRID = (*(round(t, 2) for t in np.arange(0.05, 0.951, 0.05)), 0.97, 0.98, 0.99)
@@ -375,6 +379,7 @@ def run(config: Config, out: Path | None, phone: bool = False, synthetic: bool =
     from voice.lm import LocalLM
     from voice.tts import load_voice
     turn = config.turn
+    load_before = os.getloadavg()
     whisper = Whisper(config.asr)
     voice = load_voice(config.tts) if synthetic else None
     t0 = time.perf_counter()
@@ -390,7 +395,7 @@ def run(config: Config, out: Path | None, phone: bool = False, synthetic: bool =
                                          lm.chat if lm else None, config.lm.system_prompt, config.vad.frame_ms))
 
     asyncio.run(stream_all())
-    report = summarise(records, config, phone)
+    report = {**summarise(records, config, phone), "load_average": {"before": load_before, "after": os.getloadavg()}}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({**report, "records": [asdict(r) for r in records]}, indent=1))
@@ -436,16 +441,17 @@ def _stats(values: list[float]) -> dict:
 
 def table(report: dict) -> str:
     """The held-out figures as a Markdown table."""
-    lines = ["| policy | threshold | cut-offs (held-out) | with a pause | wait p50 | wait p95 | ended at once, "
-             "signals' time p50 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| policy | threshold | cut-offs (held-out) | with a pause | wait p50 | wait p95 | endpoint p50, whole "
+             "utterances | ended at once, signals' time p50 |", "|---|---|---|---|---|---|---|---|"]
     for row in report["policies"]:
         h = row["heldout"]
         threshold = "" if row["threshold"] is None else f"{row['threshold']:.2f}"
         p50 = "-" if h["wait_p50_ms"] is None else f"{h['wait_p50_ms']:.0f} ms"
         p95 = "-" if h["wait_p95_ms"] is None else f"{h['wait_p95_ms']:.0f} ms"
         at_once = "-" if not h["at_once"] else f"{h['at_once']} turns, {h['at_once_spent_p50_ms']:.0f} ms"
+        endpoint = "-" if h["whole_endpoint_p50_ms"] is None else f"{h['whole_endpoint_p50_ms']:.0f} ms"
         lines.append(f"| {row['policy']} | {threshold} | {h['cut']}/{h['items']} ({100 * h['cut_rate']:.0f}%) "
-                     f"| {100 * h['cut_rate_paused']:.0f}% | {p50} | {p95} | {at_once} |")
+                     f"| {100 * h['cut_rate_paused']:.0f}% | {p50} | {p95} | {endpoint} | {at_once} |")
     cost = report["cost_ms"]
     parts = [f"{name.removesuffix('_ms')} p50 {c['p50']:.0f} ms / p95 {c['p95']:.0f} ms"
              for name, c in cost.items() if c]

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="[turn] policy of every instance (default fixed, the VAD's hangover: with a remote LM the "
                         "LM's end-of-turn signal is missing, so the other policies would answer at other moments "
                         "local and remote, not only from another LM)")
+    p.add_argument("--lm-mode", default="ar", choices=["ar", "diffusion"],
+                   help="[lm] mode of every instance (default ar: the voice model runs on llama.cpp's kernels, AR "
+                        "only, where engine serve refuses diffusion and the local engine decodes AR anyway)")
     p.add_argument("--sessions", default="1,2,4", help="capacity: simultaneous sessions to try (default 1,2,4)")
     p.add_argument("--repeat", type=int, default=2, help="capacity: each session plays the clips this often")
     p.add_argument("--rounds", type=int, default=2, help="balancer: rounds of (direct, through HAProxy)")
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     budget_ms = Config().budget.voice_to_voice
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip() or None
-    result: dict = {"machine": machine(), "commit": commit, "model": a.model, "turn_policy": a.turn_policy,
+    result: dict = {"machine": machine(), "commit": commit, "model": a.model, "lm_mode": a.lm_mode,
+                    "turn_policy": a.turn_policy,
                     "budget_ms": budget_ms,
                     "clips": [f.name for f in files], "command": " ".join(sys.argv)}
     print(f"scale-out bench, {a.model}, {len(files)} clips, budget {budget_ms:.0f} ms, load average "
@@ -104,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             children.append(engine)
             records = {"url": pg.create_database()}
             turn = {"policy": a.turn_policy}
-            local_cfg = voice_config(work / "local.toml", {"turn": turn, "lm": {"model": a.model}, "records": records})
-            remote_cfg = voice_config(work / "remote.toml", {"turn": turn, "lm": {
-                "backend": "openai", "url": f"http://127.0.0.1:{engine_port}/v1", "model": a.model},
-                "records": records})
+            lm = {"model": a.model, "mode": a.lm_mode}
+            local_cfg = voice_config(work / "local.toml", {"turn": turn, "lm": lm, "records": records})
+            remote_cfg = voice_config(work / "remote.toml", {"turn": turn, "lm": lm | {
+                "backend": "openai", "url": f"http://127.0.0.1:{engine_port}/v1"}, "records": records})
             ports = {"local": free_port(), "remote1": free_port(), "remote2": free_port()}
             voices = {"remote1": voice_serve(ports["remote1"], remote_cfg, logs)}
             if "capacity" in parts:

@@ -48,7 +48,7 @@ def sweep_entry(url: str, files: list[Path], refs: dict[str, str], n: int, budge
     before = loadavg()
     turns = asyncio.run(run_concurrent(url, files, refs, RATE, None, n))
     entry = summarise(turns) | {"sessions": n, "loadavg_before": before, "loadavg_after": loadavg(),
-                                "v2v_ms": [t.v2v_ms for t in turns]}
+                                "per_turn": [t.__dict__ for t in turns]}
     entry["within_budget"] = entry["v2v_ms_p95"] is not None and entry["v2v_ms_p95"] <= budget_ms \
         and entry["answered"] == entry["turns"]
     return entry
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         got = one_session(urls["remote1" if route == "direct" else "haproxy"], files, refs)
                         turns[route] += got
                         rounds.append({"round": r, "route": route, "loadavg_before": before,
-                                       "loadavg_after": loadavg(), "v2v_ms": [t.v2v_ms for t in got]})
+                                       "loadavg_after": loadavg(), "per_turn": [t.__dict__ for t in got]})
                 result["balancer"] = {"routes": {route: summarise(ts) for route, ts in turns.items()},
                                       "rounds": rounds}
                 for route, summary in result["balancer"]["routes"].items():

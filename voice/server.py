@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,32 +42,36 @@ log = logging.getLogger("voice.server")
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 
-@dataclass
-class _State:
-    """What the app's handlers share: the stages (None until loaded at startup), shutdown progress."""
+class VoiceApp:
+    """The app's handlers and what they share: the config, authentication, the stages (None until
+    loaded at startup) and the shutdown's progress. `app` is the ASGI app."""
 
-    stages: Stages | None
-    draining: bool = False
-    drained: bool = False
-    probe: asyncio.Task | None = None  # the remote LM's health probe
+    def __init__(self, config: Config, stages: Stages | None = None, auth: Auth | None = None):
+        """`stages` may be given (tests share loaded models); otherwise they load at startup.
+        `auth` defaults to `[auth]` with its secrets read from the environment now."""
+        self.config, self.stages = config, stages
+        self.auth = auth if auth is not None else Auth.from_config(config.auth)
+        install_redaction(self.auth)  # no secret of this server in any log line (engine.common.redact)
+        self.draining = self.drained = False
+        self.probe: asyncio.Task | None = None  # the remote LM's health probe
+        routes = [WebSocketRoute("/ws", self.ws_native), WebSocketRoute("/twilio", self.ws_twilio),
+                  WebSocketRoute("/v1/realtime", self.ws_realtime), Route("/healthz", self.healthz),
+                  Route("/metrics", self.metrics), Route("/token", self.token, methods=["POST"])]
+        web = Path(config.server.web_dir) if config.server.web_dir else WEB_DIR
+        if web.is_dir():
+            routes.append(Mount("/", StaticFiles(directory=web, html=True)))
+        self.app = Starlette(routes=routes, lifespan=self.lifespan)
+        self.app.state.voice = self
 
-
-def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = None) -> Starlette:
-    """`stages` may be given (tests share loaded models); otherwise they load at startup.
-    `auth` defaults to `[auth]` with its secrets read from the environment now."""
-    auth = auth if auth is not None else Auth.from_config(config.auth)
-    install_redaction(auth)  # no secret of this server in any log line (engine.common.redact)
-    state = _State(stages)
-
-    async def drain(grace_s: float | None = None) -> None:
+    async def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting sessions, let turns in flight finish, then end every session."""
-        stages = state.stages
-        state.draining = True
-        if stages is None or state.drained:
+        stages = self.stages
+        self.draining = True
+        if stages is None or self.drained:
             return
-        state.drained = True
+        self.drained = True
         stages.admission.draining = True
-        grace = config.limits.shutdown_grace_s if grace_s is None else grace_s
+        grace = self.config.limits.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
         busy = [s for s in stages.live if s.busy]
         log.info("shutting down: %d sessions open, %d with a turn in flight (waiting up to %.0f s)",
@@ -83,10 +87,14 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             log.warning("shutting down with %d sessions still open", len(stages.live))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        if state.stages is None:
-            state.stages = Stages.load(config)
-        stages = state.stages
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """Start: the models, the call records, the LM probe, SIP and Wyoming. Stop: drain, then
+        give them back in reverse."""
+        config = self.config
+        if self.stages is None:
+            self.stages = Stages.load(config)
+        stages = self.stages
+        records_owned = False
         if config.records.database and stages.records is None:
             try:
                 stages.records = Records(config.records.database, config.records.queue, config.records.timeout_s,
@@ -94,9 +102,9 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             except (OSError, RecordsError) as err:
                 log.error("call records: %s (set records.path or records.url, or both \"\" for no records)", err)
                 raise
-            app.state.records_owned = True
+            records_owned = True
         if config.lm.backend == "openai" and config.lm.probe_interval_s:
-            state.probe = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
+            self.probe = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
         sip = None
         if config.sip.port:
             from voice.transports.sip import SipEndpoint
@@ -110,52 +118,53 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             await wyoming.start()
         app.state.wyoming = wyoming
         log.info("voice service ready on http://%s:%d (%s)", config.server.host, config.server.port,
-                 auth.describe())
+                 self.auth.describe())
         try:
             yield
         finally:
-            await drain(0.0)  # if VoiceServer didn't already (then this does nothing)
-            if state.probe is not None:
-                state.probe.cancel()
+            await self.drain(0.0)  # if VoiceServer didn't already (then this does nothing)
+            if self.probe is not None:
+                self.probe.cancel()
             if sip is not None:
                 await sip.stop()
             if wyoming is not None:
                 await wyoming.stop()
             await stages.tools.aclose()
-            if getattr(app.state, "records_owned", False):
+            if records_owned and stages.records is not None:
                 await asyncio.to_thread(stages.records.close)
                 stages.records = None
 
-    def loaded() -> Stages:
-        assert state.stages is not None  # loaded at startup, before any connection is served
-        return state.stages
+    def loaded(self) -> Stages:
+        assert self.stages is not None  # loaded at startup, before any connection is served
+        return self.stages
 
-    async def refused_while_draining(ws: WebSocket) -> bool:
+    async def refused_while_draining(self, ws: WebSocket) -> bool:
         """While draining, answer a new websocket HTTP 503 before the upgrade: a load balancer retries
         it on another instance (an error after the upgrade it could not)."""
-        if not state.draining or "websocket.http.response" not in ws.scope.get("extensions", {}):
+        if not self.draining or "websocket.http.response" not in ws.scope.get("extensions", {}):
             return False  # (a server without the denial extension: admission refuses it after the upgrade)
         body = {"error": {"code": "shutting_down", "message": "the server is shutting down; try again in a moment"}}
         await ws.send_denial_response(JSONResponse(body, status_code=503, headers={"retry-after": "1"}))
         return True
 
-    async def ws_native(ws: WebSocket):
-        if not await refused_while_draining(ws):
-            await native.handle(ws, loaded(), auth)
+    async def ws_native(self, ws: WebSocket) -> None:
+        if not await self.refused_while_draining(ws):
+            await native.handle(ws, self.loaded(), self.auth)
 
-    async def ws_realtime(ws: WebSocket):
+    async def ws_realtime(self, ws: WebSocket) -> None:
         from voice.transports import realtime
-        if not await refused_while_draining(ws):
-            await realtime.handle(ws, loaded(), auth)
+        if not await self.refused_while_draining(ws):
+            await realtime.handle(ws, self.loaded(), self.auth)
 
-    async def ws_twilio(ws: WebSocket):
-        if not await refused_while_draining(ws):
-            await twilio.handle(ws, loaded(), auth)
+    async def ws_twilio(self, ws: WebSocket) -> None:
+        if not await self.refused_while_draining(ws):
+            await twilio.handle(ws, self.loaded(), self.auth)
 
-    async def healthz(request: Request):
-        stages = state.stages
+    async def healthz(self, request: Request) -> JSONResponse:
+        config, stages = self.config, self.stages
         body: dict[str, Any] = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model,
-                                "mode": stages.lm.mode if stages is not None else config.lm.mode, "auth": auth.enabled}
+                                "mode": stages.lm.mode if stages is not None else config.lm.mode,
+                                "auth": self.auth.enabled}
         if request.client is not None and is_loopback(request.client.host) and \
                 "x-forwarded-for" not in request.headers:  # not through a proxy on this machine
             body["pid"] = os.getpid()  # for `voice soak` on the same machine
@@ -176,52 +185,44 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
             body["records"] = {"written": stages.records.written, "failed": stages.records.failed}
             if stages.records.failed:
                 body["status"] = "degraded"
-        if state.draining:
+        if self.draining:
             body["status"] = "shutting_down"
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
 
-    def bearer(request: Request) -> str:
-        if not auth.enabled:
+    def bearer(self, request: Request) -> str:
+        if not self.auth.enabled:
             return "anonymous"
-        principal = auth.principal(request.headers, {})  # keys only: no tokens in URLs here
-        return principal
+        return self.auth.principal(request.headers, {})  # keys only: no tokens in URLs here
 
-    async def metrics(request: Request):
+    async def metrics(self, request: Request) -> Response:
         try:
-            bearer(request)
+            self.bearer(request)
         except AuthError as err:
             return _auth_error(err)
-        stages = state.stages
-        body = generate_latest(stages.metrics.registry) if stages else b""
+        body = generate_latest(self.stages.metrics.registry) if self.stages else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    async def token(request: Request):
+    async def token(self, request: Request) -> JSONResponse:
         """POST with `Authorization: Bearer KEY` -> a short-lived token for `/ws?token=...` (browsers)."""
+        auth = self.auth
         if not auth.enabled:
             return JSONResponse({"error": {"code": "auth_off", "message": "authentication is not enabled on "
                                            "this server: connect without a token"}}, status_code=404)
         if "authorization" not in request.headers:
             return _auth_error(AuthError("unauthorized", "send 'Authorization: Bearer <API key>'"))
         try:
-            principal = bearer(request)
+            principal = self.bearer(request)
         except AuthError as err:
             return _auth_error(err)
         value, expiry = auth.issue_token(principal)
         return JSONResponse({"token": value, "expires_at": expiry, "expires_in": int(auth.token_ttl_s)},
                             headers={"cache-control": "no-store"})
 
-    routes = [WebSocketRoute("/ws", ws_native), WebSocketRoute("/twilio", ws_twilio),
-              WebSocketRoute("/v1/realtime", ws_realtime), Route("/healthz", healthz),
-              Route("/metrics", metrics), Route("/token", token, methods=["POST"])]
-    web = Path(config.server.web_dir) if config.server.web_dir else WEB_DIR
-    if web.is_dir():
-        routes.append(Mount("/", StaticFiles(directory=web, html=True)))
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.drain = drain
-    app.state.auth = auth
-    app.state.voice = state
-    return app
+
+def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = None) -> Starlette:
+    """The ASGI app (VoiceApp's); `app.state.voice` is the VoiceApp."""
+    return VoiceApp(config, stages, auth).app
 
 
 def _auth_error(err: AuthError) -> JSONResponse:
@@ -246,7 +247,7 @@ class VoiceServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         try:
-            await self.voice_app.state.drain()
+            await self.voice_app.state.voice.drain()
         except Exception:  # noqa: BLE001 - shutting down regardless
             log.exception("draining failed")
         await super().shutdown(sockets)

@@ -50,7 +50,7 @@ class TurnConfig:
     weighs how likely the turn is over and waits for more silence the less likely it is, up to
     `ceiling_ms`, where it is over regardless. `fixed`: the VAD's hangover alone (vad.hangover_ms)."""
 
-    policy: str = "combined"  # fixed | smart_turn (the audio) | lm (the transcript) | combined (the lower of both)
+    policy: str = "fixed"  # fixed | smart_turn (the audio) | lm (the transcript) | combined (the lower of both)
     min_silence_ms: int = 200  # silence before the policy is first asked
     ceiling_ms: int = 1000  # silence after which the turn is over whatever the policy thinks
     threshold: float | None = None  # done at min_silence_ms from this probability on; None: the policy's calibrated

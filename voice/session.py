@@ -152,6 +152,10 @@ class Session:
         except Exception as err:  # noqa: BLE001 - the VAD's ceiling still ends the turn
             log.warning("session=%s the end-of-turn policy failed: %r", self.id, err)
             return
+        log.info("session=%s turn=%d end of turn at %d ms of silence: %s (p %s: audio %s, text %s), wait %d ms, "
+                 "decided in %.0f ms", self.id, self.turn, self.turns.endpointer.silence_ms,
+                 "done" if verdict.done else "not yet", _p(verdict.probability), _p(verdict.audio), _p(verdict.text),
+                 verdict.wait_ms, verdict.spent_ms)
         self._on_turn(self.turns.verdict(pause, verdict, time.monotonic()))
 
     async def _end_signal(self, text: str) -> float | None:
@@ -429,3 +433,7 @@ class Session:
             self.replies.chat.close()  # nobody continues the conversation: its LM cache goes back
             self.call_log.closed(reason, self.turn)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
+
+
+def _p(probability: float | None) -> str:
+    return "-" if probability is None else f"{probability:.2f}"

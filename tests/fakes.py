@@ -294,6 +294,7 @@ class StandInEngine:
 
     name = "stand-in"
     max_seq_len = 2048
+    ar_only = False  # (a GGUF on llama.cpp: True)
 
     def prompt_ids(self, messages, tools=None):
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))

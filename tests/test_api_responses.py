@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.api.requests import Options, parse_request
+from engine.api.requests import APIError, Options, parse_request
 from engine.api.responses import Answer, chunks, completion
 from engine.decode import ContextOverflow, DecodeConfig
 from engine.stream import Piece
@@ -100,3 +100,14 @@ def test_parse_request_gives_typed_options():
     messages, cfg, opts = parse_request(body, DecodeConfig(), 2048)
     assert messages == [{"role": "user", "content": "hi"}] and cfg.mode == "ar"
     assert opts == Options(stream=True, include_usage=True, json=True, schema=None, tools=None)
+
+
+def test_a_model_that_decodes_ar_only_answers_a_diffusion_request_in_ar():
+    """A GGUF on llama.cpp decodes AR only: a request asking for diffusion (a voice service's default
+    `[lm] mode`) is decoded AR and says so, instead of failing every reply; tools need no verify rule."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "mode": "diffusion", "rule": "threshold",
+            "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]}
+    _, cfg, opts = parse_request(body, DecodeConfig(), 2048, ar_only=True)
+    assert cfg.mode == "ar" and opts.tools is not None
+    with pytest.raises(APIError):  # elsewhere: diffusion with a lossy rule cannot be held to a grammar
+        parse_request(body, DecodeConfig(), 2048)

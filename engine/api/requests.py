@@ -203,8 +203,11 @@ def _response_format(body: dict) -> tuple[bool, dict | None]:
     return True, schema  # `strict` or not, the reply is held to the schema
 
 
-def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list[dict], DecodeConfig, Options]:
-    """(messages, decode config, options) from a chat-completions body; raises APIError."""
+def parse_request(body: Any, defaults: DecodeConfig, context: int,
+                  ar_only: bool = False) -> tuple[list[dict], DecodeConfig, Options]:
+    """(messages, decode config, options) from a chat-completions body; raises APIError. `ar_only`:
+    the model decodes AR only (a GGUF on llama.cpp's kernels), whatever `mode` asks, as the engine
+    does with its own defaults; `x_engine.mode` tells the client."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
     messages = _messages(body)
@@ -248,6 +251,8 @@ def parse_request(body: Any, defaults: DecodeConfig, context: int) -> tuple[list
     if not isinstance(include_usage, bool):
         raise APIError(400, "Invalid type for 'stream_options.include_usage': expected a boolean.",
                        "stream_options.include_usage", "invalid_type")
+    if ar_only:
+        overrides["mode"] = "ar"
     try:
         cfg = replace(defaults, **overrides)
     except ValueError as err:

@@ -184,7 +184,7 @@ class ChatAPI:
             info["model"] = str(body.get("model"))[:60]
             raise APIError(404, f"The model `{info['model']}` does not exist; this server has "
                            f"`{self.model_id}`.", "model", "model_not_found")
-        messages, cfg, opts = parse_request(body, self.defaults, self.context)
+        messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.ar_only)
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_input_chars:
             raise APIError(400, f"The messages hold {chars} characters; this server accepts at most "

@@ -104,3 +104,12 @@ def wyoming_exchange(port: int, *events, until: str, timeout: float = 60.0) -> l
         finally:
             await client.disconnect()
     return asyncio.run(scenario())
+
+
+def wait_for(pred, timeout: float, what: str):
+    """`pred()`'s first true value, polled every 50 ms; an assertion error saying `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fakes import Client, FakeWhisper, LiveServer, fake_stages, make_config, speech
-from liveserver import free_port, healthz
+from liveserver import free_port, healthz, wait_for
 from voice.lm import RemoteLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -237,9 +237,3 @@ def test_a_server_that_goes_away_and_comes_back(gguf, tmp_path):
         llama.kill()
 
 
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := pred()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value

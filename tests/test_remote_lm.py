@@ -13,13 +13,13 @@ import asyncio
 import json
 import socket
 import threading
-import time
 import urllib.request
 
 import pytest
 import uvicorn
 
 from fakes import Client, LiveServer, StandInEngine, fake_stages, make_config, speech
+from liveserver import wait_for
 from voice.lm import RemoteLM
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -28,14 +28,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 def health(srv) -> dict:
     with urllib.request.urlopen(srv.http + "/healthz", timeout=10) as r:
         return json.loads(r.read())
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := pred()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-    return value
 
 
 def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):

@@ -28,7 +28,7 @@ import numpy as np
 
 from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
-from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
+from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
 from voice.endofturn import Verdict
 
@@ -146,7 +146,7 @@ class TurnTaker:
         # Asking, the VAD waits up to the policy's ceiling; the policy's verdict ends the turn sooner.
         self.endpointer = vad.Endpointer(replace(config.vad, hangover_ms=config.turn.ceiling_ms) if self.asks
                                          else config.vad, SAMPLE_RATE)
-        self.transcriber = StreamingTranscriber(whisper, config.asr)
+        self.whisper, self.transcriber = whisper, StreamingTranscriber(whisper, config.asr)
         self.early = EarlyFinal(self.transcriber, config.asr.early_final_ms)
         self.in_rate, self.resampler = in_rate, StreamResampler(SAMPLE_RATE)
         self.turn = 0
@@ -304,6 +304,14 @@ class TurnTaker:
         ended = asyncio.Event()
         ended.set()
         return [*out, Stopped(self.turn, now, now), Final(self.turn, nothing, ended)]
+
+    async def transcribe(self, pcm16: bytes) -> tuple[str, float]:
+        """A whole recording beside the live audio (a Realtime audio item), at the session's input
+        rate, through the same ASR: (its transcript, its seconds)."""
+        samples = resample(pcm16_to_float(pcm16), self.in_rate, SAMPLE_RATE)
+        transcriber = StreamingTranscriber(self.whisper, self.config.asr)
+        transcriber.insert_audio_chunk(samples)
+        return (await transcriber.finish()).strip(), len(samples) / SAMPLE_RATE
 
     def new_turn(self) -> int:
         """A turn that starts without speech (a typed message): its number."""

@@ -1,34 +1,32 @@
-"""The transport contract, and the lifecycle every connection-per-session front shares.
+"""The transport contract, and the one conversation runner every front is a wire codec over.
 
-The contract (voice/session.py draws the line): a transport opens one `Session` per
-conversation, feeds it the caller's audio with `push_audio`, drains its `outbox` onto the wire,
-reports what reached the wire with `audio_sent` (so the session knows what was heard), and when
-`session.ending` is set (a limit, shutdown) it lets what is queued go out and closes the
-connection. Whatever way the connection ends, its tasks are cancelled, the session is closed and
-the admission ticket is given back.
+A front (/ws, Realtime, Twilio, SIP) only translates: its wire into a session's input, the
+session's events into its wire. Everything between is here, once:
 
-Here that lifecycle is written once, as plain functions that native (/ws), Realtime, Twilio and
-SIP call; each front keeps its own wire format, its own reading loop and (SIP) its own dialogs:
+    AudioInput    receive(): read the wire until the peer goes, its audio into `session.push_audio`
+    AudioOutput   play(audio, heard), clear(), send(event), close(code, reason): the wire out
+    admit / run_admitted / acquire   authenticate and admit (a websocket; SIP admits a dialog)
+    Conversation  the flow of one conversation: `open` a Session, the one drain of its outbox onto
+                  the output, each phrase reported heard when its first frame is on the wire,
+                  and when the session is `ending` (a limit, shutdown): stop reading, flush, close;
+                  however it ends, `finish`: cancel its tasks, `session.close`, release.
 
-    admit / run_admitted   authenticate and admit a websocket; refuse it with an error and a close
-    acquire                the admission ticket itself (SIP admits a dialog, not a websocket)
-    close_when_ending      the ending watcher: wait for `ending`, then flush_then_close
-    flush_then_close       give what is queued its grace, then close (a websocket close, or a BYE)
-    finish                 cancel the connection's tasks, `session.close`, release the ticket
-
-The flush grace is the one thing that differs by front, and each passes it explicitly
-(`FLUSH_S` below). Wyoming is not on this lifecycle: it opens no `Session` per connection.
+What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming is not on this
+runner yet: it opens no `Session` per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice.auth import Auth, AuthError
+from voice.events import Clear, Event, TtsAudio
 from voice.limits import LimitError, Ticket
 from voice.session import Session
 from voice.stages import Stages
@@ -36,20 +34,43 @@ from voice.stages import Stages
 log = logging.getLogger("voice.native")  # the name the refusals and closes were always logged under
 CLOSE_TIMEOUT_S = 2.0  # a websocket close the peer does not answer is given up after this
 
-# When the server ends a session: how long what is queued gets to reach the wire before the close.
+DISCONNECTED = (WebSocketDisconnect, RuntimeError, OSError)  # the peer went (RuntimeError: used after a close)
+
+# When the server ends a session, the drain gets this long to send what is queued before the end
+# mark (the final `error` is last); only an upper bound against a peer that does not read.
 FLUSH_S = {
-    # /ws: the sender drains the outbox up to an end mark (the final `error` is last), so this is only
-    # an upper bound against a client that does not read; normally the close follows at once.
     "native": 2.0,
-    # Realtime: events pass through two queues (the outbox, then the translated server events) with
-    # no end mark through both, so a plain wait for the final `error` to be translated and sent.
     "realtime": 0.5,
-    # Twilio: audio is paced in real time and the final error has no Twilio form; only the media
-    # frame being sent needs to finish (draining would play out the rest of the reply).
+    # Twilio: reply audio is paced in real time and the final error has no Twilio form: the frame
+    # being sent finishes (the output's close waits for it), the rest of the reply is not played out.
     "twilio": 0.2,
     # SIP: a BYE at once; the error has no SIP form and RTP frames go out with a synchronous sendto.
     "sip": 0.0,
 }
+
+
+# --- the contract ----------------------------------------------------------------------------
+
+class AudioInput(Protocol):
+    async def receive(self) -> str | None:
+        """Read the peer until it goes: its audio frames into `session.push_audio` (opening the
+        session with `Conversation.open` once it can), anything else to the front's codec. Returns
+        why the conversation ended (None: the peer went)."""
+
+
+class AudioOutput(Protocol):
+    async def play(self, audio: TtsAudio, heard: Callable[[], None]) -> None:
+        """Put a phrase of reply audio on the wire while `session.is_current(audio.turn)`; call
+        `heard()` once, the moment its first frame is there (a paced output: when that frame goes)."""
+
+    async def clear(self) -> None:
+        """Barge-in: drop any reply audio still held on our side of the wire."""
+
+    async def send(self, event: Event) -> None:
+        """Any other session event, in the front's wire form (or nowhere, if it has none)."""
+
+    async def close(self, code: int, reason: str) -> None:
+        """The server ends the conversation: close the connection (a websocket close, a BYE)."""
 
 
 # --- admission -------------------------------------------------------------------------------
@@ -123,38 +144,106 @@ async def close_ws(ws: WebSocket, code: int = 1000, reason: str | None = None) -
         pass
 
 
-async def flush_then_close(session: Session, close: Callable[[], Awaitable[None]], grace_s: float,
-                           sender: asyncio.Task | None = None) -> None:
-    """What is queued gets `grace_s` to reach the wire, then `close()`. With the `sender` task (one that
-    returns at the outbox's end mark, None), the mark is queued and the wait ends when the sender has
-    sent all before it; the sender is then cancelled. Without it, a plain wait."""
-    if sender is not None:
-        session.outbox.put_nowait(None)
-        await asyncio.wait({sender}, timeout=grace_s)
-        sender.cancel()
-    elif grace_s:
-        await asyncio.sleep(grace_s)
-    await close()
 
 
-async def close_when_ending(session: Session, close: Callable[[], Awaitable[None]], grace_s: float,
-                            sender: asyncio.Task | None = None) -> None:
-    """The ending watcher (a task of its own): when the server ends the session, flush, then close."""
-    await session.ending.wait()
-    await flush_then_close(session, close, grace_s, sender)
+# --- the runner ------------------------------------------------------------------------------
 
+class Conversation:
+    """One conversation on one front: the session, the one drain of its outbox, its end."""
 
-async def finish(session: Session | None, reason: str, tasks: Iterable[asyncio.Task | None] = (),
-                 ticket: Ticket | None = None) -> None:
-    """The end of every connection: cancel its tasks (not the one running this), close the session
-    (`reason`, unless the server ended it with its own), give the admission ticket back."""
-    current = asyncio.current_task()
-    for task in tasks:
-        if task is not None and task is not current:
-            task.cancel()
-    try:
-        if session is not None:
-            await session.close(reason)
-    finally:
-        if ticket is not None:
-            ticket.release()
+    def __init__(self, flush_s: float, input: AudioInput | None = None):
+        self.flush_s, self.input = flush_s, input  # (SIP feeds its session from its own task: no input)
+        self.session: Session | None = None
+        self.output: AudioOutput | None = None
+        self.reader: asyncio.Task | None = None
+        self.drain: asyncio.Task | None = None
+        self.watcher: asyncio.Task | None = None
+        self.tasks: list[asyncio.Task] = []  # the front's own (a pacer, a media watchdog): cancelled at the end
+
+    def open(self, session: Session, output: AudioOutput) -> Session:
+        """The session is built: its outbox flows to `output`, and its end is watched."""
+        self.session, self.output = session, output
+        self.drain = asyncio.create_task(self._drain())
+        self.watcher = asyncio.create_task(self._close_when_ending())
+        return session
+
+    async def serve(self) -> str:
+        """Read the peer until it goes, or until the server ends the session (the watcher then stops
+        the reading, flushes and closes); then `finish`. The reason it ended."""
+        reason = "disconnect"
+        assert self.input is not None  # a front that reads its peer
+        self.reader = asyncio.create_task(self.input.receive())
+        try:
+            await asyncio.wait({self.reader})
+            if not self.reader.cancelled():
+                err = self.reader.exception()
+                if err is None:
+                    reason = self.reader.result() or reason
+                elif not isinstance(err, DISCONNECTED):
+                    log.error("session=%s receive failed: %r", self.session.id if self.session else "-", err)
+                    reason = "error"
+            if self.watcher is not None and self.session is not None and self.session.ending.is_set():
+                await asyncio.wait({self.watcher})  # the flush and the close
+        finally:
+            await self.finish(reason)
+        return self.session.end_reason or reason if self.session is not None else reason
+
+    async def _drain(self) -> None:
+        """The one place a session's outbox is read, in order, up to the end mark (None)."""
+        session, out = self.session, self.output
+        assert session is not None and out is not None  # opened
+        try:
+            while (ev := await session.outbox.get()) is not None:
+                if isinstance(ev, TtsAudio):
+                    await out.play(ev, functools.partial(self.heard, ev))
+                elif isinstance(ev, Clear):
+                    await out.clear()
+                    await out.send(ev)
+                else:
+                    await out.send(ev)
+        except DISCONNECTED as err:  # the wire went away mid-send: stop reading it too
+            log.info("session=%s sending stopped: %r", session.id, err)
+            self._stop_reading()
+        except Exception:
+            log.exception("session=%s sending failed", session.id)
+            self._stop_reading()
+
+    def heard(self, audio: TtsAudio) -> None:
+        """The one place a phrase counts as heard: its first frame reached the wire."""
+        assert self.session is not None  # opened
+        self.session.audio_sent(audio.turn, audio.text, audio.seconds)
+
+    async def _close_when_ending(self) -> None:
+        """When the server ends the session: stop reading, let the queue reach the wire, close."""
+        session = self.session
+        assert session is not None  # opened
+        await session.ending.wait()
+        self._stop_reading()
+        await self.flush_then_close()
+
+    async def flush_then_close(self) -> None:
+        """The end mark goes into the outbox; once the drain has sent all before it (or after
+        `flush_s`), the output closes."""
+        assert self.session is not None and self.drain is not None and self.output is not None  # opened
+        self.session.outbox.put_nowait(None)
+        await asyncio.wait({self.drain}, timeout=self.flush_s)
+        self.drain.cancel()
+        await self.output.close(self.session.close_code, self.session.end_reason)
+
+    def _stop_reading(self) -> None:
+        if self.reader is not None and self.reader is not asyncio.current_task():
+            self.reader.cancel()
+
+    async def finish(self, reason: str, ticket: Ticket | None = None) -> None:
+        """The end of every conversation: cancel its tasks (not the one running this), close the
+        session (`reason`, unless the server ended it with its own), give the admission ticket back."""
+        current = asyncio.current_task()
+        for task in (self.reader, self.drain, self.watcher, *self.tasks):
+            if task is not None and task is not current:
+                task.cancel()
+        try:
+            if self.session is not None:
+                await self.session.close(reason)
+        finally:
+            if ticket is not None:
+                ticket.release()

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -22,10 +23,10 @@ from engine.common.wire import WireError, decode_json
 from voice.audio import RATES
 from voice.auth import Auth
 from voice.config import SessionConfig
-from voice.events import PROTOCOL_VERSION, Ready, TtsAudio
+from voice.events import PROTOCOL_VERSION, Event, Ready, TtsAudio
 from voice.session import Session
 from voice.stages import Stages
-from voice.transports.common import FLUSH_S, close_ws, fail, finish, flush_then_close, run_admitted
+from voice.transports.common import FLUSH_S, Conversation, close_ws, fail, run_admitted
 
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)
@@ -99,47 +100,57 @@ def _is_int(value) -> bool:
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
     async def serve(principal: str) -> None:
         await ws.accept()
-        await _session(ws, stages, principal)
+        await NativeFront(ws, stages, principal).conversation.serve()
     await run_admitted(ws, stages, auth, serve)
 
 
-async def _session(ws: WebSocket, stages: Stages, principal: str) -> None:
-    cfg = stages.config.session
-    try:
-        start = await asyncio.wait_for(_read_start(ws, stages), cfg.start_timeout_s)
-    except asyncio.TimeoutError:
-        await fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
-        return
-    except ProtocolError as err:
-        await fail(ws, err.code, str(err))
-        return
-    except WebSocketDisconnect:
-        return
-    peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
-    session = Session(stages, start["in_rate"], start["out_rate"], "native", start["system_prompt"],
-                      start["lm_mode"], principal=principal, peer=peer)
-    tasks: list[asyncio.Task] = []
-    reason = "disconnect"
-    try:  # the session is counted as open from here: close it whatever happens
+class NativeFront:
+    """The native protocol as a codec on the conversation runner (voice/transports/common.py)."""
+
+    def __init__(self, ws: WebSocket, stages: Stages, principal: str):
+        self.ws, self.stages, self.principal = ws, stages, principal
+        self.session: Session | None = None
+        self.conversation = Conversation(FLUSH_S["native"], self)
+
+    async def receive(self) -> str | None:
+        """The start (refused with an error and a close), `ready`, then audio and control frames."""
+        ws, cfg = self.ws, self.stages.config.session
+        try:
+            start = await asyncio.wait_for(_read_start(ws, self.stages), cfg.start_timeout_s)
+        except asyncio.TimeoutError:
+            await fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
+            return None
+        except ProtocolError as err:
+            await fail(ws, err.code, str(err))
+            return None
+        peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
+        session = self.session = Session(self.stages, start["in_rate"], start["out_rate"], "native",
+                                         start["system_prompt"], start["lm_mode"], principal=self.principal, peer=peer)
+        self.conversation.session = session  # counted as open from here: closed whatever happens
         await ws.send_json(Ready(0, time.monotonic(), session_id=session.id, sample_rate=start["out_rate"]).to_wire())
-        sender = asyncio.create_task(_send_events(ws, session))
-        receiver = asyncio.create_task(_receive(ws, session))
-        ending = asyncio.create_task(session.ending.wait())
-        tasks = [sender, receiver, ending]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if ending in done:  # the server ends it: the final error goes out, then the close
-            receiver.cancel()
-            reason = session.end_reason
-            await flush_then_close(session, lambda: close_ws(ws, session.close_code, session.end_reason),
-                                   FLUSH_S["native"], sender)
-        elif receiver in done and receiver.exception() is not None and \
-                not isinstance(receiver.exception(), WebSocketDisconnect):
-            log.error("session=%s receive failed: %r", session.id, receiver.exception())
-            reason = "error"
-    except WebSocketDisconnect:
-        pass
-    finally:
-        await finish(session, reason, tasks)
+        self.conversation.open(session, self)
+        await _receive(ws, session)
+        return None
+
+    async def play(self, audio: TtsAudio, heard: Callable[[], None]) -> None:
+        session = self.session
+        assert session is not None  # opened
+        frame_bytes = session.out_rate * 2 * session.config.session.audio_frame_ms // 1000
+        for i in range(0, len(audio.pcm), frame_bytes):
+            if not session.is_current(audio.turn):
+                break  # cleared by a barge-in
+            await self.ws.send_bytes(audio.pcm[i:i + frame_bytes])
+            if i == 0:
+                heard()
+
+    async def clear(self) -> None:
+        """Nothing is held here: every frame went out as it came (the `clear` event tells the client)."""
+
+    async def send(self, event: Event) -> None:
+        await self.ws.send_json(event.to_wire())
+
+    async def close(self, code: int, reason: str) -> None:
+        await close_ws(self.ws, code, reason)
 
 
 async def _read_start(ws: WebSocket, stages: Stages) -> dict:
@@ -189,25 +200,3 @@ def _control(session: Session, text: str, max_bytes: int = MAX_TEXT_BYTES) -> No
         session.error("already_started", "the session has already started")
     else:
         session.error("unknown_message", f"unknown control message type {str(kind)[:40]!r}")
-
-
-async def _send_events(ws: WebSocket, session: Session) -> None:
-    frame_bytes = session.out_rate * 2 * session.config.session.audio_frame_ms // 1000
-    try:
-        while True:
-            ev = await session.outbox.get()
-            if ev is None:  # the session is ending: all that was queued before has been sent
-                return
-            if isinstance(ev, TtsAudio):
-                if not session.is_current(ev.turn):
-                    continue  # cleared by a barge-in
-                for i in range(0, len(ev.pcm), frame_bytes):
-                    if not session.is_current(ev.turn):
-                        break
-                    await ws.send_bytes(ev.pcm[i:i + frame_bytes])
-                    if i == 0:
-                        session.audio_sent(ev.turn, ev.text, len(ev.pcm) / 2 / ev.rate)
-            else:
-                await ws.send_json(ev.to_wire())
-    except (WebSocketDisconnect, RuntimeError):
-        return

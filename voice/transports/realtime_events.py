@@ -61,19 +61,19 @@ class TurnDetection(Strict):
     interrupt_response: bool | None = None
 
 
-class AudioInput(Strict):
+class InputSettings(Strict):
     format: Format | None = None
     turn_detection: TurnDetection | None = None  # null: the client commits each utterance itself
 
 
-class AudioOutput(Strict):
+class OutputSettings(Strict):
     format: Format | None = None
     voice: str | None = Field(None, min_length=1)
 
 
 class Audio(Strict):
-    input: AudioInput | None = None
-    output: AudioOutput | None = None
+    input: InputSettings | None = None
+    output: OutputSettings | None = None
 
 
 class FunctionTool(Strict):

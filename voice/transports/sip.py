@@ -2,7 +2,8 @@
 
 RFC 3261 (UAS side, UDP), 3264 offer/answer with G.711 (PCMU/PCMA), 3550 RTP, 4733 DTMF;
 docs/TELEPHONY.md lists exactly what is and isn't implemented. Each call gets its own RTP
-port pair and its own `Session` (8 kHz in and out); `telephony.Outbound` plays the replies.
+port pair and its own `Session` (8 kHz in and out), on the conversation runner
+(voice/transports/common.py); `telephony.PacedOutput` plays the replies.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from voice.limits import LimitError, Ticket
 from voice.session import Session
 from voice.stages import Stages
 from voice.transports import rtp, sdp
-from voice.transports.common import FLUSH_S, acquire, close_when_ending, finish
+from voice.transports.common import FLUSH_S, Conversation, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
-from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, Outbound, calls, count_drop
+from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.sip")
 ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
@@ -76,7 +77,7 @@ class Call:
         self.rtp_sock: asyncio.DatagramTransport | None = None
         self.rtcp_sock: asyncio.DatagramTransport | None = None
         self.session: Session | None = None
-        self.tasks: list[asyncio.Task] = []
+        self.conversation = Conversation(FLUSH_S["sip"])  # the session is fed from `audio_in` by `_feed`
         self.audio_in: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=AUDIO_QUEUE)
         self.jitter = rtp.JitterBuffer()
         self.dtmf = rtp.DtmfReceiver()
@@ -170,10 +171,10 @@ class Call:
                                peer=f"{self.source[0]}:{self.source[1]}",
                                meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec})
         self.record.session_id = self.session.id
-        out = Outbound(self.session, self.record, self._send_frame, phrase_end=self._phrase_sent)
-        self.tasks += [asyncio.create_task(out.run()), asyncio.create_task(self._feed()),
-                       asyncio.create_task(self._watch_media()),
-                       asyncio.create_task(close_when_ending(self.session, self._hang_up, FLUSH_S["sip"]))]
+        out = PacedOutput(self.session, self.record, self._send_frame, self._hang_up, phrase_end=self._phrase_sent)
+        self.conversation.tasks += [out.pacer, asyncio.create_task(self._feed()),
+                                    asyncio.create_task(self._watch_media())]
+        self.conversation.open(self.session, out)
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -189,14 +190,13 @@ class Call:
                 self.ep.spawn(self.end("media_timeout"))
                 return
 
-    async def _hang_up(self) -> None:
+    async def _hang_up(self, code: int, reason: str) -> None:
         """The server ended the session (a limit, shutdown): hang up."""
         assert self.session is not None  # opened before the watcher
-        log.info("sip call=%s session=%s ended by the server (%s): hanging up", self.id, self.session.id,
-                 self.session.end_reason)
+        log.info("sip call=%s session=%s ended by the server (%s): hanging up", self.id, self.session.id, reason)
         if self.state in ("answered", "confirmed"):
             self.ep.send_bye(self)
-        self.ep.spawn(self.end(self.session.end_reason))
+        self.ep.spawn(self.end(reason))
 
     async def end(self, reason: str) -> None:
         if self.state == "ended":
@@ -207,7 +207,7 @@ class Call:
             if sock is not None:
                 sock.close()
         self.ep.release_rtp(self.rtp_port)
-        await finish(self.session, reason, self.tasks, self.ticket)
+        await self.conversation.finish(reason, self.ticket)
         calls.close(self.record, reason)
 
 
@@ -421,7 +421,7 @@ class SipEndpoint:
         self.calls[call.id] = call
         self.reply(req, source, 100)
         call.last_provisional = self.reply(req, source, 180, call.local_tag, [("contact", self.contact(req))])
-        call.tasks.append(asyncio.create_task(self._answer(call, source)))
+        call.conversation.tasks.append(asyncio.create_task(self._answer(call, source)))
 
     def _check_offer(self, req: SipMessage) -> tuple[int, list, sdp.Answer | None]:
         if req.get("require"):

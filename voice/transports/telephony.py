@@ -3,9 +3,9 @@
 * `CallRecord` / `calls`: one record per call (transcripts, replies, what was heard, latency
   reports, DTMF, counters), kept while the call is up and for a while after. Operators read
   it in the logs; tests read it directly.
-* `Outbound`: drains a session's outbox and plays reply audio as 20 ms frames of 8 kHz PCM,
-  paced in real time, dropping whatever is queued on barge-in. The transport only says how
-  one frame goes on the wire (a µ-law media message, an RTP packet).
+* `PacedOutput`: a call's output on the conversation runner (voice/transports/common.py): reply
+  audio as 20 ms frames of 8 kHz PCM, paced in real time, whatever is queued dropped on barge-in.
+  The transport only says how one frame goes on the wire (a µ-law media message, an RTP packet).
 * `count_drop`: bad input is dropped, counted per call and in /metrics.
 """
 
@@ -16,14 +16,15 @@ import collections
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
-from voice.events import Clear, Error, LatencyReport, ReplyDone, Transcript, TtsAudio
+from voice.events import Error, Event, LatencyReport, ReplyDone, Transcript, TtsAudio
 from voice.session import Session
+from voice.transports.common import DISCONNECTED
 
 log = logging.getLogger("voice.telephony")
 RATE = 8000  # G.711 narrowband
@@ -105,42 +106,100 @@ class _Frame:
     turn: int
     text: str
     pcm: np.ndarray  # FRAME_SAMPLES int16
-    seconds: float  # the phrase's length (for audio_sent)
-    first: bool
+    heard: Callable[[], None] | None  # on the phrase's first frame: the runner's report that it reached the wire
     last: bool
 
 
-class Outbound:
-    """Play a session's reply audio in real time, 20 ms at a time.
+class PacedOutput:
+    """A call's side of `AudioOutput` (voice/transports/common.py): reply audio played in real time,
+    20 ms at a time, the other events kept in the call's record.
 
-    `send(frame, talkspurt_start)` puts one frame (160 int16 samples) on the wire.
+    `send_frame(frame, talkspurt_start)` puts one frame (160 int16 samples) on the wire.
     `phrase_end(turn, text)` runs after a phrase's last frame (Twilio sends a mark there).
     `cleared()` runs on barge-in after the queue was dropped (Twilio sends `clear`).
-    `lead_s` lets the sender run that far ahead of real time (a peer that buffers, like
+    `hang_up(code, reason)` closes the call when the server ends it (a websocket close, a BYE).
+    `lead_s` lets the pacer run that far ahead of real time (a peer that buffers, like
     Twilio, then never underruns); RTP goes out exactly on time (lead 0).
     """
 
-    def __init__(self, session: Session, record: CallRecord, send: Callable[[np.ndarray, bool], object],
-                 phrase_end: Callable[[int, str], object] | None = None,
+    def __init__(self, session: Session, record: CallRecord, send_frame: Callable[[np.ndarray, bool], object],
+                 hang_up: Callable[[int, str], Awaitable[None]], phrase_end: Callable[[int, str], object] | None = None,
                  cleared: Callable[[], object] | None = None, lead_s: float = 0.0):
-        self.session, self.record, self.send = session, record, send
+        self.session, self.record, self.send_frame, self.hang_up = session, record, send_frame, hang_up
         self.phrase_end, self.cleared, self.lead_s = phrase_end, cleared, lead_s
         self.frames: collections.deque[_Frame] = collections.deque()
+        self.more = asyncio.Event()  # frames were queued
         self.clock: float | None = None  # monotonic time of frame 0 of the current talkspurt
         self.sent = 0  # frames sent in the current talkspurt
         self.frame_s = FRAME_MS / 1000
+        self.stopping = False
+        self.pacer = asyncio.create_task(self._pace())
 
-    async def run(self) -> None:
-        outbox = self.session.outbox
+    async def play(self, audio: TtsAudio, heard: Callable[[], None]) -> None:
+        """Queue the phrase's frames for the pacer (which reports it heard when its first frame goes)."""
+        if not self.session.is_current(audio.turn):
+            return
+        pcm = np.frombuffer(audio.pcm, dtype="<i2")
+        if audio.rate != RATE:  # sessions are opened at 8 kHz; this only guards against misuse
+            from voice.audio import float_to_int16, resample
+            pcm = float_to_int16(resample(pcm / 32768.0, audio.rate, RATE))
+        n = -(-len(pcm) // FRAME_SAMPLES)
+        padded = np.zeros(n * FRAME_SAMPLES, np.int16)
+        padded[:len(pcm)] = pcm
+        for i in range(n):
+            self.frames.append(_Frame(audio.turn, audio.text, padded[i * FRAME_SAMPLES:(i + 1) * FRAME_SAMPLES],
+                                      heard if i == 0 else None, i == n - 1))
+        self.more.set()
+        self.record.counters["phrases_out"] += 1
+
+    async def clear(self) -> None:
+        s, r = self.session, self.record
+        dropped = len(self.frames)
+        self.frames.clear()
+        r.counters["clears"] += 1
+        log.info("%s call=%s session=%s barge-in: dropped %d queued frames", r.transport, r.id, s.id, dropped)
+        if self.cleared is not None:
+            await _maybe_await(self.cleared())
+
+    async def send(self, ev: Event) -> None:
+        """A call has no wire form for the other events: the call's record keeps what they say."""
+        s, r = self.session, self.record
+        if isinstance(ev, Transcript):
+            if ev.final:
+                r.transcripts.append(ev.text)
+                log.info("%s call=%s session=%s turn=%d caller said: %r", r.transport, r.id, s.id, ev.turn, ev.text)
+        elif isinstance(ev, ReplyDone):
+            r.replies.append(ev.text)
+            log.info("%s call=%s session=%s turn=%d reply%s: %r", r.transport, r.id, s.id, ev.turn,
+                     " (interrupted)" if ev.interrupted else "", ev.heard if ev.interrupted else ev.text)
+        elif isinstance(ev, LatencyReport):
+            r.latency.append(dict(ev.stages_ms))
+        elif isinstance(ev, Error):
+            r.counters[f"error_{ev.code}"] += 1
+
+    async def close(self, code: int, reason: str) -> None:
+        """The frame being sent finishes, the rest of the reply is not played out; then hang up."""
+        self.frames.clear()
+        self.stopping = True
+        self.more.set()
+        await asyncio.wait({self.pacer}, timeout=1.0)
+        await self.hang_up(code, reason)
+
+    async def _pace(self) -> None:
+        try:
+            await self._pace_frames()
+        except DISCONNECTED as err:  # the socket went away mid-send
+            log.info("%s call=%s sender stopped: %s", self.record.transport, self.record.id, err)
+        except Exception:
+            log.exception("%s call=%s sender failed", self.record.transport, self.record.id)
+
+    async def _pace_frames(self) -> None:
         idle, marker = True, False  # idle: the queue ran dry since the last frame
-        while True:
+        while not self.stopping:
             if not self.frames:
                 idle = True
-                await self._handle(await outbox.get())
-                continue
-            while not outbox.empty():
-                await self._handle(outbox.get_nowait())
-            if not self.frames:
+                self.more.clear()
+                await self.more.wait()
                 continue
             now = time.monotonic()
             if idle:
@@ -154,57 +213,20 @@ class Outbound:
             due = self.clock + self.sent * self.frame_s - self.lead_s
             if due > now:
                 await asyncio.sleep(due - now)
-                continue  # look at the outbox again (a barge-in may have arrived) before sending
+                continue  # look at the queue again (a barge-in may have dropped it) before sending
             frame = self.frames.popleft()
             if not self.session.is_current(frame.turn):
                 continue
-            await _maybe_await(self.send(frame.pcm, marker))
+            await _maybe_await(self.send_frame(frame.pcm, marker))
             marker = False
             self.sent += 1
             self.record.counters["frames_out"] += 1
             if float(np.sqrt(np.mean(np.square(frame.pcm, dtype=np.float64)))) > 32768 * 0.01:  # > -40 dBFS
                 self.record.counters["frames_out_voiced"] += 1
-            if frame.first:
-                self.session.audio_sent(frame.turn, frame.text, frame.seconds)
+            if frame.heard is not None:
+                frame.heard()
             if frame.last and self.phrase_end is not None:
                 await _maybe_await(self.phrase_end(frame.turn, frame.text))
-
-    async def _handle(self, ev) -> None:
-        s, r = self.session, self.record
-        if isinstance(ev, TtsAudio):
-            if not s.is_current(ev.turn):
-                return
-            pcm = np.frombuffer(ev.pcm, dtype="<i2")
-            if ev.rate != RATE:  # sessions are opened at 8 kHz; this only guards against misuse
-                from voice.audio import float_to_int16, resample
-                pcm = float_to_int16(resample(pcm / 32768.0, ev.rate, RATE))
-            n = -(-len(pcm) // FRAME_SAMPLES)
-            padded = np.zeros(n * FRAME_SAMPLES, np.int16)
-            padded[:len(pcm)] = pcm
-            seconds = len(pcm) / RATE
-            for i in range(n):
-                self.frames.append(_Frame(ev.turn, ev.text, padded[i * FRAME_SAMPLES:(i + 1) * FRAME_SAMPLES],
-                                          seconds, i == 0, i == n - 1))
-            r.counters["phrases_out"] += 1
-        elif isinstance(ev, Clear):
-            dropped = len(self.frames)
-            self.frames.clear()
-            r.counters["clears"] += 1
-            log.info("%s call=%s session=%s barge-in: dropped %d queued frames", r.transport, r.id, s.id, dropped)
-            if self.cleared is not None:
-                await _maybe_await(self.cleared())
-        elif isinstance(ev, Transcript):
-            if ev.final:
-                r.transcripts.append(ev.text)
-                log.info("%s call=%s session=%s turn=%d caller said: %r", r.transport, r.id, s.id, ev.turn, ev.text)
-        elif isinstance(ev, ReplyDone):
-            r.replies.append(ev.text)
-            log.info("%s call=%s session=%s turn=%d reply%s: %r", r.transport, r.id, s.id, ev.turn,
-                     " (interrupted)" if ev.interrupted else "", ev.heard if ev.interrupted else ev.text)
-        elif isinstance(ev, LatencyReport):
-            r.latency.append(dict(ev.stages_ms))
-        elif isinstance(ev, Error):
-            r.counters[f"error_{ev.code}"] += 1
 
 
 async def _maybe_await(value) -> None:

@@ -19,15 +19,15 @@ import json
 import logging
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
 from engine.common.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.session import Session
 from voice.stages import Stages
-from voice.transports.common import FLUSH_S, close_when_ending, close_ws, finish, run_admitted
-from voice.transports.telephony import RATE, CallRecord, Outbound, calls, count_drop
+from voice.transports.common import FLUSH_S, Conversation, close_ws, run_admitted
+from voice.transports.telephony import RATE, CallRecord, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
@@ -41,13 +41,11 @@ DTMF_DIGITS = "0123456789*#ABCD"
 class TwilioCall:
     def __init__(self, ws: WebSocket, stages: Stages, principal: str = "twilio"):
         self.ws, self.stages, self.principal = ws, stages, principal
-        self.closer: asyncio.Task | None = None
+        self.conversation = Conversation(FLUSH_S["twilio"], self)
         self.registry = stages.metrics.registry
         self.session: Session | None = None
         self.record: CallRecord | None = None
         self.stream_sid = ""
-        self.out: Outbound | None = None
-        self.sender: asyncio.Task | None = None
         self.marks: dict[str, tuple[int, str]] = {}  # mark name -> (turn, phrase) not yet echoed
         self.cleared_marks: set[str] = set()
         self.mark_no = 0
@@ -58,21 +56,22 @@ class TwilioCall:
 
     async def run(self) -> None:
         await self.ws.accept()
+        reason = "disconnect"
         try:
-            while True:
-                msg = await self.ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    return
-                if msg.get("text") is None:
-                    self.drop("binary_frame", "Media Streams messages are JSON text frames")
-                    continue
-                if await self.handle(msg["text"]) == "stop":
-                    return
-        except WebSocketDisconnect:
-            return
+            reason = await self.conversation.serve()
         finally:
-            reason = "stop" if self.record and self.record.meta.get("stopped") else "disconnect"
-            await self.end(self.session.end_reason or reason if self.session else reason)
+            await self.end(reason)
+
+    async def receive(self) -> str | None:
+        while True:
+            msg = await self.ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return None
+            if msg.get("text") is None:
+                self.drop("binary_frame", "Media Streams messages are JSON text frames")
+                continue
+            if await self.handle(msg["text"]) == "stop":
+                return "stop"
 
     async def handle(self, text: str) -> str | None:
         max_bytes = getattr(self.stages.config.session, "max_text_bytes", MAX_TEXT_BYTES)
@@ -128,28 +127,18 @@ class TwilioCall:
         self.record = calls.open(CallRecord(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
         self.record.meta.update(callSid=start.get("callSid"), accountSid=start.get("accountSid"),
                                 tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
-        self.out = Outbound(self.session, self.record, self.send_media, phrase_end=self.send_mark,
-                            cleared=self.send_clear, lead_s=LEAD_S)
-        self.sender = asyncio.create_task(self._play())
-        self.closer = asyncio.create_task(close_when_ending(self.session, self._close, FLUSH_S["twilio"]))
+        out = PacedOutput(self.session, self.record, self.send_media, self._close, phrase_end=self.send_mark,
+                          cleared=self.send_clear, lead_s=LEAD_S)
+        self.conversation.tasks.append(out.pacer)
+        self.conversation.open(self.session, out)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
-    async def _play(self) -> None:
-        assert self.out is not None  # made before this task
-        try:
-            await self.out.run()
-        except (WebSocketDisconnect, RuntimeError, OSError) as err:  # the socket went away mid-send
-            log.info("twilio call=%s sender stopped: %s", self.stream_sid, err)
-        except Exception:
-            log.exception("twilio call=%s sender failed", self.stream_sid)
-
-    async def _close(self) -> None:
+    async def _close(self, code: int, reason: str) -> None:
         """The server ended the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
         assert self.session is not None  # made before the watcher
-        log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id,
-                 self.session.end_reason)
-        await close_ws(self.ws, self.session.close_code, self.session.end_reason)
+        log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id, reason)
+        await close_ws(self.ws, code, reason)
 
     async def media(self, msg: dict) -> None:
         assert self.session is not None and self.record is not None  # `handle` checked: after start
@@ -238,7 +227,9 @@ class TwilioCall:
         await self._send({"event": "clear", "streamSid": self.stream_sid})
 
     async def end(self, reason: str) -> None:
-        await finish(self.session, reason, (self.sender, self.closer))
+        if self.session is not None:
+            reason = self.session.end_reason or reason
+        await self.conversation.finish(reason)
         if self.record is not None:
             calls.close(self.record, reason)
         if reason == "stop":

@@ -477,10 +477,10 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
             tree_drafter = cast(TreeDrafter, drafter)  # `drafts_trees` said so
             proposal = tree_drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                                  cfg.draft_tree)
-        elif not proposal.ids:
-            assert state.hidden is not None
-            proposal = drafter.propose(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
-                                       cfg.temperature, generator, cfg.draft_threshold)
+        elif not proposal.ids:  # a draft head reads the base's hidden states; prompt lookup needs none
+            hidden = state.hidden[:len(state.ids)] if state.hidden is not None else None
+            proposal = drafter.propose(embed, hidden, state.ids + pending, k_max, cfg.temperature, generator,
+                                       cfg.draft_threshold)
 
 
 def forced_draft(constraint: Constraint | None) -> list[int]:

@@ -89,7 +89,7 @@ class Drafter(Protocol):
     @property
     def block(self) -> int: ...
 
-    def propose(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Embedding, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal: ...
 
 
@@ -243,11 +243,13 @@ class DraftHead(nn.Module):
         return self.head(self.norm(x))
 
     @torch.inference_mode()
-    def propose(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Embedding, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
         every position but the last (each paired with the token after it, the last one's being ids[-1]).
         A chained head stops drafting once the drafted prefix is less than `threshold` likely right."""
+        if hidden is None:
+            raise ValueError("a draft head reads the base's hidden states; this model's kernels keep none")
         h, e, valid = self._window(embed, hidden, ids)
         if not self.args.chain:
             return self._pick(self(h, e, valid)[0, :k].float(), temperature, generator)

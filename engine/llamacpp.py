@@ -43,12 +43,16 @@ log = logging.getLogger("engine.llamacpp")
 SEQUENCES = 64  # conversations whose caches are alive at once (llama.cpp allows up to 256)
 BATCH = 512  # tokens per llama_decode call; a longer prefill is decoded in several calls
 IDLE_EVICT_S = 30.0  # a cache unused this long may be dropped when the shared cache is full
+# why `mode = "diffusion"` decodes AR on these kernels (engine.stream.decide), from
+# bench/llamacpp_rows.py and BENCHMARKS.md, "Drafted rows on llama.cpp's kernels"
+DRAFT_ROWS = ("on llama.cpp's kernels no draft head reads the base's hidden states (ggml gives them after the "
+              "final norm), and a drafted row costs too much of a step for prompt lookup to pay")
 
 
 def available() -> str:
     """'' if llama.cpp's bindings load here, else why not."""
     try:
-        _bindings()
+        bindings()
     except (ImportError, OSError, RuntimeError) as err:
         return f"llama.cpp is unavailable ({type(err).__name__}: {err}); install llama-cpp-python (./dev setup)"
     return ""
@@ -56,11 +60,13 @@ def available() -> str:
 
 _lib = None
 _log_callback = None
+_variant = ""
 
 
-def _bindings():
-    """llama-cpp-python's ctypes module, initialised once, its warnings routed to our log."""
-    global _lib, _log_callback
+def bindings():
+    """llama-cpp-python's ctypes module, initialised once: the best CPU variant of ggml loaded for
+    this CPU (`cpu_variant`), llama.cpp's warnings routed to our log."""
+    global _lib, _log_callback, _variant
     if _lib is None:
         # ggml's OpenMP threads sleep between steps instead of spinning on the cores that speech
         # recognition and synthesis need (read once, when the library loads)
@@ -75,14 +81,48 @@ def _bindings():
 
         _log_callback = forward_log  # a ctypes callback must outlive every call into the library
         lib.llama_log_set(forward_log, ctypes.c_void_p(0))
-        lib.llama_backend_init()
+        _variant = _load_cpu_backend(Path(lib.__file__).parent / "lib")
+        lib.llama_backend_init()  # loads ggml's backends itself only where none is loaded yet
         _lib = lib
     return _lib
 
 
+def cpu_variant() -> str:
+    """The ggml CPU variant running here (e.g. 'haswell', 'zen4', 'sapphirerapids'), or 'built in'
+    for a llama.cpp compiled for one CPU class."""
+    bindings()
+    return _variant
+
+
+def _load_cpu_backend(lib_dir: Path) -> str:
+    """Load the best of the CPU variants a dynamic-backend build ships (`libggml-cpu-*.so`, built
+    with GGML_BACKEND_DL and GGML_CPU_ALL_VARIANTS: ./dev) by each variant's own score of this CPU
+    (0: it cannot run here), or the one `GGML_CPU_VARIANT` names (to test another class's kernels).
+    llama-cpp-python never loads them itself: ggml looks beside the executable and in the current
+    directory only."""
+    variants = {p.name[len("libggml-cpu-"):].split(".")[0]: p for p in lib_dir.glob("libggml-cpu-*.so")}
+    if not variants:
+        return "built in"
+    forced = os.environ.get("GGML_CPU_VARIANT", "")
+    if forced:
+        if forced not in variants:
+            raise RuntimeError(f"GGML_CPU_VARIANT={forced!r} is not one of this build's: {', '.join(sorted(variants))}")
+        best = forced
+    else:
+        scores = {name: ctypes.CDLL(str(path)).ggml_backend_score() for name, path in variants.items()}
+        best = max(scores, key=lambda name: scores[name])
+        if scores[best] <= 0:
+            raise RuntimeError(f"none of llama.cpp's CPU variants runs on this CPU ({', '.join(sorted(variants))})")
+    ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    if not ggml.ggml_backend_load(str(variants[best]).encode()):
+        raise RuntimeError(f"ggml could not load its CPU variant {variants[best]}")
+    return best
+
+
 def system_info() -> str:
-    """The kernels llama.cpp was built with (e.g. 'CPU : SSE3 = 1 | AVX2 = 1 | ...')."""
-    return _bindings().llama_print_system_info().decode()
+    """The kernels llama.cpp runs here: the CPU variant and its features (e.g. 'haswell; CPU : SSE3 = 1 | ...')."""
+    return f"{cpu_variant()}; {bindings().llama_print_system_info().decode()}"
 
 
 @dataclass
@@ -110,10 +150,11 @@ class Slot:
 class LlamaCppModel:
     """A GGUF on llama.cpp: the `model` of a `LoadedModel` loaded with `quantize="gguf"`."""
 
-    embed_tokens = None  # no draft head reads it: this path decodes AR only
+    embed_tokens = None  # no draft head reads llama.cpp's states (`draft_rows`)
+    draft_rows = DRAFT_ROWS
 
     def __init__(self, path: Path, max_seq_len: int) -> None:
-        lib = _bindings()
+        lib = bindings()
         self.path = Path(path)
         # CPU threads for the next step, asked per step: the voice service gives the LM both cores
         # while no speech recognition or synthesis is waiting for one (voice.lm.LocalLM)
@@ -229,32 +270,41 @@ class LlamaCppModel:
             if slot.cells > keep:
                 self._lib.llama_memory_seq_rm(self._mem, slot.seq, keep, -1)
                 slot.cells = keep
-        needed = sum(len(f.clean) for f in forwards)
+        needed = sum(len(f.clean) + len(f.draft) for f in forwards)
         self._evict(in_use, enough=lambda: sum(s.cells for s in self._slots) + needed <= self.kv_tokens)
 
     # --- the forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, forwards) -> list[tuple[Tensor, None]]:
-        """Each forward's clean tokens through llama_decode (batched; a long prefill in several
-        calls); per forward: (logits of its last row [1, vocab], no hidden states)."""
+        """Each forward's clean tokens, then its drafted tokens as causal rows (verify), through
+        llama_decode (batched; a long prefill in several calls); per forward: (logits of its last
+        clean row and of every drafted row [rows, vocab], no hidden states). Drafted rows are
+        written to the cache past `state.ids`: scratch, dropped before the next step unless
+        verify keeps them."""
         rows: list[tuple[int, int, int, bool]] = []  # (forward, token, position, output)
         for i, f in enumerate(forwards):
-            if f.draft or f.parents is not None:
-                raise ValueError("llama.cpp decodes AR only (engine/llamacpp.py says why); verify and "
+            if f.parents is not None or (f.draft and not f.draft_causal):
+                raise ValueError("llama.cpp runs drafted chains as causal rows (verify); draft trees and "
                                  "mask-denoising blocks need the PyTorch model (quantize none|fp16|int8)")
-            start, n = len(f.state.ids), len(f.clean)
+            start, n = len(f.state.ids), len(f.clean) + len(f.draft)
             if start + n > f.state.capacity:
                 from engine.decode import ContextOverflow
                 raise ContextOverflow(f"conversation needs {start + n} tokens but the context holds {f.state.capacity}")
-            rows += [(i, token, start + j, j == n - 1) for j, token in enumerate(f.clean)]
+            last_clean = len(f.clean) - 1
+            rows += [(i, token, start + j, j >= last_clean) for j, token in enumerate(f.clean + f.draft)]
         with self._lock:
             self._make_room(forwards)
             logits = self._decode(rows, [f.state.slot.seq for f in forwards])
             for f in forwards:
-                f.state.slot.cells = len(f.state.ids) + len(f.clean)
+                f.state.slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
                 f.state.slot.last_used = time.monotonic()
-        return [(row[None], None) for row in logits]
+        out, at = [], 0
+        for f in forwards:
+            n = len(f.draft) + (1 if f.clean else 0)
+            out.append((logits[at:at + n], None))
+            at += n
+        return out
 
     def _decode(self, rows, seqs: list[int]) -> Tensor:
         """llama_decode over `rows` in calls of at most BATCH; the output rows' logits, in order."""

@@ -178,6 +178,9 @@ class Layer(nn.Module):
 class Transformer(nn.Module):
     rope_cos: Tensor  # buffers: [max_seq_len, head_dim]
     rope_sin: Tensor
+    # why verify's drafted rows do not pay on these kernels ('' where they do: rows independent of
+    # their batch, hidden states for a draft head; BENCHMARKS.md, "Verify on this CPU")
+    draft_rows = ""
 
     def __init__(self, args: ModelArgs):
         super().__init__()

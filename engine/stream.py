@@ -33,7 +33,6 @@ from typing import cast
 
 from engine.decode import Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
-from engine.llamacpp import LlamaCppModel
 from engine.tools import Tool, for_template
 from engine.loading import LoadedModel, load
 
@@ -147,6 +146,27 @@ class _Request:
         return NORMAL if self.priority is None else self.priority()
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """What `mode = "diffusion"` runs for a model here: decided once, at load (`decide`), and
+    reported the same way by the log, engine serve's `x_engine` and the voice service's /healthz."""
+
+    mode: str  # "diffusion": drafted blocks that the base verifies (lossless) | "ar": a token per forward
+    why: str
+
+
+def decide(loaded: LoadedModel) -> Decoding:
+    """Drafting pays where the model's kernels run extra rows cheaply and a drafter can read what
+    they give (`model.draft_rows`: '' where they pay, else why not); AR otherwise."""
+    why_not = loaded.model.draft_rows
+    if why_not:
+        return Decoding("ar", why_not)
+    if loaded.drafter is not None:
+        return Decoding("diffusion", f"its draft head proposes {loaded.drafter.block} tokens a forward, "
+                                     "verified by the base (lossless)")
+    return Decoding("diffusion", "prompt lookup proposes tokens, verified by the base (lossless)")
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None,
                  max_batch: int = 8, pool_size: int | None = None, max_defer_s: float = 0.3):
@@ -155,11 +175,10 @@ class Engine:
         self.loaded = loaded
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
-        self.defaults = defaults or DecodeConfig()
-        self.ar_only = isinstance(self.model, LlamaCppModel)  # engine/llamacpp.py says why
-        if self.ar_only and self.defaults.mode != "ar":
-            log.info("%s runs on llama.cpp's kernels: decoding AR", loaded.name)
-            self.defaults = replace(self.defaults, mode="ar")
+        self.decoding = decide(loaded)
+        self.defaults = self.resolve(defaults or DecodeConfig())
+        log.info("%s (%s): mode 'diffusion' decodes %s here: %s", loaded.name, loaded.weights,
+                 "by drafted blocks" if self.decoding.mode == "diffusion" else "AR", self.decoding.why)
         self.max_batch, self.max_defer_s = max_batch, max_defer_s
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
@@ -181,6 +200,11 @@ class Engine:
     def name(self) -> str:
         return self.loaded.name
 
+    def resolve(self, cfg: DecodeConfig) -> DecodeConfig:
+        """`cfg` as it runs here: mode 'diffusion' is AR where this model's decision says so
+        (`self.decoding`); the one place a request's mode meets the model's."""
+        return replace(cfg, mode="ar") if cfg.mode == "diffusion" and self.decoding.mode == "ar" else cfg
+
     def prompt_ids(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
         """The prompt: `messages` (tool calls and results too) and `tools`, in the model's template."""
         messages, rendered = for_template(messages, tools or [], self.tokenizer.supports_tools)
@@ -195,9 +219,7 @@ class Engine:
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Steps, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
-        if self.ar_only and cfg.mode != "ar":
-            raise ValueError(f"{self.name} runs on llama.cpp's kernels, which decode AR only: ask for mode 'ar', "
-                             "or load it with quantize none|fp16|int8 for the diffusion decoders")
+        cfg = self.resolve(cfg)
         prompt = self.prompt_ids(messages, tools)
         if conversation.active is not None:
             self._close(conversation.active)

@@ -24,7 +24,7 @@ import websockets
 from liveserver import Served
 from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
-from voice.lm import Block
+from voice.lm import Committed
 from voice.scheduler import Scheduler
 from voice.stages import Stages
 
@@ -56,7 +56,7 @@ class FakeChat:
         self.lm.calls += 1
         self.lm.asked.append((messages, tools))
         if tools and self.lm.tool_calls:  # scripted: this reply calls tools instead of speaking
-            yield Block("", calls=self.lm.tool_calls)
+            yield Committed("", calls=self.lm.tool_calls)
             return
         for i, text in enumerate(self.lm.blocks):
             if self.lm.delay_s:
@@ -65,7 +65,7 @@ class FakeChat:
                 raise RuntimeError("injected LM failure")
             if self.lm.hang_at is not None and i == self.lm.hang_at:
                 await asyncio.sleep(3600)
-            yield Block(text, i + 1, 1)
+            yield Committed(text, i + 1, 1)
 
     async def prepare(self, messages, tools=None):
         self.lm.prepared.append((messages, tools))
@@ -294,7 +294,9 @@ class StandInEngine:
 
     name = "stand-in"
     max_seq_len = 2048
-    ar_only = False  # (a GGUF on llama.cpp: True)
+
+    def resolve(self, cfg):  # Engine.resolve: this stand-in runs whatever mode is asked
+        return cfg
 
     def prompt_ids(self, messages, tools=None):
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))

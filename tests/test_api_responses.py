@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from engine.api.requests import APIError, Options, parse_request
 from engine.api.responses import Answer, chunks, completion
 from engine.decode import ContextOverflow, DecodeConfig
-from engine.stream import Piece
+from engine.stream import Decoding, Engine, Piece
 from engine.tools import Tool, ToolUse
 
 ANSWER = Answer("chatcmpl-1", 1700000000, "tiny", DecodeConfig(), prompt_tokens=12)
@@ -103,11 +104,13 @@ def test_parse_request_gives_typed_options():
 
 
 def test_a_model_that_decodes_ar_only_answers_a_diffusion_request_in_ar():
-    """A GGUF on llama.cpp decodes AR only: a request asking for diffusion (a voice service's default
-    `[lm] mode`) is decoded AR and says so, instead of failing every reply; tools need no verify rule."""
+    """A model that decodes AR here (`Engine.decoding`, e.g. a GGUF on llama.cpp): a request asking for
+    diffusion (a voice service's default `[lm] mode`) is decoded AR and says so, instead of failing
+    every reply; tools need no verify rule."""
     body = {"messages": [{"role": "user", "content": "hi"}], "mode": "diffusion", "rule": "threshold",
             "tools": [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]}
-    _, cfg, opts = parse_request(body, DecodeConfig(), 2048, ar_only=True)
+    engine = SimpleNamespace(decoding=Decoding("ar", "drafted rows do not pay here"))
+    _, cfg, opts = parse_request(body, DecodeConfig(), 2048, lambda c: Engine.resolve(engine, c))
     assert cfg.mode == "ar" and opts.tools is not None
     with pytest.raises(APIError):  # elsewhere: diffusion with a lossy rule cannot be held to a grammar
         parse_request(body, DecodeConfig(), 2048)

@@ -4,7 +4,8 @@ What the decoders rely on: logits that follow the model (checked against the PyT
 the same GGUF), per-conversation sequences in one shared cache, an earlier turn's stale tail
 dropped before the next turn writes there, forks that share a prefix, batching across
 conversations, a full cache that evicts idle conversations rather than failing busy ones, the
-threads asked per step, and a clear refusal of what this path does not run.
+threads asked per step, drafted rows (verify) that score as AR steps, the decision that mode
+diffusion decodes AR here (and why), and a clear refusal of what this path does not run.
 """
 
 from __future__ import annotations
@@ -138,19 +139,45 @@ def test_threads_are_asked_for_every_step(small):
         small.model.threads = torch.get_num_threads
 
 
-def test_the_engine_decodes_ar_and_refuses_what_llamacpp_cannot_run(small):
+def test_the_engine_decides_once_that_diffusion_decodes_ar_here_and_says_why(small):
     engine = Engine(small, max_seq_len=512)
-    assert small.weights == "gguf" and engine.defaults.mode == "ar"  # the default diffusion mode became AR
+    assert small.weights == "gguf" and engine.decoding.mode == "ar" and "llama.cpp" in engine.decoding.why
+    assert engine.defaults.mode == "ar"  # the default diffusion mode is AR here
     pieces = list(engine.generate_sync(chat("What is the capital of Spain?"), max_new_tokens=12))
     assert pieces[-1].done and "".join(p.text for p in pieces).strip()
-    with pytest.raises(ValueError, match="AR only"):
-        list(engine.generate_sync(chat("Hello"), DecodeConfig(mode="diffusion")))
-    with pytest.raises(ValueError, match="AR only"):
-        run_many(small.model, [Forward(CacheState.new(small.model, 512), [1, 2], draft=[3, 4], draft_causal=True)])
+    asked = list(engine.generate_sync(chat("What is the capital of Spain?"), DecodeConfig(mode="diffusion"),
+                                      max_new_tokens=12))  # asked for diffusion: the same AR reply
+    assert [p.token_ids for p in asked] == [p.token_ids for p in pieces]
+    with pytest.raises(ValueError, match="causal rows"):  # a draft tree needs PyTorch's attention masks
+        run_many(small.model, [Forward(CacheState.new(small.model, 512), [1, 2], draft=[3, 4], draft_causal=True,
+                                       parents=[-1, -1])])
     with pytest.raises(ModelLoadError, match="not a GGUF model"):
         load("/tmp", quantize="gguf")
     with pytest.raises(ModelLoadError, match="adapter"):
         load("small", quantize="gguf", adapter="default")
+
+
+def test_drafted_rows_score_as_the_steps_they_stand_for(small):
+    """Verify on llama.cpp: the clean token and a drafted chain in one llama_decode give, at each
+    drafted row, the logits one AR step at a time gives (ggml's batched kernels round a little
+    differently: same choice, near distributions); rejected rows are dropped before the next step."""
+    prompt = prompt_ids(small, "Tell me a story about a cat.")
+    ar = CacheState.new(small.model, 512)
+    steps = [step(small.model, ar, prompt)]
+    for _ in range(5):
+        steps.append(step(small.model, ar, [int(steps[-1].argmax())]))
+    reply = ar.ids[len(prompt):] + [int(steps[-1].argmax())]
+    state = CacheState.new(small.model, 512)
+    step(small.model, state, prompt[:-1])
+    last, drafted = run_many(small.model, [Forward(state, [prompt[-1]], draft=reply[:4], draft_causal=True)])[0]
+    rows = torch.cat([last[None], drafted])
+    assert rows.argmax(-1).tolist() == [int(s.argmax()) for s in steps[:5]]
+    assert torch.allclose(rows.softmax(-1), torch.stack(steps[:5]).softmax(-1), atol=5e-3)
+    assert state.ids == prompt and state.slot.cells == len(prompt) + 4  # drafted rows are scratch
+    wrong = step(small.model, state, [reply[0] + 1])  # reject the draft: the next step overwrites its rows
+    fresh = step(small.model, CacheState.new(small.model, 512), prompt + [reply[0] + 1])
+    assert int(wrong.argmax()) == int(fresh.argmax())
+    assert torch.allclose(wrong.softmax(-1), fresh.softmax(-1), atol=5e-3)
 
 
 def test_json_schema_output_is_constrained_on_llamacpp_logits(small):

@@ -3,7 +3,7 @@
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
 (barge-in) cancels generation. With `tools` (OpenAI function declarations) a reply is either
 text or tool calls, never both (a local engine's grammar says so): calls come as one last
-`Block` with `calls`; `urgent()` says while the user still waits in silence for more
+`Committed` with `calls`; `urgent()` says while the user still waits in silence for more
 of it. For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each session gets
 its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
@@ -41,7 +41,10 @@ log = logging.getLogger("voice.lm")
 
 
 @dataclass
-class Block:
+class Committed:
+    """Reply text the LM committed (a block of it, for a diffusion engine; engine/decode.py's
+    `Block` is the engine's own, being decoded)."""
+
     text: str
     tokens: int = 0  # reply tokens so far (0 when the backend doesn't say)
     steps: int = 0
@@ -53,7 +56,7 @@ class Chat(Protocol):
     tests' FakeChat."""
 
     def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
-              tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
+              tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         """The reply's blocks as they come (an async generator); the last one carries any tool calls."""
         ...
 
@@ -109,15 +112,19 @@ class LocalLM:
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
 
-    @property
-    def modes(self) -> tuple[str, ...]:
-        """The decoding modes a session may ask for: llama.cpp's kernels decode AR only."""
-        return ("ar",) if self.engine.ar_only else ("ar", "diffusion")
+    modes = ("ar", "diffusion")  # a session may ask for either; the engine runs 'diffusion' as it decided
 
     @property
     def mode(self) -> str:
-        """How replies are decoded unless a session asks otherwise."""
+        """How replies are decoded unless a session asks otherwise (the engine's decision at load)."""
         return self.engine.defaults.mode
+
+    def describe(self) -> dict[str, str]:
+        """What runs, for /healthz: the mode, why, and the kernels."""
+        from engine.llamacpp import cpu_variant
+        weights = self.engine.loaded.weights
+        kernels = f"llama.cpp, CPU variant {cpu_variant()}" if weights == "gguf" else f"PyTorch, {weights} weights"
+        return {"mode": self.engine.defaults.mode, "why": self.engine.decoding.why, "kernels": kernels}
 
     @property
     def tool_call_log_odds(self) -> float:
@@ -162,7 +169,7 @@ class LocalChat:
         return lambda: WAITED if urgent is not None and urgent() else BACKGROUND if busy() else NORMAL
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         from engine.tools import calls_in, starts_a_call
         overrides: dict[str, Any] = {"mode": mode} if mode else {}
         declared, constraint = None, None
@@ -176,9 +183,9 @@ class LocalChat:
             text += piece.text
             calling = bool(tools) and starts_a_call(text)  # calls are never spoken
             if piece.text and not calling:
-                yield Block(piece.text, piece.tokens, piece.steps)
+                yield Committed(piece.text, piece.tokens, piece.steps)
         if calling:
-            yield Block("", calls=calls_in(text))
+            yield Committed("", calls=calls_in(text))
 
     async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
         """Prefill the start of the conversation (system prompt, tools) while the user is still
@@ -299,7 +306,7 @@ class RemoteChat:
         """Nothing to give back: the endpoint keeps its own caches."""
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncGenerator[Block, None]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         from openai import omit  # what the SDK sends for an argument not given
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
@@ -327,7 +334,7 @@ class RemoteChat:
                     text += delta.content
                     # offered tools, the reply's first visible characters say whether it is a call written as text
                     if not tools or (text.strip() and not looks_like_a_call(text)):
-                        yield Block(text[said:])
+                        yield Committed(text[said:])
                         said = len(text)
                 for part in (delta.tool_calls if delta is not None else None) or ():
                     call = calls.setdefault(part.index, {"id": "", "type": "function",
@@ -338,7 +345,7 @@ class RemoteChat:
                         call["function"]["arguments"] += part.function.arguments or ""
             written = calls_written(text) if tools and looks_like_a_call(text) else []
             if calls or written:  # none from a call written wrong: the reply is empty, and answered without tools
-                yield Block("", calls=[calls[i] for i in sorted(calls)] + written)
+                yield Committed("", calls=[calls[i] for i in sorted(calls)] + written)
         except Exception as err:  # the endpoint went away mid-reply
             lm.failed(err)
             raise

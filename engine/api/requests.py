@@ -4,6 +4,8 @@ OpenAI's error shape (`{"error": {"message", "type", "param", "code"}}`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 import math
 import re
@@ -204,10 +206,11 @@ def _response_format(body: dict) -> tuple[bool, dict | None]:
 
 
 def parse_request(body: Any, defaults: DecodeConfig, context: int,
-                  ar_only: bool = False) -> tuple[list[dict], DecodeConfig, Options]:
-    """(messages, decode config, options) from a chat-completions body; raises APIError. `ar_only`:
-    the model decodes AR only (a GGUF on llama.cpp's kernels), whatever `mode` asks, as the engine
-    does with its own defaults; `x_engine.mode` tells the client."""
+                  resolve: Callable[[DecodeConfig], DecodeConfig] = lambda cfg: cfg,
+                  ) -> tuple[list[dict], DecodeConfig, Options]:
+    """(messages, decode config, options) from a chat-completions body; raises APIError. `resolve`:
+    the engine's `Engine.resolve` (mode 'diffusion' is AR where the model decodes AR), so the
+    checks below and `x_engine.mode` see what will run."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
     messages = _messages(body)
@@ -251,10 +254,8 @@ def parse_request(body: Any, defaults: DecodeConfig, context: int,
     if not isinstance(include_usage, bool):
         raise APIError(400, "Invalid type for 'stream_options.include_usage': expected a boolean.",
                        "stream_options.include_usage", "invalid_type")
-    if ar_only:
-        overrides["mode"] = "ar"
     try:
-        cfg = replace(defaults, **overrides)
+        cfg = resolve(replace(defaults, **overrides))
     except ValueError as err:
         raise APIError(400, str(err), None, "invalid_value") from err
     json_only, schema = _response_format(body)

@@ -184,7 +184,7 @@ class ChatAPI:
             info["model"] = str(body.get("model"))[:60]
             raise APIError(404, f"The model `{info['model']}` does not exist; this server has "
                            f"`{self.model_id}`.", "model", "model_not_found")
-        messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.ar_only)
+        messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.resolve)
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_input_chars:
             raise APIError(400, f"The messages hold {chars} characters; this server accepts at most "
@@ -286,7 +286,7 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,
-             host, port, defaults.mode, defaults.max_new_tokens,
+             host, port, engine.defaults.mode, defaults.max_new_tokens,
              f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
     config = uvicorn.Config(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
                             log_level="info")

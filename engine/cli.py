@@ -71,8 +71,9 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy 2-core machine)")
     p.add_argument("--quantize", choices=QUANTIZE, default=DEFAULT_QUANTIZE,
-                   help="gguf: the GGUF as packaged on llama.cpp's kernels (CPU, AR decoding only, the fastest "
-                        "here); or PyTorch's linear layers, whose rows stay independent so verify stays lossless: "
+                   help="gguf: the GGUF as packaged on llama.cpp's kernels (CPU; mode diffusion decodes AR there "
+                        "unless --drafter '' asks for prompt lookup); or PyTorch's linear layers, whose rows stay "
+                        "independent so verify stays lossless: "
                         "fp16 weights (fbgemm), int8 weights with per-row int8 activations, or none (fp32; "
                         f"bf16 on a GPU); eval keeps its teacher fp32 (default: {DEFAULT_QUANTIZE}, "
                         "as the voice service)")
@@ -214,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--modes", default="ar,diffusion", help="with --answers: decoding modes to compare")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-        # they compare AR with the diffusion decoders, which run on PyTorch's kernels (gguf: AR only)
-        p.set_defaults(func=func, quantize="fp16")
+        # bench measures what ships (auto); eval compares the diffusion decoders with an fp32 teacher
+        p.set_defaults(func=func, quantize=DEFAULT_QUANTIZE if name == "bench" else "fp16")
 
     p = sub.add_parser("adapt", help="train a block-diffusion LoRA adapter on an AR checkpoint",
                        description="Distil the AR teacher's replies to chitchat prompts, then train LoRA + a mask "

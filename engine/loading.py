@@ -48,6 +48,7 @@ class LoadedModel:
     name: str
     weights: str = "fp32"  # what the linear layers run in (see engine.quantize)
     drafter: DraftHead | None = None  # proposes blocks for `verify` (engine.draft); None: prompt lookup
+    lookup: bool = False  # prompt lookup asked for by name (drafter ""), even where drafted rows do not pay
 
 
 def packaged_smollm2_gguf() -> Path:
@@ -160,8 +161,9 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
     `pick_device`) in `dtype` (default: `weights_dtype(device)`). `adapter`: a LoRA file to
     merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
     head file, "" for prompt lookup, None for the model's shipped head. `quantize`: "gguf" runs
-    the GGUF on llama.cpp (CPU, AR only, no drafter); the others (engine.quantize, CPU only)
-    apply to the PyTorch model last; "auto" picks one for this machine (`resolve_quantize`)."""
+    the GGUF on llama.cpp (CPU; no draft head, prompt lookup only when asked for); the others
+    (engine.quantize, CPU only) apply to the PyTorch model last; "auto" picks one for this machine
+    (`resolve_quantize`)."""
     device = pick_device(device)
     dtype = dtype or weights_dtype(device)
     if quantize not in QUANTIZE:
@@ -172,10 +174,16 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         if model != "smollm2-135m":
             raise ModelLoadError(f"the shipped adapter is for SmolLM2 ('small'), not {name!r}")
         adapter = DEFAULT_ADAPTER
+    if quantize == "gguf":
+        if drafter:
+            raise ModelLoadError("a draft head reads the hidden states of PyTorch's model (quantize none|fp16|int8); "
+                                 "on llama.cpp's kernels (gguf) replies decode AR, or by prompt lookup (drafter '')")
+        loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter)
+        loaded.lookup = drafter == ""
+        return loaded
+    lookup = drafter == ""
     if drafter is None:
         drafter = shipped_drafter(model) or ""
-    if quantize == "gguf":
-        return _load_on_llamacpp(name, model, max_seq_len, device, adapter)
     path = Path(name)
     if model == "smollm2-135m" or model in PACKAGED_MODELS or path.suffix == ".gguf":
         loaded = load_gguf(gguf_path(name), max_seq_len, dtype, device)
@@ -199,6 +207,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu
         except (OSError, ValueError) as err:
             raise ModelLoadError(f"cannot use draft head {drafter}: {err}") from err
     loaded.model.eval()
+    loaded.lookup = lookup
     loaded.weights = quantize_model(loaded.model, quantize)
     if loaded.drafter is not None:
         from engine.quantize import quantize_like

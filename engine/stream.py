@@ -159,8 +159,10 @@ def decide(loaded: LoadedModel) -> Decoding:
     """Drafting pays where the model's kernels run extra rows cheaply and a drafter can read what
     they give (`model.draft_rows`: '' where they pay, else why not); AR otherwise."""
     why_not = loaded.model.draft_rows
-    if why_not:
+    if why_not and not loaded.lookup:
         return Decoding("ar", why_not)
+    if why_not:
+        return Decoding("diffusion", f"prompt lookup proposes tokens, verified by the base, as asked, though {why_not}")
     if loaded.drafter is not None:
         return Decoding("diffusion", f"its draft head proposes {loaded.drafter.block} tokens a forward, "
                                      "verified by the base (lossless)")

@@ -528,6 +528,9 @@ def test_healthz_and_metrics(service):
     on_llamacpp = resolve_quantize(service.config.lm.quantize, "cpu", service.config.lm.model) == "gguf"
     assert health["status"] == "ok" and health["lm"] == "local"
     assert health["mode"] == ("ar" if on_llamacpp else "diffusion")
+    decoding = health["decoding"]  # what runs, and why, as the engine decided at load
+    assert decoding["mode"] == health["mode"] and decoding["why"]
+    assert decoding["kernels"].startswith("llama.cpp, CPU variant" if on_llamacpp else "PyTorch")
 
     async def turn():  # make sure at least one turn has been timed, whatever ran before
         async with connect(service) as ws:

@@ -172,6 +172,9 @@ class VoiceApp:
             body["status"] = "loading"
             return JSONResponse(body)
         body["sessions"] = len(stages.live)
+        describe = getattr(stages.lm, "describe", None)  # the in-process LM: what runs and why
+        if describe is not None:
+            body["decoding"] = describe()
         lm_health = getattr(stages.lm, "health", None)
         if lm_health is not None:
             body["lm_health"] = lm_health()

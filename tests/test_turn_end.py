@@ -14,7 +14,8 @@ import pytest
 
 from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
 from voice.endofturn import Verdict
-from voice.turns import Pause, Started, Stopped, TurnTaker
+from voice.events import SpeechStarted as Started, SpeechStopped as Stopped
+from voice.turns import Pause, TurnTaker
 
 FRAME = 640  # bytes: 20 ms of 16 kHz PCM16
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from voice import records as rec
-from voice.events import Error
+from voice.events import Error, Event, LatencyReport
+
+if TYPE_CHECKING:
+    from voice.reply import Reply
 
 log = logging.getLogger("voice.session")
 MAX_TURN_ERRORS = 20  # errors kept in one turn's row
@@ -62,6 +66,17 @@ class CallLog:
         return await self.records.write(rec.turn_done(
             self.uid, turn, meta.get("started"), time.time(), status, transcript, reply, heard, interrupted,
             apologised, latency, meta.get("errors", []), tools))
+
+    async def reply_done(self, reply: Reply, status: str, transcript: str, heard: str, held: list[Event]) -> bool:
+        """`replied` for a session's reply; its latency report is among the events `held` back for it."""
+        latency = next((e.to_wire() for e in held if isinstance(e, LatencyReport)), None)
+        if latency is not None:
+            latency.pop("type", None)
+            latency.pop("turn", None)
+        playback = reply.playback
+        apologised = playback.apology_at is not None and playback.emitted > playback.apology_at
+        return await self.replied(reply.turn, status, transcript, reply.text.strip(), heard, not reply.finished,
+                                  apologised, latency, [run.record() for run in reply.tools])
 
     def closed(self, reason: str, turns: int) -> None:
         """The session ended: turns still open (the user was speaking, the final transcript was

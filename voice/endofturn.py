@@ -115,6 +115,12 @@ class Verdict:
     text: float | None = None  # the LM's probability
     spent_ms: float = 0.0  # wall time the signals took (they run at once)
 
+    def __str__(self) -> str:  # as each verdict is logged
+        def p(probability: float | None) -> str:
+            return "-" if probability is None else f"{probability:.2f}"
+        return (f"{'done' if self.done else 'not yet'} (p {p(self.probability)}: audio {p(self.audio)}, "
+                f"text {p(self.text)}), wait {self.wait_ms} ms, decided in {self.spent_ms:.0f} ms")
+
 
 def wait_for(probability: float, threshold: float, min_silence_ms: int, ceiling_ms: int) -> int:
     """The silence after which the turn is over: `min_silence_ms` from `threshold` on, then longer as

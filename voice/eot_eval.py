@@ -222,7 +222,7 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
                   transcribe, chat_factory, system_prompt: str, frame_ms: int = 20) -> Record:
     """Stream `item` in VAD frames; ask the signals once per silence that reaches `min_silence_ms`."""
     from voice.audio import float_to_pcm16
-    from voice.vad import Endpointer, SpeechStarted
+    from voice.vad import Endpointer, VoiceStart
     endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)  # never stops speech by itself
     frame = SAMPLE_RATE * frame_ms // 1000
     start_s: float | None = None
@@ -236,7 +236,7 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
     for offset in range(0, len(item.audio) - frame + 1, frame):
         now = (offset + frame) / SAMPLE_RATE
         for event in endpointer.push(float_to_pcm16(item.audio[offset:offset + frame])):
-            if isinstance(event, SpeechStarted) and start_s is None:
+            if isinstance(event, VoiceStart) and start_s is None:
                 start_s = max(event.t_audio_s - PRE_ROLL_S - vad.start_ms / 1000, 0.0)
         if start_s is None or not endpointer.in_speech:
             continue

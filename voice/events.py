@@ -44,7 +44,16 @@ class Ready(Event):
 
 @dataclass
 class SpeechStarted(Event):
+    """The user started talking: turn `turn` begins. `resumed`: they went on after a pause that
+    ended the last turn before its reply was heard, so this turn's transcript holds that one's
+    words too (the last turn is superseded; voice/turns.py)."""
+
+    resumed: bool = False
     type = "speech_started"
+    optional = ("resumed",)  # the server's own: not sent
+
+    def to_wire(self) -> dict:
+        return {"type": self.type, "turn": self.turn}
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from voice.config import FaultsConfig
-from voice.lm import Block
+from voice.lm import Committed
 from voice.tts import SpeechSynthesizer
 
 log = logging.getLogger("voice.faults")
@@ -52,7 +52,7 @@ async def transcript_within(transcript: Awaitable[str], faults: FaultsConfig) ->
         raise StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error") from err
 
 
-async def blocks_within(blocks: AsyncIterator[Block], faults: FaultsConfig) -> AsyncGenerator[Block, None]:
+async def blocks_within(blocks: AsyncIterator[Committed], faults: FaultsConfig) -> AsyncGenerator[Committed, None]:
     """The LM's blocks, the first within `lm_first_block_timeout_s`, each next within
     `lm_block_timeout_s`; the stream is closed however this ends (iterate it in `aclosing`)."""
     count = 0

@@ -11,14 +11,17 @@ timeout (`[faults]`) ends the reply with an `error` and the cached apology
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
+from collections.abc import Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from voice.config import Config
-from voice.events import Error, Event, ReplyText, ToolCall, ToolResult, TtsAudio
+from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
+                          TtsAudio)
 from voice.faults import StageFailure, blocks_within, synthesis_within
 from voice.lm import Chat
 from voice.playback import Playback
@@ -26,7 +29,11 @@ from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
 from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter, SpeechSynthesizer
 
+if TYPE_CHECKING:
+    from voice.session import Session
+
 log = logging.getLogger("voice.reply")
+session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
 
 
 @dataclass
@@ -47,8 +54,17 @@ class Reply:
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def cancel(task: asyncio.Task) -> None:
+    """Cancel a reply's task; one that has not begun yet (a response cancelled as soon as it was
+    asked for) first takes its first step, so that its `finally` ends the turn with a reply_done."""
+    if inspect.getcoroutinestate(cast(Coroutine, task.get_coro())) == inspect.CORO_CREATED:  # a coroutine's task
+        asyncio.get_running_loop().call_soon(task.cancel)  # callbacks run in order: after that step
+    else:
+        task.cancel()
+
+
 class ReplySink(Protocol):
-    """Where a reply goes: the session (voice/session.py), as a ReplyRunner sees it."""
+    """Where a reply goes: the session's `Floor` (below), as a ReplyRunner sees it."""
 
     def emit(self, ev: Event, wire: bool = True, track: bool = True) -> bool:
         """Send `ev` to the client (if `wire`) and the latency tracker (if `track`); False if not queued."""
@@ -194,7 +210,7 @@ class ReplyRunner:
 
     async def _hand_over(self, reply: Reply, calls: list[dict]) -> None:
         """Calls of the client's own functions end the reply: the client runs them and asks again
-        with their outputs (Session.answer_with). Calls of our tools in the same reply are dropped."""
+        with their outputs (voice/transports/realtime.py). Calls of our tools in the same reply are dropped."""
         await reply.released.wait()
         for call in calls:
             run = ToolRun.of(call)
@@ -251,3 +267,127 @@ class ReplyRunner:
                 track=False):
             reply.playback.handed_over()
 
+
+
+class Floor:
+    """The assistant's side of one conversation (voice/session.py): the reply that has the floor,
+    from its start to its record, what of it reaches the wire and is heard, the user talking over
+    it (barge-in), and announcements between turns. It is its ReplyRunner's sink."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.reply: Reply | None = None
+        self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
+
+    def start(self, turn: int, user_text: str) -> Reply:
+        reply = self.reply = Reply(turn)
+        reply.task = self.spawn(self._respond(reply, user_text))
+        return reply
+
+    async def _respond(self, reply: Reply, user_text: str) -> None:
+        s = self.session
+        try:
+            await s.replies.run(reply, s.history.messages(user_text))
+        finally:
+            if reply.released.is_set():  # else a speculation that was dropped: it never happened
+                await self._reply_done(reply, user_text, "ok" if reply.finished else "superseded" if reply.superseded
+                                       else "failed" if reply.failure else "interrupted")
+
+    async def _reply_done(self, reply: Reply, user_text: str, status: str) -> None:
+        """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
+        s = self.session
+        s.stages.scheduler.stop_waiting(s)
+        now = time.monotonic()
+        heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
+        if user_text and not reply.superseded:  # (a superseded turn's words are in the next one's)
+            s.history.add(user_text, heard)
+        with s.outbox.holding() as held:
+            s.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
+        if not await s.call_log.reply_done(reply, status, user_text, heard, held):
+            s.error("record_failed", "this turn could not be written to the call records")
+        if not s.closed:
+            s.outbox.release(held)
+
+    async def asr_failed(self, turn: int, failure: StageFailure) -> None:
+        """The turn ends with the error and the apology, unless the user has spoken again since."""
+        s = self.session
+        if turn != s.turn:
+            s.stages.fault(failure)
+            s.unreplied(turn, "", "asr_failed")
+            return
+        reply = self.reply = Reply(turn, task=asyncio.current_task())
+        reply.released.set()
+        s.replies.fail(reply, failure)
+        try:
+            await reply.playback.played()
+        finally:
+            await self._reply_done(reply, "", "asr_failed")
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    # --- what the user hears ------------------------------------------------------------------
+
+    def barge_in(self, now: float) -> None:
+        """User speech while a reply is pending or playing: stop it and drop queued audio."""
+        reply = self.reply
+        if reply is None:
+            return
+        if reply.task is not None and not reply.task.done():
+            cancel(reply.task)
+        elif not reply.playback.playing(now):
+            return
+        self.session.stages.metrics.barge_ins.inc()
+        session_log.info("session=%s turn=%d barge-in", self.session.id, reply.turn)
+        self.emit(Clear(reply.turn, now))
+        self.reply = None
+
+    def audio_sent(self, turn: int, text: str, seconds: float) -> None:
+        """The transport put a phrase's audio on the wire (called once per phrase)."""
+        reply = self.reply
+        if reply is None or reply.turn != turn:
+            return
+        now, playback = time.monotonic(), reply.playback
+        if playback.started is None and not playback.apology_started():
+            playback.started = now
+            self.session.turns.heard()  # speech from now on is a new utterance, not the last one resumed
+            self.emit(AudioSent(turn, now), wire=False, track=not reply.announcement)
+        playback.sent(text, now, seconds)
+
+    async def announce(self, text: str) -> None:
+        """Say `text` between turns (a timer that is due): once nobody is speaking or being answered.
+        The user talking over it interrupts it like a reply."""
+        s = self.session
+        while not s.closed and (s.busy or (self.reply is not None and self.reply.playback.playing(time.monotonic()))):
+            await asyncio.sleep(0.2)
+        if s.closed:
+            return
+        reply = self.reply = Reply(s.turn, task=asyncio.current_task(), announcement=True)
+        reply.released.set()
+        session_log.info("session=%s announces: %s", s.id, text)
+        self.emit(Announcement(s.turn, time.monotonic(), text))
+        try:
+            await s.replies.announce(reply, text)
+        finally:
+            if self.reply is reply:
+                self.reply = None
+
+    # --- the sink (ReplySink) -----------------------------------------------------------------
+
+    def emit(self, ev: Event, wire: bool = True, track: bool = True) -> bool:
+        return self.session.emit(ev, wire, track)
+
+    def is_current(self, turn: int) -> bool:
+        """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
+        return self.reply is not None and self.reply.turn == turn
+
+    def first_audio(self) -> None:
+        """The reply's first audio is synthesised: nothing of ours is urgent any more."""
+        self.session.stages.scheduler.stop_waiting(self.session)
+
+    def fault(self, failure: StageFailure) -> None:
+        """A stage failed or overran its timeout (for /healthz and the metrics)."""
+        self.session.stages.fault(failure)

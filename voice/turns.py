@@ -12,13 +12,14 @@ end-of-turn policy (voice/endofturn.py: Smart Turn on the audio, the LM on the e
 words); its verdict (`verdict`) ends the turn now or after more silence, up to `turn.ceiling_ms`,
 where the VAD ends it anyway. With `turn.policy = "fixed"` the VAD's `vad.hangover_ms` alone
 does. A user who resumes within `turn.resume_ms` of the end, before hearing the reply, continues
-the same utterance: the next turn's audio starts with the last one's (`Started.resumed`), so its
+the same utterance: the next turn's audio starts with the last one's (`SpeechStarted.resumed`), so its
 transcript holds both halves and nothing said is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable
@@ -30,29 +31,11 @@ from voice import vad
 from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
-from voice.endofturn import Verdict
+from voice.endofturn import EndOfTurn, TextSignal, Verdict
+from voice.events import SpeechStarted, SpeechStopped
 
+log = logging.getLogger("voice.session")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
-
-
-@dataclass(frozen=True)
-class Started:
-    """The user started talking: turn `turn` begins. `resumed`: they went on after a pause that
-    ended the last turn before its reply was heard, so this turn's transcript holds that one's
-    words too (the last turn is superseded)."""
-
-    turn: int
-    now: float
-    resumed: bool = False
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """End of speech, detected at `now`; `speech_end` is when their speech really ended."""
-
-    turn: int
-    now: float
-    speech_end: float
 
 
 @dataclass(frozen=True)
@@ -92,12 +75,12 @@ class SpeculationDropped:
 
 @dataclass(frozen=True)
 class TooLong:
-    """The utterance is cut here, at `limit_s` (a Stopped and a Final follow)."""
+    """The utterance is cut here, at `limit_s` (a SpeechStopped and a Final follow)."""
 
     limit_s: float
 
 
-TurnEvent = Started | Stopped | Partial | Final | Pause | SpeculationDropped | TooLong
+TurnEvent = SpeechStarted | SpeechStopped | Partial | Final | Pause | SpeculationDropped | TooLong
 
 
 class EarlyFinal:
@@ -160,7 +143,7 @@ class TurnTaker:
         self.asked = False  # about the current silence
         self.stop_at_ms: int | None = None  # the policy's verdict: the turn is over at this much silence
         # The last utterance, until its reply is heard or turn.resume_ms has passed: speech that
-        # resumes by then continues it (`Started.resumed`).
+        # resumes by then continues it (`SpeechStarted.resumed`).
         self.last_utterance: tuple[np.ndarray, float] | None = None  # (16 kHz audio, monotonic deadline)
 
     @property
@@ -181,7 +164,7 @@ class TurnTaker:
         self.arrivals.append((self.audio_s, now))
         out: list[TurnEvent] = []
         for ev in self.endpointer.push(float_to_pcm16(audio)):
-            if isinstance(ev, vad.SpeechStarted):
+            if isinstance(ev, vad.VoiceStart):
                 out.append(self._speech_started(now))
             else:
                 out += self._speech_stopped(ev, now)
@@ -203,7 +186,7 @@ class TurnTaker:
                 self.pre_roll.popleft()
         return out
 
-    def _speech_started(self, now: float) -> Started:
+    def _speech_started(self, now: float) -> SpeechStarted:
         self.turn += 1
         self.utterance_start_s = self.audio_s
         self.transcriber.reset()
@@ -214,11 +197,30 @@ class TurnTaker:
         for chunk in self.pre_roll:
             self.transcriber.insert_audio_chunk(chunk)
         self.pre_roll.clear()
-        return Started(self.turn, now, resumed)
+        return SpeechStarted(self.turn, now, resumed)
 
     def heard(self) -> None:
         """The reply to the last utterance is being heard: speech from now on is a new utterance."""
         self.last_utterance = None
+
+    async def judge(self, pause: Pause, policy: EndOfTurn, signal: TextSignal) -> list[TurnEvent]:
+        """Ask the end-of-turn policy about `pause` (with the early final's transcript, once decoded,
+        for the LM's `signal`): what its verdict does to the turn. A policy that fails leaves the
+        turn to end at the ceiling."""
+        text, transcript = None, pause.transcript
+        if transcript is not None and policy.reads_text:
+            await asyncio.wait([transcript])
+            if transcript.cancelled():
+                return []  # they spoke again: this pause is over
+            text = None if transcript.exception() is not None else transcript.result()
+        silence_ms = self.endpointer.silence_ms
+        try:
+            verdict = await policy.decide(pause.audio, silence_ms, text, signal)
+        except Exception as err:  # noqa: BLE001 - the VAD's ceiling still ends the turn
+            log.warning("session=%s the end-of-turn policy failed: %r", self.name, err)
+            return []
+        log.info("session=%s turn=%d end of turn at %d ms of silence: %s", self.name, self.turn, silence_ms, verdict)
+        return self.verdict(pause.pause, verdict, time.monotonic())
 
     def verdict(self, pause: int, verdict: Verdict, now: float) -> list[TurnEvent]:
         """The end-of-turn policy's answer about `pause`: the turn ends now, or once the silence
@@ -259,11 +261,11 @@ class TurnTaker:
             out.append(Partial(self.turn, self.partial_task))
         return out
 
-    def _speech_stopped(self, ev: vad.SpeechStopped, now: float, resumable: bool = True) -> list[TurnEvent]:
+    def _speech_stopped(self, ev: vad.VoiceEnd, now: float, resumable: bool = True) -> list[TurnEvent]:
         """The utterance is over. `resumable`: a pause ended it (not the client, not the length
         limit), so speech that resumes soon continues it."""
         # The audio that was just pushed is still part of the utterance's tail; that's fine.
-        out: list[TurnEvent] = [Stopped(self.turn, now, self._arrival_of(ev.speech_end_s))]
+        out: list[TurnEvent] = [SpeechStopped(self.turn, now, self._arrival_of(ev.speech_end_s))]
         if self.partial_task is not None:
             self.partial_task.cancel()
         ended, self.turn_ended = self.turn_ended, None
@@ -303,7 +305,7 @@ class TurnTaker:
         nothing.set_result("")
         ended = asyncio.Event()
         ended.set()
-        return [*out, Stopped(self.turn, now, now), Final(self.turn, nothing, ended)]
+        return [*out, SpeechStopped(self.turn, now, now), Final(self.turn, nothing, ended)]
 
     async def transcribe(self, pcm16: bytes) -> tuple[str, float]:
         """A whole recording beside the live audio (a Realtime audio item), at the session's input

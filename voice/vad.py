@@ -1,4 +1,5 @@
-"""Endpointing: turn a stream of PCM into speech start/stop events with webrtcvad.
+"""Endpointing: where voice starts and ends in a stream of PCM, with webrtcvad (in audio time; the
+turn those make is voice/turns.py's, and events.SpeechStarted / SpeechStopped are its moments).
 
 Single voiced frames are common in noise and short pauses are common in speech, so the
 start needs a run of voiced frames and the stop needs a run of unvoiced ones (the hangover).
@@ -17,12 +18,12 @@ SUPPORTED_RATES = (8000, 16000, 32000, 48000)
 
 
 @dataclass(frozen=True)
-class SpeechStarted:
+class VoiceStart:
     t_audio_s: float  # stream time when the start was detected
 
 
 @dataclass(frozen=True)
-class SpeechStopped:
+class VoiceEnd:
     t_audio_s: float  # stream time when the stop was detected
     speech_end_s: float  # stream time where voiced audio ended (detection minus hangover)
 
@@ -59,10 +60,10 @@ class Endpointer:
         self._in_speech = False
         self._suppressed = False  # after force_stop: no new speech until a hangover of silence
 
-    def push(self, pcm16: bytes) -> list[SpeechStarted | SpeechStopped]:
+    def push(self, pcm16: bytes) -> list[VoiceStart | VoiceEnd]:
         """Feed audio; return the events it completed, in order."""
         self._pending += pcm16
-        events: list[SpeechStarted | SpeechStopped] = []
+        events: list[VoiceStart | VoiceEnd] = []
         whole = len(self._pending) - len(self._pending) % self._frame_bytes
         for offset in range(0, whole, self._frame_bytes):
             event = self._step(self._pending[offset : offset + self._frame_bytes])
@@ -71,17 +72,17 @@ class Endpointer:
         self._pending = self._pending[whole:]
         return events
 
-    def force_stop(self, suppress: bool = True) -> SpeechStopped | None:
+    def force_stop(self, suppress: bool = True) -> VoiceEnd | None:
         """End the current speech now: an utterance over the length limit, or a client that says
         it is over (`suppress=False`). Suppressed, speech can only start again after the user
         pauses for a hangover, so a monologue or steady noise is not chopped into back-to-back turns."""
         if not self._in_speech:
             return None
         unvoiced, self._in_speech, self._run, self._suppressed = self._run, False, 0, suppress
-        return SpeechStopped(t_audio_s=self._seconds(self._frames_seen),
+        return VoiceEnd(t_audio_s=self._seconds(self._frames_seen),
                              speech_end_s=self._seconds(self._frames_seen - unvoiced))
 
-    def _step(self, frame: bytes) -> SpeechStarted | SpeechStopped | None:
+    def _step(self, frame: bytes) -> VoiceStart | VoiceEnd | None:
         self._frames_seen += 1
         warming_up = self._frames_seen <= self._warmup_frames
         voiced = self._vad.is_speech(frame, self.sample_rate) and not warming_up
@@ -93,11 +94,11 @@ class Endpointer:
         self._run = self._run + 1 if voiced != self._in_speech else 0
         if not self._in_speech and self._run >= self._start_frames:
             self._in_speech, self._run = True, 0
-            return SpeechStarted(t_audio_s=self._seconds(self._frames_seen))
+            return VoiceStart(t_audio_s=self._seconds(self._frames_seen))
         if self._in_speech and self._run >= self._stop_frames:
             speech_end_frames = self._frames_seen - self._run
             self._in_speech, self._run = False, 0
-            return SpeechStopped(
+            return VoiceEnd(
                 t_audio_s=self._seconds(self._frames_seen),
                 speech_end_s=self._seconds(speech_end_frames),
             )

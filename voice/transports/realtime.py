@@ -35,6 +35,7 @@ import binascii
 import copy
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -51,6 +52,7 @@ from voice.events import (Error, Event, ReplyDone, ReplyText, SpeechStarted, Spe
                           Transcript, TtsAudio)
 from voice.session import Session
 from voice.stages import Stages
+from voice.tools import with_results
 from voice.transports.common import FLUSH_S, Conversation, close_ws, run_admitted
 from voice.transports.native import system_prompt_problem
 from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend, FunctionCallOutput, FunctionTool,
@@ -330,7 +332,9 @@ class RealtimeFront:
         items = self.items
         if items.pending_outputs:  # the answer to a function call: the question again, with the outputs
             runs, items.pending_outputs = items.pending_outputs, []
-            self.ensure_session().answer_with(runs)
+            session = self.ensure_session()  # the question again, folded with them as voice/tools.py does
+            question = [{"role": "user", "content": session.history.take_unanswered()}]
+            session.text_turn(with_results(question, runs)[-1]["content"].strip())
             return []
         if not items.pending_text:
             raise RealtimeError("there is nothing new to respond to: add a user message first (with server VAD, "
@@ -340,9 +344,9 @@ class RealtimeFront:
         return []
 
     async def on_response_cancel(self, event: ResponseCancel) -> list[dict]:
-        if self.session is None or self.session.reply is None:
+        if self.session is None or self.session.floor.reply is None:
             raise RealtimeError("no response is in progress", "response_cancel_not_active")
-        self.session.cancel_reply()
+        self.session.floor.barge_in(time.monotonic())  # as the user talking over it would
         return []
 
     async def on_truncate(self, event: ItemTruncate) -> list[dict]:
@@ -355,7 +359,7 @@ class RealtimeFront:
 
     def _playback(self):
         session = self.session
-        return session.reply.playback if session is not None and session.reply else None
+        return session.floor.reply.playback if session is not None and session.floor.reply else None
 
     async def send(self, ev: Event) -> None:
         items, turn = self.items, ev.turn

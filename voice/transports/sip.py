@@ -28,7 +28,7 @@ from voice.transports import rtp, sdp
 from voice.transports.common import FLUSH_S, Conversation, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
-from voice.transports.telephony import FRAME_SAMPLES, RATE, CallRecord, PacedOutput, calls, count_drop
+from voice.transports.telephony import FRAME_SAMPLES, RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.sip")
 ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
@@ -63,7 +63,7 @@ class Call:
         self.id = invite.call_id
         self.local_tag, self.remote_tag = new_tag(), invite.from_tag
         self.state = "ringing"  # ringing -> answered (200 sent) -> confirmed (ACK) -> ended
-        self.record = calls.open(CallRecord(self.id, "sip", peer=f"{source[0]}:{source[1]}", codec=answer.codec))
+        self.record = calls.open(CallSummary(self.id, "sip", peer=f"{source[0]}:{source[1]}", codec=answer.codec))
         self.record.meta.update({"from": invite.get("from"), "to": invite.get("to")})
         contact = invite.get("contact")
         self.remote_target = address_uri(contact) if contact else address_uri(invite.get("from") or "")

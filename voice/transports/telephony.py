@@ -1,8 +1,9 @@
 """What the telephone transports (Twilio Media Streams, SIP/RTP) share.
 
-* `CallRecord` / `calls`: one record per call (transcripts, replies, what was heard, latency
-  reports, DTMF, counters), kept while the call is up and for a while after. Operators read
-  it in the logs; tests read it directly.
+* `CallSummary` / `calls`: one summary per call in memory (transcripts, replies, what was heard,
+  latency reports, DTMF, counters), kept while the call is up and for a while after. Operators
+  read it in the logs; tests read it directly. (The call records proper, on disk, are
+  voice/calllog.py's: every session's, a call's too.)
 * `PacedOutput`: a call's output on the conversation runner (voice/transports/common.py): reply
   audio as 20 ms frames of 8 kHz PCM, paced in real time, whatever is queued dropped on barge-in.
   The transport only says how one frame goes on the wire (a µ-law media message, an RTP packet).
@@ -33,7 +34,7 @@ FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 160
 
 
 @dataclass
-class CallRecord:
+class CallSummary:
     id: str  # Twilio streamSid / SIP Call-ID
     transport: str
     session_id: str = ""
@@ -55,14 +56,14 @@ class CallRegistry:
     """Calls in progress and the last `keep` finished ones."""
 
     def __init__(self, keep: int = 100):
-        self.active: dict[str, CallRecord] = {}
-        self.finished: collections.deque[CallRecord] = collections.deque(maxlen=keep)
+        self.active: dict[str, CallSummary] = {}
+        self.finished: collections.deque[CallSummary] = collections.deque(maxlen=keep)
 
-    def open(self, record: CallRecord) -> CallRecord:
+    def open(self, record: CallSummary) -> CallSummary:
         self.active[record.id] = record
         return record
 
-    def close(self, record: CallRecord, reason: str) -> None:
+    def close(self, record: CallSummary, reason: str) -> None:
         if self.active.pop(record.id, None) is None:
             return
         record.ended, record.end_reason = time.monotonic(), reason
@@ -71,7 +72,7 @@ class CallRegistry:
                  record.id, record.session_id, reason, record.ended - record.started, len(record.transcripts),
                  dict(record.counters))
 
-    def find(self, transport: str | None = None) -> list[CallRecord]:
+    def find(self, transport: str | None = None) -> list[CallSummary]:
         """Active and finished calls, oldest first."""
         every = list(self.finished) + list(self.active.values())
         return [r for r in every if transport is None or r.transport == transport]
@@ -83,7 +84,7 @@ _unattached_drops: collections.Counter = collections.Counter()  # drops outside 
 _drop_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
 
 
-def count_drop(registry: CollectorRegistry | None, record: CallRecord | None, transport: str, reason: str,
+def count_drop(registry: CollectorRegistry | None, record: CallSummary | None, transport: str, reason: str,
                detail: str = "") -> None:
     """Bad input that was dropped: counted per call, in /metrics, and logged (rate-limited per call)."""
     if registry is not None:
@@ -122,7 +123,7 @@ class PacedOutput:
     Twilio, then never underruns); RTP goes out exactly on time (lead 0).
     """
 
-    def __init__(self, session: Session, record: CallRecord, send_frame: Callable[[np.ndarray, bool], object],
+    def __init__(self, session: Session, record: CallSummary, send_frame: Callable[[np.ndarray, bool], object],
                  hang_up: Callable[[int, str], Awaitable[None]], phrase_end: Callable[[int, str], object] | None = None,
                  cleared: Callable[[], object] | None = None, lead_s: float = 0.0):
         self.session, self.record, self.send_frame, self.hang_up = session, record, send_frame, hang_up

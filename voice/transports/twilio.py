@@ -27,7 +27,7 @@ from voice.auth import Auth
 from voice.session import Session
 from voice.stages import Stages
 from voice.transports.common import FLUSH_S, Conversation, close_ws, run_admitted
-from voice.transports.telephony import RATE, CallRecord, PacedOutput, calls, count_drop
+from voice.transports.telephony import RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
@@ -44,7 +44,7 @@ class TwilioCall:
         self.conversation = Conversation(FLUSH_S["twilio"], self)
         self.registry = stages.metrics.registry
         self.session: Session | None = None
-        self.record: CallRecord | None = None
+        self.record: CallSummary | None = None
         self.stream_sid = ""
         self.marks: dict[str, tuple[int, str]] = {}  # mark name -> (turn, phrase) not yet echoed
         self.cleared_marks: set[str] = set()
@@ -124,7 +124,7 @@ class TwilioCall:
         self.session = Session(self.stages, RATE, RATE, "twilio", principal=self.principal, peer=peer,
                                meta={"streamSid": sid, "callSid": start.get("callSid"),
                                      "customParameters": start.get("customParameters") or {}})
-        self.record = calls.open(CallRecord(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
+        self.record = calls.open(CallSummary(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
         self.record.meta.update(callSid=start.get("callSid"), accountSid=start.get("accountSid"),
                                 tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
         out = PacedOutput(self.session, self.record, self.send_media, self._close, phrase_end=self.send_mark,

@@ -218,7 +218,7 @@ class Dictation:
             return
         self.seconds += len(audio) / SAMPLE_RATE
         self.transcriber.insert_audio_chunk(audio)
-        if any(isinstance(ev, vad.SpeechStarted) for ev in self.endpointer.push(float_to_pcm16(audio))):
+        if any(isinstance(ev, vad.VoiceStart) for ev in self.endpointer.push(float_to_pcm16(audio))):
             self.early.drop()
         if self.endpointer.in_speech:
             if self.early.quiet(self.endpointer.silence_ms):

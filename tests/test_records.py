@@ -175,6 +175,44 @@ def test_a_stuck_database_times_turns_out_and_the_queue_pushes_back(store):
     assert store.query("SELECT transcript FROM turns WHERE turn = 2") == [{"transcript": "c"}]
 
 
+def test_health_is_the_writers_state_now_not_its_failure_count(store):
+    """Issue 41, item 1: one stretch of failed writes made /healthz "degraded" until a restart.
+    Health follows the writer: unhealthy while the database is stuck, healthy once it commits again,
+    or once its probe gets through when no write comes; `failed` keeps counting."""
+    from starlette.testclient import TestClient
+
+    from voice.server import build_app
+    config = make_config()
+    stages = fake_stages(config)
+    records = stages.records = rec.Records(store.database, timeout_s=0.3, probe_s=0.2)
+    client = TestClient(build_app(config, stages))
+
+    def health() -> dict:
+        response = client.get("/healthz")
+        assert response.status_code == 200
+        return response.json()
+
+    assert health()["status"] == "ok" and health()["records"]["ok"] is True
+    with store.locked():
+        assert asyncio.run(records.write(a_turn("u", 1))) is False
+        h = health()
+        assert h["status"] == "degraded" and h["records"]["ok"] is False and h["records"]["failed"] == 1
+    deadline = time.monotonic() + 20  # the lock is gone: the queued turn commits, health is back
+    while health()["status"] != "ok":
+        assert time.monotonic() < deadline, health()
+        time.sleep(0.05)
+    assert health()["records"] == {"ok": True, "written": 1, "failed": 1}
+    # a write the database rejects, and then no write at all: the idle writer's probe restores health
+    assert asyncio.run(records.write([("INSERT INTO nowhere VALUES (1)", ())])) is False
+    assert health()["records"]["ok"] is False
+    deadline = time.monotonic() + 10
+    while not health()["records"]["ok"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert health()["records"]["failed"] == 2 and health()["status"] == "ok"
+    records.close()
+
+
 def test_a_first_version_database_is_migrated(store):
     db = open_database(store.database)
     conn = db.connect()

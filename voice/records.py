@@ -56,14 +56,17 @@ class Records:
     """The process's one writer. `write` waits for the commit; `write_nowait` doesn't.
     `database`: the path of an SQLite file or a `postgresql://` URL."""
 
-    def __init__(self, database: str | Path, queue_size: int = 1000, timeout_s: float = 5.0, metrics=None):
+    def __init__(self, database: str | Path, queue_size: int = 1000, timeout_s: float = 5.0, metrics=None,
+                 probe_s: float = 5.0):
         self.db = open_database(database)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.probe_s = timeout_s, probe_s
         self.metrics = metrics
         self.db.init()
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.written = 0  # committed writes
-        self.failed = 0  # writes that could not be committed (or queued)
+        self.failed = 0  # writes that could not be committed (or queued), ever
+        self.problem: str | None = None  # why the writer is unhealthy now (None: its last attempt succeeded)
+        self.committing_since: float | None = None  # monotonic start of the commit in progress
         self.closed = False
         self.thread = threading.Thread(target=self._run, name="records-writer", daemon=True)
         self.thread.start()
@@ -114,7 +117,19 @@ class Records:
             return
         self.thread.join(timeout)
 
+    def health(self) -> dict:
+        """The writer's state now: `ok` unless its last write or probe failed, or a commit is stuck."""
+        problem = self.problem
+        since = self.committing_since
+        if problem is None and since is not None and time.monotonic() - since > self.timeout_s:
+            problem = f"a commit has been waiting for {time.monotonic() - since:.0f} s"
+        body: dict[str, Any] = {"ok": problem is None, "written": self.written, "failed": self.failed}
+        if problem is not None:
+            body["error"] = problem
+        return body
+
     def _failed(self, why: str) -> None:
+        self.problem = why
         self.failed += 1
         if self.metrics is not None:
             self.metrics.records_failed.inc()
@@ -127,7 +142,12 @@ class Records:
         stop = False
         try:
             while not stop:
-                batch = [self.queue.get()]
+                try:  # idle while unhealthy: probe the database, so that health comes back without a write
+                    first = self.queue.get(timeout=self.probe_s if self.problem is not None else None)
+                except queue.Empty:
+                    conn = self._probe(conn)
+                    continue
+                batch = [first]
                 while len(batch) < 200:  # what piled up while we committed the last batch
                     try:
                         batch.append(self.queue.get_nowait())
@@ -136,7 +156,11 @@ class Records:
                 if _STOP in batch:
                     stop = True
                     batch = [w for w in batch if w is not _STOP]
-                conn = self._commit(conn, batch)
+                self.committing_since = time.monotonic()
+                try:
+                    conn = self._commit(conn, batch)
+                finally:
+                    self.committing_since = None
         finally:
             if conn is not None:
                 conn.close()
@@ -158,6 +182,8 @@ class Records:
                 log.error("records: lost the connection to %s (%s); reconnecting", self.db, err)
                 conn.close()
                 conn = None
+        if any(results):
+            self.problem = None  # committed: healthy again, whatever failed before
         for w, ok in zip(batch, results):
             if ok:
                 self.written += 1
@@ -169,6 +195,21 @@ class Records:
                     w.loop.call_soon_threadsafe(_resolve, w.future, ok)
                 except RuntimeError:  # the loop is gone (shutdown)
                     pass
+        return conn
+
+    def _probe(self, conn: Any) -> Any:
+        """`SELECT 1` on the connection (opened if need be, once): success clears the problem."""
+        try:
+            if conn is None:
+                conn = self.db.connect()
+            self.db.rows(conn, "SELECT 1 AS one")
+            self.problem = None
+            log.info("records: %s answers again", self.db)
+        except self.db.errors as err:
+            self.problem = f"{self.db} does not answer: {err}"
+            if conn is not None and self.db.lost(conn):
+                conn.close()
+                conn = None
         return conn
 
     def _apply(self, conn: Any, batch: list[_Write]) -> list[bool]:
@@ -205,6 +246,7 @@ class Records:
                     log.warning("records: connected to %s again after %d attempts", self.db, attempt)
                 return conn
             except self.db.errors as err:
+                self.problem = f"cannot connect to {self.db}: {err}"
                 if self.closed:
                     log.error("records: %s is unreachable (%s) and the records are closing", self.db, err)
                     return None

@@ -185,8 +185,8 @@ class VoiceApp:
             body["faults"] = faults  # stage -> "error" | "timeout" within the last minute
             body["status"] = "degraded"
         if stages.records is not None:
-            body["records"] = {"written": stages.records.written, "failed": stages.records.failed}
-            if stages.records.failed:
+            body["records"] = stages.records.health()  # its state now: a writer that reconnected is healthy
+            if not body["records"]["ok"]:
                 body["status"] = "degraded"
         if self.draining:
             body["status"] = "shutting_down"

@@ -81,10 +81,16 @@ def bindings():
 
         _log_callback = forward_log  # a ctypes callback must outlive every call into the library
         lib.llama_log_set(forward_log, ctypes.c_void_p(0))
-        _variant = _load_cpu_backend(Path(lib.__file__).parent / "lib")
+        _variant = _load_cpu_backend(library_dir())
         lib.llama_backend_init()  # loads ggml's backends itself only where none is loaded yet
         _lib = lib
     return _lib
+
+
+def library_dir() -> Path:
+    """Where llama-cpp-python keeps llama.cpp's shared libraries (and ggml's CPU variants)."""
+    import llama_cpp
+    return Path(llama_cpp.__file__).parent / "lib"
 
 
 def cpu_variant() -> str:
@@ -113,7 +119,9 @@ def _load_cpu_backend(lib_dir: Path) -> str:
         best = max(scores, key=lambda name: scores[name])
         if scores[best] <= 0:
             raise RuntimeError(f"none of llama.cpp's CPU variants runs on this CPU ({', '.join(sorted(variants))})")
-    ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+    # the copy of ggml that libllama links (its soname: a wheel holds each name as a separate file,
+    # and a second copy would keep a registry of its own)
+    ggml = ctypes.CDLL(str(next(p for p in (lib_dir / "libggml.so.0", lib_dir / "libggml.so") if p.exists())))
     ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
     if not ggml.ggml_backend_load(str(variants[best]).encode()):
         raise RuntimeError(f"ggml could not load its CPU variant {variants[best]}")

@@ -10,6 +10,11 @@ diffusion decodes AR here (and why), and a clear refusal of what this path does 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -191,3 +196,57 @@ def test_json_schema_output_is_constrained_on_llamacpp_logits(small):
                                        constraint=engine.grammars.json(schema), max_new_tokens=60))
     reply = json.loads("".join(p.text for p in pieces))
     assert set(reply) == {"city", "population"} and isinstance(reply["population"], int)
+
+
+def variant_in_subprocess(forced: str | None) -> subprocess.CompletedProcess:
+    """A fresh process (ggml loads its CPU backend once) loads `small` and decodes a token."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_VARIANT"}
+    if forced is not None:
+        env["GGML_CPU_VARIANT"] = forced
+    code = ("from engine import llamacpp; from engine.loading import load; from engine.decode import CacheState, run;"
+            "m = load('small', max_seq_len=64, quantize='gguf').model;"
+            "print(llamacpp.cpu_variant(), int(run(m, CacheState.new(m, 64), [1, 2, 3], False, [])[0].argmax()))")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_cpu_variant_is_the_best_this_cpu_runs_and_can_be_forced():
+    """One build, every CPU class: ggml's variants score this CPU and the best one runs; another
+    class's kernels can be forced (GGML_CPU_VARIANT), and give the same next token here."""
+    shipped = {p.name[len("libggml-cpu-"):].split(".")[0] for p in llamacpp.library_dir().glob("libggml-cpu-*.so")}
+    if not shipped:
+        pytest.skip("this llama-cpp-python was built for one CPU class (no loadable variants)")
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    best = variant_in_subprocess(None)
+    assert best.returncode == 0, best.stderr[-2000:]
+    name, token = best.stdout.split()
+    expected = ("zen4" if {"avx512vbmi", "avx512_vnni", "avx512_bf16"} <= flags else
+                "skylakex" if "avx512f" in flags else "haswell" if "avx2" in flags else "x64")
+    assert name == (expected if expected in shipped else name) and name in shipped
+    slow = variant_in_subprocess("x64")
+    assert slow.returncode == 0 and slow.stdout.split() == ["x64", token], slow.stderr[-2000:]
+    wrong = variant_in_subprocess("pentium")
+    assert wrong.returncode != 0 and "GGML_CPU_VARIANT='pentium' is not one of this build's" in wrong.stderr
+
+
+LOSSLESS_AT_LEAST = 0.9  # replies of greedy verify equal to greedy AR, token for token, on llama.cpp's kernels
+
+
+def test_greedy_verify_on_llamacpp_gives_the_ar_replies_within_the_stated_tolerance():
+    """ggml's batched kernels round a drafted row a little differently from the one-row kernel, so a
+    near tie may flip: losslessness on llama.cpp is a measured share, and this is its bound."""
+    loaded = load("small", max_seq_len=512, quantize="gguf", drafter="")  # prompt lookup, asked for
+    engine = Engine(loaded, max_seq_len=512)
+    assert engine.decoding.mode == "diffusion" and "prompt lookup" in engine.decoding.why
+    questions = ["What is the capital of Spain?", "Repeat after me: red, green, blue, red, green, blue.",
+                 "How do I make tea?", "Count from one to ten.", "Name three colours.",
+                 "Say 'hello world' three times.", "What do bees make?", "Spell the word 'banana'.",
+                 "List the days of the week.", "What is two plus two?"]
+    same = forwards = tokens = 0
+    for q in questions:
+        ar = [t for p in engine.generate_sync(chat(q), DecodeConfig(mode="ar", max_new_tokens=32)) for t in p.token_ids]
+        pieces = list(engine.generate_sync(chat(q), DecodeConfig(mode="diffusion", max_new_tokens=32)))
+        verify = [t for p in pieces for t in p.token_ids]
+        same += verify == ar
+        forwards, tokens = forwards + pieces[-1].forwards, tokens + pieces[-1].tokens
+    assert same >= LOSSLESS_AT_LEAST * len(questions), same
+    assert tokens > forwards  # the repeated phrases were drafted and accepted

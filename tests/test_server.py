@@ -434,3 +434,21 @@ def test_bad_tool_requests(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="small", **{"messages": WEATHER_Q, **kwargs})
     assert err.value.status_code == 400 and err.value.param == param
+
+
+RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                  "required": ["x"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_gives_up_on_is_400(client, stream):
+    """Issue 41, item 5: llguidance compiles a recursive `$ref` and stops ("Too many items") at the
+    first token; that was a 500 (streamed: an in-band server_error), now a 400 before any chunk."""
+    with pytest.raises(openai.BadRequestError) as err:
+        reply = client.chat.completions.create(
+            model="small", messages=PROMPT, max_tokens=MAX_TOKENS, stream=stream,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": RECURSIVE}})
+        if stream:
+            list(reply)
+    assert err.value.status_code == 400 and err.value.param == "response_format"
+    assert "Too many items" in err.value.message

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from engine.common.wire import ascii_int
@@ -169,8 +169,9 @@ def _tool_use(body: dict) -> ToolUse | None:
         found.append(Tool(fn["name"], str(fn.get("description") or ""), parameters))
     names = {t.name for t in found}
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in names:
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in names:
             raise APIError(400, "'tool_choice' must name one of the 'tools'.", "tool_choice", "invalid_value")
         choice = name
     elif choice is None:
@@ -277,9 +278,13 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"The request body is {length} bytes; this server accepts at most {limit}.", None,
                        "request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"The request body is over {limit} bytes.", None, "request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body is over {limit} bytes.", None, "request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body was in: nobody to answer, nothing went wrong here
+        raise APIError(499, "The client closed the connection before sending the whole body.", None,
+                       "client_disconnected") from None
     return b"".join(chunks)

@@ -14,8 +14,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.api.middleware import LOG_KEY
 from engine.api.requests import APIError, Options
 from engine.decode import ContextOverflow, DecodeConfig
+from engine.grammar import GrammarError
 from engine.stream import Piece
 from engine.tools import calls_in, starts_a_call
 
@@ -68,6 +70,18 @@ def completion(answer: Answer, text: str, last: Piece | None, tools_offered: boo
             "usage": usage(last, answer.prompt_tokens), "x_engine": stats(last, answer.cfg)}
 
 
+def client_error(err: ContextOverflow | GrammarError, opts: Options) -> APIError:
+    """A generation that failed because of what the request asked (400): its conversation does not
+    fit the context, or its schema or tools make a grammar the constraint cannot follow (llguidance
+    stops on a parser that grows too complex, e.g. a recursive `$ref`, only once decoding starts)."""
+    if isinstance(err, ContextOverflow):
+        return APIError(400, str(err), "messages", "context_length_exceeded")
+    param = "response_format" if opts.json else "tools"
+    first = str(err).split("\n", 1)[0][:300]
+    return APIError(400, f"The {'JSON schema' if opts.json else 'tools'} cannot be followed while decoding: "
+                    f"{first}. Simplify it (fewer properties, no recursion, shorter patterns).", param, "invalid_value")
+
+
 async def chunks(answer: Answer, pieces: AsyncGenerator[Piece, None], opts: Options,
                  info: dict) -> AsyncIterator[bytes]:
     """The pieces as `chat.completion.chunk` events, then `[DONE]`. A reply that starts like a tool
@@ -83,7 +97,7 @@ async def chunks(answer: Answer, pieces: AsyncGenerator[Piece, None], opts: Opti
                     **usage_field, **extra})
 
     last: Piece | None = None
-    calling, text = False, ""
+    calling, text, sent = False, "", False
     try:
         async with contextlib.aclosing(pieces) as stream:
             async for piece in stream:
@@ -91,13 +105,17 @@ async def chunks(answer: Answer, pieces: AsyncGenerator[Piece, None], opts: Opti
                 if opts.tools is not None and starts_a_call(text):
                     calling = True
                 elif last is None:
+                    sent = True
                     yield chunk({"role": "assistant", "content": piece.text})
                 elif piece.text:
+                    sent = True
                     yield chunk({"content": piece.text})
                 last = piece
-    except ContextOverflow as err:
+    except (ContextOverflow, GrammarError) as err:  # the request's fault: a 400, in-band once a chunk went out
         info["finish"] = "error"
-        yield sse(APIError(400, str(err), "messages", "context_length_exceeded").body())
+        if not sent:
+            raise client_error(err, opts) from None  # EventStream answers it as a plain HTTP 400
+        yield sse(client_error(err, opts).body())
         return
     except Exception as err:  # the headers are out: report in-band
         log.exception("generation failed")
@@ -142,14 +160,29 @@ class EventStream:
         self.events, self.on_cancel = events, on_cancel
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
+        start = {"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
+            (b"x-accel-buffering", b"no")]}
 
         async def pump() -> None:
-            async with contextlib.aclosing(self.events) as events:
-                async for event in events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            """The headers go out with the first event, so that an APIError before it (the request's
+            fault, found once decoding starts) is still answered as a plain HTTP error."""
+            started = False
+            try:
+                async with contextlib.aclosing(self.events) as events:
+                    async for event in events:
+                        if not started:
+                            started = True
+                            await send(start)
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
+            except APIError as err:
+                if started:
+                    raise
+                scope.setdefault(LOG_KEY, {})["error"] = err.code or err.type
+                await err.response()(scope, receive, send)
+                return
+            if not started:
+                await send(start)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         producer = asyncio.create_task(pump())

@@ -48,7 +48,8 @@ from starlette.routing import Route
 
 from engine.api.middleware import LOG_KEY, BearerAuth, RequestLog, load_api_keys
 from engine.api.requests import APIError, Options, parse_request, read_body
-from engine.api.responses import Answer, EventStream, chunks, completion, finished, wait_for_disconnect
+from engine.api.responses import (Answer, EventStream, chunks, client_error, completion, finished,
+                                  wait_for_disconnect)
 from engine.common.keys import is_loopback
 from engine.common.redact import install_redaction
 from engine.common.wire import WireError, ascii_int, decode_json
@@ -168,7 +169,7 @@ class ChatAPI:
                                  messages, conversation, tool_use is not None)
         if opts.stream:
             return EventStream(chunks(answer, pieces, opts, info), on_cancel=lambda: info.update(finish="cancelled"))
-        return await self.complete(request, answer, pieces, info, tool_use is not None)
+        return await self.complete(request, answer, pieces, info, opts)
 
     def parse(self, raw: bytes, info: dict) -> tuple[list[dict], DecodeConfig, Options]:
         """The request's body, checked: its messages, decode config and options."""
@@ -184,7 +185,13 @@ class ChatAPI:
             info["model"] = str(body.get("model"))[:60]
             raise APIError(404, f"The model `{info['model']}` does not exist; this server has "
                            f"`{self.model_id}`.", "model", "model_not_found")
-        messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.resolve)
+        try:
+            messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.resolve)
+        except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
+            # a shape parse_request does not name yet: still the body's fault, so a 400 (and a note to name it)
+            log.warning("request body not checked by name: %s: %s", type(err).__name__, err)
+            raise APIError(400, f"The request body could not be read: {type(err).__name__}: {err}", None,
+                           "invalid_value") from None
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_input_chars:
             raise APIError(400, f"The messages hold {chars} characters; this server accepts at most "
@@ -209,7 +216,7 @@ class ChatAPI:
                 self.engine.abandon(conversation)
 
     async def complete(self, request: Request, answer: Answer, pieces: AsyncGenerator[Piece, None], info: dict,
-                       tools_offered: bool) -> Response:
+                       opts: Options) -> Response:
         """The whole reply as one `chat.completion`; a client that goes away cancels it (499)."""
         async def collect() -> tuple[str, Piece | None]:
             text, last = [], None
@@ -233,9 +240,9 @@ class ChatAPI:
             return Response(status_code=499)  # nobody is listening any more
         try:
             text, last = task.result()
-        except ContextOverflow as err:
-            raise APIError(400, str(err), "messages", "context_length_exceeded") from err
-        body = completion(answer, text, last, tools_offered)
+        except (ContextOverflow, GrammarError) as err:
+            raise client_error(err, opts) from None
+        body = completion(answer, text, last, opts.tools is not None)
         info.update(finished(last, body["choices"][0]["finish_reason"]))
         return JSONResponse(body)
 

@@ -1,0 +1,158 @@
+"""Regression tests for the second adversarial run (issue 41): one test per defect, each failing
+before its fix. Stand-in models only (tests/fakes.py); `engine serve` is its real app around a
+stand-in engine.
+
+* item 5: `engine serve` answered 500 to a `tool_choice` whose `function` is not an object, to a
+  JSON schema llguidance gives up on once decoding starts (a recursive `$ref`: "Too many items"),
+  and logged a client that left mid-body as a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+
+import pytest
+
+from fakes import EncodingEngine
+from liveserver import serving
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+HELLO = {"messages": [{"role": "user", "content": "hello"}]}
+
+
+def post(port: int, body: dict | bytes) -> tuple[int, dict | str]:
+    """(status, the JSON body, or the raw text of an event stream)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=raw, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        text = r.read().decode()
+        if r.getheader("content-type", "").startswith("text/event-stream"):
+            return r.status, text
+        return r.status, json.loads(text or "{}")
+    finally:
+        conn.close()
+
+
+class GivesUpEngine(EncodingEngine):
+    """As the real engine with a schema llguidance cannot follow: the grammar compiles, then its
+    matcher stops with "Too many items" at the first token (after `late` pieces)."""
+
+    late = 0
+
+    class tokenizer:
+        @staticmethod
+        def token_id(text):
+            return None  # the tool-call tags as text
+
+    async def stream(self, messages, cfg, conversation, constraint=None, tools=None):
+        from engine.grammar import GrammarError
+        from engine.stream import Piece
+        if constraint is not None:
+            for i in range(self.late):
+                yield Piece("{", [i], 1, i + 1, i + 1, 1.0, 2.0, False, None, 3, 3)
+            raise GrammarError("token 39428 is not allowed here: parser error: Too many items (limit 50000; "
+                               "ff_tokens)\n<state>...</state>")
+        async for piece in super().stream(messages, cfg, conversation):
+            yield piece
+
+    class grammars:
+        @staticmethod
+        def json(schema):
+            return object()
+
+        lark = json
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.api.server import build_app
+    from engine.decode import DecodeConfig
+    stand_in = GivesUpEngine()
+    with serving(build_app(stand_in, DecodeConfig(max_new_tokens=8))) as port:
+        yield stand_in, port
+
+
+def still_answers(port: int) -> None:
+    status, answer = post(port, HELLO)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "Hello there."
+
+
+def assert_400(status, answer, param=None) -> None:
+    assert status == 400, (status, answer)
+    assert isinstance(answer, dict) and answer["error"]["type"] == "invalid_request_error", answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and answer["error"]["message"]
+    if param is not None:
+        assert answer["error"]["param"] == param, answer
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "function", "function": 5}, {"type": "function", "function": "f"}, {"type": "function", "function": []},
+    {"type": "function", "function": {"name": 5}}, {"type": "function", "function": {"name": ["f"]}},
+    {"type": "function"}, {"function": {"name": "f"}}, {}, 5, ["f"],
+])
+def test_a_tool_choice_of_the_wrong_shape_is_400(engine, choice):
+    _, port = engine
+    assert_400(*post(port, {**HELLO, "tools": TOOLS, "tool_choice": choice}), "tool_choice")
+    still_answers(port)
+
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "#/$defs/a", "$defs": {
+    "a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("what", ["response_format", "tools"])
+def test_a_grammar_that_gives_up_while_decoding_is_400_not_500(engine, stream, what, caplog):
+    stand_in, port = engine
+    stand_in.late = 0
+    body = {**HELLO, "stream": stream, **({"response_format": SCHEMA} if what == "response_format" else
+                                          {"tools": TOOLS, "tool_choice": "required"})}
+    with caplog.at_level(logging.INFO):
+        status, answer = post(port, body)
+    assert_400(status, answer, what)
+    assert "Too many items" in answer["error"]["message"] and "<state>" not in answer["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    still_answers(port)
+
+
+def test_a_grammar_that_gives_up_after_the_first_chunk_is_reported_in_band_as_400(engine, caplog):
+    stand_in, port = engine
+    stand_in.late = 1
+    try:
+        status, text = post(port, {**HELLO, "stream": True, "response_format": SCHEMA})
+    finally:
+        stand_in.late = 0
+    assert status == 200 and isinstance(text, str)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["content"] == "{"
+    assert events[-1]["error"]["type"] == "invalid_request_error" and events[-1]["error"]["param"] == "response_format"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_client_that_leaves_mid_body_is_not_a_500(engine, caplog):
+    _, port = engine
+    with caplog.at_level(logging.INFO, logger="engine.server"):
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"messages\": [")
+            time.sleep(0.1)
+            s.close()
+        deadline = time.monotonic() + 5
+        while len([r for r in caplog.records if " POST " in r.getMessage()]) < 3:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if " POST " in r.getMessage()]
+    assert all(" 499 " in line and "client_disconnected" in line for line in lines), lines
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    still_answers(port)

@@ -156,3 +156,49 @@ def test_a_client_that_leaves_mid_body_is_not_a_500(engine, caplog):
     assert all(" 499 " in line and "client_disconnected" in line for line in lines), lines
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
     still_answers(port)
+
+
+# --- item 4: request options checked against what the loaded model runs -------------------------
+
+def test_options_are_checked_against_what_the_model_runs():
+    """Issue 41, item 4: `"block_size": 6` on `default` (a draft head of block 4) wedged the engine.
+    One check (`check_runnable`) of the resolved config against the model, for every request."""
+    from engine.api.requests import APIError, Runs, parse_request
+    from engine.decode import DecodeConfig
+    head, llama = Runs(draft_block=4, mask_blocks=True), Runs(draft_block=None, mask_blocks=False)
+
+    def parse(runs, **extra):
+        return parse_request({**HELLO, **extra}, DecodeConfig(), 2048, runs=runs)[1]
+
+    for bad in (5, 6, 64, 2048):
+        with pytest.raises(APIError) as err:
+            parse(head, block_size=bad)
+        assert err.value.status == 400 and err.value.param == "block_size" and "at most 4" in err.value.message
+    assert [parse(head, block_size=n).block_size for n in (0, 1, 4)] == [0, 1, 4]
+    assert parse(head, block_size=6, mode="ar").mode == "ar"  # AR drafts nothing: nothing to refuse
+    assert parse(head, block_size=6, rule="threshold").block_size == 6  # a mask block, not a draft
+    for rule in ("threshold", "topk"):
+        with pytest.raises(APIError) as err:
+            parse(llama, rule=rule)
+        assert err.value.status == 400 and err.value.param == "rule"
+    assert parse(llama, rule="threshold", mode="ar").mode == "ar"
+    assert parse(llama, block_size=64).block_size == 64  # prompt lookup drafts what it finds
+
+
+class DraftHeadEngine(EncodingEngine):
+    """The stand-in, loaded as `default` is: the PyTorch model with a draft head of block 4."""
+
+    class loaded:
+        class drafter:
+            block = 4
+
+        model = None  # not engine.model.Transformer: no mask blocks either
+
+
+@pytest.mark.parametrize("extra", [{"block_size": 6}, {"block_size": 5, "stream": True}, {"rule": "topk"}])
+def test_engine_serve_refuses_options_the_model_cannot_run(extra):
+    from engine.api.server import build_app
+    from engine.decode import DecodeConfig
+    with serving(build_app(DraftHeadEngine(), DecodeConfig(max_new_tokens=8))) as port:
+        assert_400(*post(port, {**HELLO, **extra}), next(iter(extra)))
+        still_answers(port)

@@ -452,3 +452,19 @@ def test_a_schema_the_grammar_gives_up_on_is_400(client, stream):
             list(reply)
     assert err.value.status_code == 400 and err.value.param == "response_format"
     assert "Too many items" in err.value.message
+
+
+def test_a_block_larger_than_the_draft_head_is_400_and_the_engine_goes_on():
+    """Issue 41, item 4: `"block_size": 6` on `default` (its draft head drafts 4) hung the engine's
+    scheduler, every other request with it. Now a 400, and the next request is answered."""
+    engine = Engine.load("default", quantize="fp16")
+    assert engine.loaded.drafter is not None and engine.loaded.drafter.block == 4
+    with serving(build_app(engine, DecodeConfig(max_new_tokens=4))) as port:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(model="default", messages=PROMPT, stream=stream,
+                                          extra_body={"block_size": 6})
+            assert err.value.param == "block_size"
+        ok = c.chat.completions.create(model="default", messages=PROMPT, extra_body={"block_size": 4})
+        assert ok.choices[0].message.content

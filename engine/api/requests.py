@@ -46,6 +46,41 @@ class Options:
     tools: ToolUse | None = None
 
 
+@dataclass(frozen=True)
+class Runs:
+    """What the loaded model can run of a request's decode options: the one place they are checked
+    against it (`check_runnable`), for requests and for `engine serve`'s own defaults alike."""
+
+    draft_block: int | None = None  # a draft head drafts at most this many tokens a pass (None: prompt lookup)
+    mask_blocks: bool = True  # mask-denoising rules (threshold, topk) need the PyTorch model's forward
+
+    @classmethod
+    def of(cls, engine: Any) -> "Runs":
+        """From an `engine.stream.Engine` (what it loaded); anything without `loaded` runs anything."""
+        loaded = getattr(engine, "loaded", None)
+        if loaded is None:
+            return cls()
+        from engine.model import Transformer
+        drafter = loaded.drafter
+        return cls(drafter.block if drafter is not None else None, isinstance(loaded.model, Transformer))
+
+
+def check_runnable(cfg: DecodeConfig, runs: Runs) -> None:
+    """Raise a 400 APIError for a resolved config this model cannot run (it would fail, or hang,
+    inside the engine's scheduler, where every other request waits too)."""
+    if cfg.mode == "ar":
+        return  # one token a forward: block options do not apply
+    if cfg.rule == "verify":
+        if runs.draft_block is not None and cfg.block_size > runs.draft_block:
+            raise APIError(400, f"Invalid value for 'block_size': {cfg.block_size}; this model's draft head drafts "
+                           f"at most {runs.draft_block} tokens a forward (0: its own block).", "block_size",
+                           "invalid_value")
+        return
+    if not runs.mask_blocks:
+        raise APIError(400, f"Invalid value for 'rule': '{cfg.rule}' denoises mask blocks, which this model's "
+                       "kernels (llama.cpp) cannot run; use rule 'verify' or mode 'ar'.", "rule", "invalid_value")
+
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 UNSUPPORTED = {  # fields we refuse rather than silently ignore, with the value that means "off"
@@ -207,11 +242,11 @@ def _response_format(body: dict) -> tuple[bool, dict | None]:
 
 
 def parse_request(body: Any, defaults: DecodeConfig, context: int,
-                  resolve: Callable[[DecodeConfig], DecodeConfig] = lambda cfg: cfg,
+                  resolve: Callable[[DecodeConfig], DecodeConfig] = lambda cfg: cfg, runs: Runs = Runs(),
                   ) -> tuple[list[dict], DecodeConfig, Options]:
     """(messages, decode config, options) from a chat-completions body; raises APIError. `resolve`:
     the engine's `Engine.resolve` (mode 'diffusion' is AR where the model decodes AR), so the
-    checks below and `x_engine.mode` see what will run."""
+    checks below and `x_engine.mode` see what will run; `runs`: what the model can run of it."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
     messages = _messages(body)
@@ -259,6 +294,7 @@ def parse_request(body: Any, defaults: DecodeConfig, context: int,
         cfg = resolve(replace(defaults, **overrides))
     except ValueError as err:
         raise APIError(400, str(err), None, "invalid_value") from err
+    check_runnable(cfg, runs)
     json_only, schema = _response_format(body)
     tool_use = _tool_use(body)
     if json_only and tool_use is not None:

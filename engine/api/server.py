@@ -47,7 +47,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.api.middleware import LOG_KEY, BearerAuth, RequestLog, load_api_keys
-from engine.api.requests import APIError, Options, parse_request, read_body
+from engine.api.requests import APIError, Options, Runs, check_runnable, parse_request, read_body
 from engine.api.responses import (Answer, EventStream, chunks, client_error, completion, finished,
                                   wait_for_disconnect)
 from engine.common.keys import is_loopback
@@ -113,6 +113,7 @@ class ChatAPI:
         self.engine, self.defaults = engine, defaults
         self.max_input_chars, self.max_body_bytes = max_input_chars, max_body_bytes
         self.caches = PrefixCaches(engine, kept_conversations)
+        self.runs = Runs.of(engine)  # what the model can run of a request's options (checked in parse_request)
         self.model_id, self.created, self.context = engine.name, int(time.time()), engine.max_seq_len
         self.app = Starlette(
             routes=[Route("/v1/models", self.models), Route("/v1/models/{name:path}", self.model_info),
@@ -186,7 +187,7 @@ class ChatAPI:
             raise APIError(404, f"The model `{info['model']}` does not exist; this server has "
                            f"`{self.model_id}`.", "model", "model_not_found")
         try:
-            messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.resolve)
+            messages, cfg, opts = parse_request(body, self.defaults, self.context, self.engine.resolve, self.runs)
         except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
             # a shape parse_request does not name yet: still the body's fault, so a 400 (and a note to name it)
             log.warning("request body not checked by name: %s: %s", type(err).__name__, err)
@@ -292,6 +293,10 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
                              device=device)
     except ModelLoadError as err:
         raise SystemExit(f"engine serve: {err}") from err
+    try:  # the server's own defaults (--block-size ...) must be something this model runs
+        check_runnable(engine.resolve(defaults), Runs.of(engine))
+    except APIError as err:
+        raise SystemExit(f"engine serve: {err.message}") from None
     log.info("serving %s (%s) on http://%s:%d/v1 (mode %s, max_tokens %d, %s)", engine.name, engine.loaded.weights,
              host, port, engine.defaults.mode, defaults.max_new_tokens,
              f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")

@@ -6,20 +6,33 @@ directly, dequantising in registers. This module runs our decoders (`engine.deco
 llama.cpp's C API, reached through llama-cpp-python's low-level bindings: one context whose
 unified KV cache holds every conversation as a sequence, one `llama_decode` per batched step.
 
-It runs AR decoding only. Measured on this path (BENCHMARKS.md, "The LM on llama.cpp's kernels"):
-- a drafted row costs about as much as a whole step (ggml's quantised dot products dequantise
-  the weights again for every row: 1 row 24 ms, 2 rows 56 ms, 4 rows 108 ms on `default`), so
-  verifying drafts cannot beat AR here, whatever the draft head's acceptance;
-- ggml's attention is not batch-invariant: a lone row over 512 or more cached positions takes a
-  split-KV kernel, 64 rows or more a tiled one, so a verified row is not always bit-equal to the
-  AR row, and lossless verify could not be promised.
-Verify (the draft head) stays on the PyTorch model (`engine.model`), where a row is cheap and
-rows are independent of their batch: GPUs, and `quantize fp16|int8` on CPUs.
+Which kernels: ggml's CPU backend comes in variants (x64, haswell = AVX2, skylakex = AVX-512, zen4
+= AVX-512 with VNNI and BF16; ./dev builds them), and `bindings()` loads the one that scores this
+CPU best, so one install runs every CPU class's own kernels (`cpu_variant()`, on /healthz).
+
+Verify runs here too: a forward's drafted chain goes through the same `llama_decode` as causal
+rows after the clean token, with logits for every row; their cells stay scratch past
+`state.ids` and are dropped before the next step unless verify keeps them. But `mode =
+"diffusion"` decodes AR on these kernels (`DRAFT_ROWS`, `engine.stream.decide`), by measurement
+(BENCHMARKS.md, "Drafted rows on llama.cpp's kernels", bench/llamacpp_rows.py):
+- a drafted row costs 0.3-0.7 of a one-row step (ggml's quantised matmuls scale with the rows on
+  2 cores, repacked or not, Q4_K, Q4_0 or Q8_0), so a drafter must be accepted for well over 2
+  tokens a forward before verify pays; prompt lookup, the only drafter that needs no hidden
+  states, is accepted far less on spoken replies;
+- no draft head reads ggml's states: ours read the base's last hidden states before the final
+  norm, and llama.cpp gives them after it (`embeddings`);
+- ggml's batched kernels round a drafted row a little differently from the one-row kernel (a
+  lone row over 512+ cached positions takes a split-KV attention kernel, 64+ rows a tiled one),
+  so greedy verify equals greedy AR on most replies, not all: measured, not promised
+  (tests/test_llamacpp.py states the tolerance).
+Lossless verify with a draft head stays on the PyTorch model (`engine.model`), where rows are
+independent of their batch and hidden states are there to read: GPUs, and `quantize fp16|int8`.
 
 What a `Forward` needs and how it maps: the conversation's cache is a sequence id (`Slot`); rows
-past `state.ids` (an old turn's tail) are removed from the sequence before the next step writes
-there; only the last row is an output (its logits). A fork (the shared system prompt of a batch
-of replies) is `llama_memory_seq_cp`, which in a unified cache shares cells instead of copying.
+past `state.ids` (an old turn's tail, rejected drafted rows) are removed from the sequence before
+the next step writes there; the outputs are the last clean row and the drafted rows (their
+logits). A fork (the shared system prompt of a batch of replies) is `llama_memory_seq_cp`, which in
+a unified cache shares cells instead of copying.
 """
 
 from __future__ import annotations
@@ -45,8 +58,8 @@ BATCH = 512  # tokens per llama_decode call; a longer prefill is decoded in seve
 IDLE_EVICT_S = 30.0  # a cache unused this long may be dropped when the shared cache is full
 # why `mode = "diffusion"` decodes AR on these kernels (engine.stream.decide), from
 # bench/llamacpp_rows.py and BENCHMARKS.md, "Drafted rows on llama.cpp's kernels"
-DRAFT_ROWS = ("on llama.cpp's kernels no draft head reads the base's hidden states (ggml gives them after the "
-              "final norm), and a drafted row costs too much of a step for prompt lookup to pay")
+DRAFT_ROWS = ("on llama.cpp's kernels a drafted row costs 0.3-0.7 of a step on 2 cores and no draft head "
+              "reads ggml's hidden states (given after the final norm): prompt lookup alone does not pay")
 
 
 def available() -> str:

@@ -162,7 +162,8 @@ def decide(loaded: LoadedModel) -> Decoding:
     if why_not and not loaded.lookup:
         return Decoding("ar", why_not)
     if why_not:
-        return Decoding("diffusion", f"prompt lookup proposes tokens, verified by the base, as asked, though {why_not}")
+        return Decoding("diffusion", f"prompt lookup (asked for) proposes tokens, verified by the base; not the "
+                                     f"default here: {why_not}")
     if loaded.drafter is not None:
         return Decoding("diffusion", f"its draft head proposes {loaded.drafter.block} tokens a forward, "
                                      "verified by the base (lossless)")

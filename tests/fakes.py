@@ -82,7 +82,6 @@ class FakeChat:
 
 
 class FakeLM:
-    modes = ("ar", "diffusion")
     mode = "diffusion"
 
     def __init__(self, blocks=("Sure,", " here is", " a short", " reply.")) -> None:

@@ -75,11 +75,9 @@ class Chat(Protocol):
 
 
 class LanguageModel(Protocol):
-    """What the sessions need of the LM backend (`LocalLM`, `RemoteLM`; tests' FakeLM): its
-    decoding modes and a `Chat` per conversation."""
-
-    @property
-    def modes(self) -> tuple[str, ...]: ...
+    """What the sessions need of the LM backend (`LocalLM`, `RemoteLM`; tests' FakeLM): how it
+    decodes unless a session asks otherwise, and a `Chat` per conversation (a session may ask for
+    mode 'ar' or 'diffusion' of either; the in-process engine runs 'diffusion' as it decided at load)."""
 
     @property
     def mode(self) -> str: ...
@@ -111,8 +109,6 @@ class LocalLM:
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
-
-    modes = ("ar", "diffusion")  # a session may ask for either; the engine runs 'diffusion' as it decided
 
     @property
     def mode(self) -> str:
@@ -210,7 +206,6 @@ class LocalChat:
 class RemoteLM:
     """Any OpenAI-compatible chat endpoint (our `engine serve`, a hosted diffusion LM, SGLang...)."""
 
-    modes = ("ar", "diffusion")  # the endpoint decides how it decodes
 
     def __init__(self, config: LmConfig):
         import openai

@@ -164,11 +164,7 @@ async def _read_start(ws: WebSocket, stages: Stages) -> dict:
                                 "message": "audio arrived before the start message; it was dropped"})
             continue
         cfg = stages.config.session
-        start = parse_start(msg.get("text") or "", cfg.max_system_prompt_chars, cfg.max_text_bytes)
-        if start["lm_mode"] not in (None, *stages.lm.modes):
-            raise ProtocolError("bad_session", f"session.lm_mode {start['lm_mode']!r} is not served here: this "
-                                               f"server's LM decodes {' or '.join(stages.lm.modes)}")
-        return start
+        return parse_start(msg.get("text") or "", cfg.max_system_prompt_chars, cfg.max_text_bytes)
 
 
 async def _receive(ws: WebSocket, session: Session) -> None:

@@ -31,6 +31,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
+from engine.common.deadlines import guarded_http
 from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
 from voice.config import Config
 from voice.records import Records, RecordsError
@@ -269,6 +270,6 @@ def serve(config: Config) -> None:
     app = build_app(config, auth=auth)
     uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", ws="websockets",
                         ws_max_size=max(config.session.max_frame_bytes * 2, 1 << 20),
-                        timeout_graceful_shutdown=5)
+                        timeout_graceful_shutdown=5, http=guarded_http())  # head and body read deadlines
     install_redaction(auth)  # again: uvicorn.Config has just replaced its loggers' handlers
     VoiceServer(uv, app).run()

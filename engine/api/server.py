@@ -50,6 +50,7 @@ from engine.api.middleware import LOG_KEY, BearerAuth, RequestLog, load_api_keys
 from engine.api.requests import APIError, Options, Runs, check_runnable, parse_request, read_body
 from engine.api.responses import (Answer, EventStream, chunks, client_error, completion, finished,
                                   wait_for_disconnect)
+from engine.common.deadlines import guarded_http
 from engine.common.keys import is_loopback
 from engine.common.redact import install_redaction
 from engine.common.wire import WireError, ascii_int, decode_json
@@ -301,7 +302,7 @@ def serve(model: str, adapter: str | None, host: str, port: int, defaults: Decod
              host, port, engine.defaults.mode, defaults.max_new_tokens,
              f"API keys: {', '.join(sorted(keys))}" if keys else "no API keys")
     config = uvicorn.Config(build_app(engine, defaults, keys, **limits), host=host, port=port, access_log=False,
-                            log_level="info")
+                            log_level="info", http=guarded_http())  # head and body read deadlines
     install_redaction(keys.values())  # again, now that uvicorn has set up its loggers' handlers
     server = uvicorn.Server(config)
     server.run()

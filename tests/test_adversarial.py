@@ -348,3 +348,46 @@ def test_both_servers_run_with_the_read_deadlines(monkeypatch):
 def make_config_for_serve():
     from fakes import make_config
     return make_config()
+
+
+# --- item 7: the webhook allow-list on parsed URLs ----------------------------------------------
+
+ALLOW = ["https://home.example.com/api/", "http://10.0.0.5:8123/hooks"]
+
+
+@pytest.mark.parametrize("url", [
+    "https://home.example.com/api/../admin", "https://home.example.com/api/%2e%2e/admin",
+    "https://home.example.com/api/%2E%2e/admin", "https://home.example.com/api/./x",
+    "https://home.example.com/api-private/x", "https://home.example.com/apix",
+    "https://user@home.example.com/api/x", "https://home.example.com:443@evil.com/api/x",
+    "https://home.example.com\\@evil.com/api/x", "https://home.example.com:8443/api/x",
+    "https://home.example.com:443.evil.com/api/x", "https://home.example.com:x/api/x",
+    "https://home.example.com:99999/api/x", "https://home.example.com.evil.com/api/x",
+    "https://home.example.com /api/x", "https://home.example.com/api /x", "https://home.example.com/api/x\t",
+    "https://home.example.com/api%2fx", "https://home.example.com/api//x", "http://home.example.com/api/x",
+    "https://home.example.com/API/x", "http://10.0.0.5:812/hooks/x", "http://10.0.0.5:81234/hooks/x",
+    "http://10.0.0.5/hooks/x", "http://10.0.0.5:8123/hooks-x", "https://hоme.example.com/api/x",  # Cyrillic о
+])
+def test_a_webhook_outside_the_allow_list_by_url_tricks_stops_start_up(url):
+    """Issue 41, item 7: string prefixes let `..`, `/api-private`, `user@host`, ports and spaces out."""
+    from voice.config import ToolsConfig
+    with pytest.raises(ValueError, match="tools.webhooks.hook"):
+        ToolsConfig(webhook_allow=ALLOW, webhooks=[{"name": "hook", "url": url}])
+
+
+@pytest.mark.parametrize("url", [
+    "https://home.example.com/api/lights", "https://home.example.com/api", "https://home.example.com/api/",
+    "https://HOME.example.com:443/api/x?room=1", "https://home.example.com./api/x",
+    "http://10.0.0.5:8123/hooks", "http://10.0.0.5:8123/hooks/a/b%20c",
+])
+def test_a_webhook_under_the_allow_list_is_accepted(url):
+    from voice.config import ToolsConfig
+    assert ToolsConfig(webhook_allow=ALLOW, webhooks=[{"name": "hook", "url": url}]).webhooks[0].url == url
+
+
+@pytest.mark.parametrize("allow", ["https://u@home.example.com/", "https://home.example.com/a/../b", "ftp://h/",
+                                   "https://home.example.com:x/"])
+def test_an_allow_list_entry_that_reads_two_ways_is_refused(allow):
+    from voice.config import ToolsConfig
+    with pytest.raises(ValueError, match="tools.webhook_allow"):
+        ToolsConfig(webhook_allow=[allow])

@@ -314,6 +314,48 @@ class WyomingConfig:
 
 
 BUILTIN_TOOLS = ("time", "timer", "calculator")
+
+
+def _url_parts(url: str, what: str) -> tuple[str, str, int, list[str]]:
+    """(scheme, host, port, path segments) of an http(s) URL, normalised (lower-case scheme and host,
+    the default port made explicit, segments percent-decoded); ValueError for anything a client
+    could read differently from us: whitespace or control characters, a backslash, `user@`, a port
+    that is not a number, `.`/`..` or empty segments, an encoded `/`."""
+    from urllib.parse import unquote, urlsplit
+    if not url.isascii() or re.search(r"[\x00-\x20\x7f\\]", url):
+        raise ValueError(f"{what}: {url!r} has spaces, control characters, a backslash or non-ASCII characters")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"{what}: {url!r} must be http:// or https://")
+    if "@" in parts.netloc:
+        raise ValueError(f"{what}: {url!r} has a user part (user@host)")
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"{what}: {url!r} has a port that is not a number from 0 to 65535") from None
+    host = (parts.hostname or "").lower().rstrip(".")
+    if not host or not re.fullmatch(r"[a-z0-9.:_\[\]-]+", parts.netloc.lower()):
+        raise ValueError(f"{what}: {url!r} has no usable host")
+    segments = parts.path.split("/")[1:] if parts.path else []
+    if segments and segments[-1] == "":
+        segments.pop()  # `/api/` is `/api`'s inside
+    decoded = [unquote(segment) for segment in segments]
+    if any(seg in ("", ".", "..") or "/" in seg or "\\" in seg for seg in decoded):
+        raise ValueError(f"{what}: {url!r} has an empty, '.' or '..' path segment or an encoded '/'")
+    return scheme, host, port, decoded
+
+
+def url_allowed(url: str, allow: list[str], what: str = "url") -> None:
+    """Raise ValueError unless `url` is at or under one of `allow`: the same scheme, host and port,
+    and the allowed path's segments a prefix of its segments (`/api` allows `/api/x`, never
+    `/api-private` or `/api/../admin`). Compared parsed and normalised, never as strings."""
+    scheme, host, port, path = _url_parts(url, what)
+    for prefix in allow:
+        p_scheme, p_host, p_port, p_path = _url_parts(prefix, "tools.webhook_allow")
+        if (scheme, host, port) == (p_scheme, p_host, p_port) and path[:len(p_path)] == p_path:
+            return
+    raise ValueError(f"{what}: {url} is not under any of tools.webhook_allow ({', '.join(allow) or 'empty'})")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -348,7 +390,7 @@ class ToolsConfig:
     time_zone: str = ""  # IANA name for the time tool, e.g. "Europe/Paris"; "" = the host's
     filler: str = "One moment."  # spoken when a tool's result takes longer than filler_ms ("" = never)
     filler_ms: int = 300
-    webhook_allow: list = field(default_factory=list)  # URL prefixes webhooks may call; a webhook outside is an error
+    webhook_allow: list = field(default_factory=list)  # URLs webhooks may call at or under (parsed: url_allowed)
     webhooks: list = field(default_factory=list)  # [[tools.webhooks]] tables (WebhookConfig)
     max_result_chars: int = 1000  # of a result given to the model; a webhook's body is read only that far
 
@@ -372,10 +414,10 @@ class ToolsConfig:
         names = [w.name for w in self.webhooks]
         if len(set(names)) != len(names):
             raise ValueError("tools.webhooks: two webhooks have the same name")
-        for hook in self.webhooks:
-            if not any(hook.url.startswith(prefix) for prefix in self.webhook_allow):
-                raise ValueError(f"tools.webhooks.{hook.name}: {hook.url} is not under any of tools.webhook_allow "
-                                 f"({', '.join(self.webhook_allow) or 'empty'})")
+        for prefix in self.webhook_allow:
+            _url_parts(prefix, "tools.webhook_allow")
+        for hook in self.webhooks:  # parsed and normalised URLs, never string prefixes
+            url_allowed(hook.url, self.webhook_allow, f"tools.webhooks.{hook.name}")
 
 
 @dataclass

@@ -391,3 +391,80 @@ def test_an_allow_list_entry_that_reads_two_ways_is_refused(allow):
     from voice.config import ToolsConfig
     with pytest.raises(ValueError, match="tools.webhook_allow"):
         ToolsConfig(webhook_allow=[allow])
+
+
+# --- item 8: /ws refusals say why first; tool failures in words ----------------------------------
+
+WS_KEY = "web-key-0123456789abcdef"
+
+
+@pytest.mark.parametrize("query,headers,code", [
+    (f"?token={WS_KEY}", {}, "bad_token"),  # an API key passed as a token
+    (f"?token=web:{WS_KEY}", {}, "bad_token"),
+    ("", {"Authorization": "Basic d2ViOndlYi1rZXktMDEyMzQ1Njc4OWFiY2RlZg=="}, "unauthorized"),
+    ("", {"Authorization": f"Basic {WS_KEY}"}, "unauthorized"),
+    ("", {"Authorization": "Bearer"}, "unauthorized"),
+    (f"?api_key={WS_KEY}", {}, "unauthorized"),
+    ("?token=v1.d2Vi.1.x", {}, "bad_token"),
+])
+def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, code):
+    import asyncio
+
+    import websockets
+
+    from fakes import LiveServer, fake_stages, make_config
+    from voice.auth import Auth
+    config = make_config()
+
+    async def refused(url):
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            try:  # a client that does not wait (the close may beat its start: then only reading is left)
+                await ws.send(json.dumps({"type": "start", "sample_rate": 16000}))
+            except websockets.ConnectionClosed:
+                pass
+            got = []
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    got.append(json.loads(await asyncio.wait_for(ws.recv(), 5)))
+            return got, ws.close_code, ws.close_reason
+
+    with LiveServer(config, fake_stages(config), Auth(keys={"web": WS_KEY})) as srv:
+        got, close_code, reason = asyncio.run(refused(f"{srv.ws}/ws{query}"))
+    assert [e["type"] for e in got] == ["error"] and got[0]["code"] == code and got[0]["message"], got
+    assert close_code == 1008 and reason == code
+
+
+@pytest.mark.parametrize("expression,says", [
+    ("*".join(["10**100"] * 45), "too large"),  # was ValueError: Exceeds the limit (4300 digits) ...
+    ("10**100*10**100/1e-300", "too large"),  # was "= inf"
+    ("1e308*10", "too large"),
+    ("(-8)**0.5", "no real"),  # was a complex number
+    ("99**99*99**99*99**99", "too large"),
+])
+def test_the_calculator_answers_in_words_not_python(expression, says):
+    from voice.tools import ToolError, calculate
+    with pytest.raises(ToolError) as err:
+        calculate(expression)
+    text = str(err.value)
+    assert says in text and "Error" not in text and "sys." not in text and "inf" not in text
+
+
+def test_a_failing_tool_is_reported_to_the_model_without_python_text():
+    import asyncio
+
+    from voice.config import ToolsConfig
+    from voice.tools import Timers, Toolbox, ToolRun
+    box = Toolbox(ToolsConfig(builtin=["calculator"]))
+
+    async def broken(args, timers):
+        raise KeyError("internal detail /srv/secret/path")
+
+    box.tools["calculate"].run = broken
+    run = ToolRun("c1", "calculate", {"expression": "1+1"})
+
+    async def call():
+        await box.run(run, Timers(lambda text: asyncio.sleep(0)))
+
+    asyncio.run(call())
+    assert run.status == "error" and "KeyError" not in run.result and "secret" not in run.result, run.result
+    assert run.result == "the calculate tool failed on the server"

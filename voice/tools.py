@@ -15,6 +15,7 @@ import ast
 import asyncio
 import json
 import logging
+import math
 import operator
 import os
 import re
@@ -147,15 +148,26 @@ def calculate(expression: str) -> str:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Pow) and (abs(right) > 100 or abs(left) > 1e6):
                 raise ToolError("that power is too large to work out")
-            return _OPS[type(node.op)](left, right)
+            out = _OPS[type(node.op)](left, right)
+            if isinstance(out, complex):
+                raise ToolError("that has no real-number answer")
+            if isinstance(out, int) and out.bit_length() > 1024 or isinstance(out, float) and not math.isfinite(out):
+                raise ToolError("the numbers get too large to work out")
+            return out
         raise ToolError(f"only arithmetic can be calculated, not {expression!r}")
 
     try:
         result = value(ast.parse(text, mode="eval").body)
+        if isinstance(result, int) and abs(result) >= 10**15:
+            result = float(result)
     except SyntaxError:
         raise ToolError(f"{expression!r} is not an arithmetic expression") from None
     except ZeroDivisionError:
         raise ToolError("division by zero") from None
+    except (ArithmeticError, ValueError, TypeError, MemoryError, RecursionError) as err:
+        # Python's own words ("int too large to convert to float") are not for the model to read out
+        log.info("calculate(%r): %s: %s", expression[:80], type(err).__name__, err)
+        raise ToolError("that cannot be worked out") from None
     if isinstance(result, float):
         result = int(result) if result.is_integer() and abs(result) < 1e15 else float(f"{result:.6g}")
     return f"{expression.strip()} = {result}"
@@ -252,8 +264,9 @@ class Toolbox:
         except ToolError as err:
             run.status, run.result = "error", str(err)
         except Exception as err:  # noqa: BLE001 - a tool's bug or a broken webhook: the model says it could not
-            log.warning("tool %s failed: %r", run.name, err)
-            run.status, run.result = "error", f"{type(err).__name__}: {err}"[:300]
+            log.warning("tool %s failed: %r", run.name, err, exc_info=True)
+            # the model is told that it failed, in words: never Python's exception text
+            run.status, run.result = "error", f"the {run.name} tool failed on the server"
         finally:
             run.ms = (time.monotonic() - start) * 1000
             log.info("tool %s(%s) -> %s in %.0f ms: %s", run.name, json.dumps(run.arguments)[:200], run.status,

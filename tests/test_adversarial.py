@@ -468,3 +468,42 @@ def test_a_failing_tool_is_reported_to_the_model_without_python_text():
     asyncio.run(call())
     assert run.status == "error" and "KeyError" not in run.result and "secret" not in run.result, run.result
     assert run.result == "the calculate tool failed on the server"
+
+
+# --- item 2: max_utterance_s bounds a resumed utterance ------------------------------------------
+
+def test_resuming_again_and_again_cannot_grow_an_utterance_past_max_utterance_s():
+    """Issue 41, item 2: talking with short pauses resumed the utterance each time; its audio (and
+    ASR time) grew to 104 s against a 30 s limit. The carried audio counts towards the limit."""
+    from fakes import FakeWhisper, make_config, speech
+    from voice.endofturn import Verdict
+    from voice.events import SpeechStarted
+    from voice.turns import Pause, TooLong, TurnTaker
+    limit = 6.0
+    taker = TurnTaker(make_config(turn={"policy": "smart_turn", "resume_ms": 3000},
+                                  limits={"max_utterance_s": limit}), FakeWhisper(), 16000, "t")
+    words = speech("001.wav")
+    frame = 640
+
+    async def talk(rounds: int):
+        events, longest = [], 0.0
+        for _ in range(rounds):
+            pcm = words + bytes(int(0.6 * 16000) * 2)
+            for i in range(0, len(pcm), frame):
+                now = time.monotonic()
+                for ev in taker.push(pcm[i:i + frame], now):
+                    events.append(ev)
+                    if isinstance(ev, Pause):
+                        events += taker.verdict(ev.pause, Verdict(True, 200), now)
+                longest = max(longest, len(taker.transcriber.audio()) / 16000)
+        return events, longest
+
+    events, longest = asyncio_run(talk(12))  # ~12 x (1.5-3 s of speech + 0.6 s of pause)
+    assert any(isinstance(e, SpeechStarted) and e.resumed for e in events)  # resuming still works
+    assert any(isinstance(e, TooLong) for e in events)
+    assert longest <= limit + 1.0, longest  # the VAD's frame and pre-roll of slack, never the sum of the halves
+
+
+def asyncio_run(coro):
+    import asyncio
+    return asyncio.run(coro)

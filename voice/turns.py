@@ -13,7 +13,8 @@ words); its verdict (`verdict`) ends the turn now or after more silence, up to `
 where the VAD ends it anyway. With `turn.policy = "fixed"` the VAD's `vad.hangover_ms` alone
 does. A user who resumes within `turn.resume_ms` of the end, before hearing the reply, continues
 the same utterance: the next turn's audio starts with the last one's (`SpeechStarted.resumed`), so its
-transcript holds both halves and nothing said is lost.
+transcript holds both halves and nothing said is lost. `limits.max_utterance_s` bounds the whole of
+it, the resumed halves included: past it the utterance is cut (`TooLong`) and cannot be resumed.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class TurnTaker:
         resumed = last is not None and now <= last[1]
         if last is not None and resumed:
             self.transcriber.insert_audio_chunk(last[0])
+            # the carried audio counts: `limits.max_utterance_s` bounds the whole resumed utterance
+            self.utterance_start_s -= len(last[0]) / SAMPLE_RATE
         for chunk in self.pre_roll:
             self.transcriber.insert_audio_chunk(chunk)
         self.pre_roll.clear()

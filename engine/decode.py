@@ -1,4 +1,4 @@
-"""Decoders over one Transformer: autoregressive and block diffusion, as plain generators.
+"""Decoders over one model (`engine.runtime.Model`): autoregressive and block diffusion, as plain generators.
 
 All share `run`, the one forward used everywhere: it appends *clean* tokens (prompt or a
 finished block) to the KV cache with the checkpoint's context pattern and, in the same
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,11 @@ from torch import Tensor
 
 from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter, tree_depths
 from engine.grammar import Constraint
-from engine.llamacpp import LlamaCppModel, Slot
-from engine.model import KVCache, Segment, Transformer, visibility_mask
+from engine.model import KVCache, Segment, visibility_mask
+from engine.runtime import ContextOverflow, Model
+
+if TYPE_CHECKING:
+    from engine.llamacpp import Slot
 
 
 @dataclass
@@ -104,13 +107,10 @@ class CacheState:
     slot: Slot | None = None
 
     @classmethod
-    def new(cls, model: Transformer | LlamaCppModel, max_seq_len: int | None = None) -> "CacheState":
-        if isinstance(model, LlamaCppModel):
-            state = cls([], None)
-            state.slot = model.new_slot(state, max_seq_len or model.args.max_seq_len)
-            return state
-        caches = model.new_caches(1, max_seq_len)
-        return cls(caches, torch.empty(caches[0].k.shape[2], model.args.dim, device=caches[0].k.device))
+    def new(cls, model: Model, max_seq_len: int | None = None) -> "CacheState":
+        state = cls([], None)
+        model.open_cache(state, max_seq_len)
+        return state
 
     @property
     def capacity(self) -> int:
@@ -135,19 +135,11 @@ class CacheState:
                 return start
         return keep
 
-    def fork(self, model: Transformer | LlamaCppModel, into: "CacheState | None" = None) -> "CacheState":
+    def fork(self, model: Model, into: "CacheState | None" = None) -> "CacheState":
         """A state holding this one's cached tokens (their cache rows copied), to go on separately:
         `into` (an idle state of the same model and capacity, e.g. from a pool), else a new one."""
         other = into if into is not None else CacheState.new(model, self.capacity)
-        n = len(self.ids)
-        if self.slot is not None:
-            assert isinstance(model, LlamaCppModel) and other.slot is not None  # a slot is llama.cpp's
-            model.fork(self.slot, other.slot, n)
-        for mine, theirs in zip(self.caches, other.caches):
-            theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
-        if self.hidden is not None:
-            assert other.hidden is not None  # the same model keeps hidden states for both
-            other.hidden[:n] = self.hidden[:n]
+        model.copy_cache(self, other, len(self.ids))
         other.ids, other.blocks = list(self.ids), list(self.blocks)
         return other
 
@@ -356,17 +348,12 @@ class Forward:
 
 
 @torch.inference_mode()
-def run_many(model: Transformer | LlamaCppModel, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
-    """Run several sequences' forwards as one batched pass (see `engine.model.forward_segments`,
-    or `engine.llamacpp.LlamaCppModel.forward`)."""
-    if isinstance(model, LlamaCppModel):
-        outputs = model.forward(forwards)
-    else:
-        outputs = model(segments=[f.segment() for f in forwards])
-    return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, outputs)]
+def run_many(model: Model, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Run several sequences' forwards as one batched pass (`Model.step`)."""
+    return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, model.step(forwards))]
 
 
-def run(model: Transformer | LlamaCppModel, state: CacheState, clean: list[int], clean_is_block: bool,
+def run(model: Model, state: CacheState, clean: list[int], clean_is_block: bool,
         draft: list[int], context: str = "causal", draft_causal: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """One sequence's forward; returns (logits of the last clean row or None, of the draft rows or None)."""
     return run_many(model, [Forward(state, clean, clean_is_block, draft, context, draft_causal)])[0]
@@ -376,7 +363,7 @@ def run(model: Transformer | LlamaCppModel, state: CacheState, clean: list[int],
 Steps = Generator["Forward | Block", Any, None]
 
 
-def drive(model: Transformer | LlamaCppModel, steps: Steps) -> Generator[Block, None, None]:
+def drive(model: Model, steps: Steps) -> Generator[Block, None, None]:
     """Run a decoder's forwards one at a time and pass its blocks on."""
     result = None
     while True:
@@ -389,10 +376,6 @@ def drive(model: Transformer | LlamaCppModel, steps: Steps) -> Generator[Block, 
         else:
             result = None
             yield item
-
-
-class ContextOverflow(ValueError):
-    """The conversation no longer fits in the preallocated cache."""
 
 
 def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
@@ -546,7 +529,7 @@ def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
 
 
 @torch.inference_mode()
-def generate_ar_batch(model: Transformer | LlamaCppModel, prompts: list[list[int]], max_new_tokens: int,
+def generate_ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: int,
                       stop_ids: set[int], temperature: float = 0.0,
                       generator: torch.Generator | None = None) -> list[list[int]]:
     """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state.
@@ -577,16 +560,6 @@ def generate_ar_batch(model: Transformer | LlamaCppModel, prompts: list[list[int
     return replies
 
 
-def generate_ar(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                stop_ids: set[int]) -> Iterator[Block]:
-    return drive(model, ar_steps(state, new_prompt, cfg, stop_ids))
-
-
-def generate_diffusion(model: Transformer, state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
-                       spec: DiffusionSpec, stop_ids: set[int], drafter: Drafter | None = None) -> Iterator[Block]:
-    return drive(model, decoder_steps(state, new_prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))
-
-
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
                   drafter: Drafter | None = None, embed=None, constraint: Constraint | None = None) -> Steps:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
@@ -610,8 +583,3 @@ def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: Diffusio
         raise ContextOverflow(f"prompt of {len(prompt)} tokens plus {cfg.max_new_tokens} new tokens exceeds "
                               f"the context of {state.capacity}")
     return decoder_steps(state, state.reuse_for(prompt), cfg, spec, stop_ids, drafter, embed, constraint)
-
-
-def generate(model: Transformer, state: CacheState, prompt: list[int], cfg: DecodeConfig,
-             spec: DiffusionSpec, stop_ids: set[int], drafter: Drafter | None = None) -> Iterator[Block]:
-    return drive(model, plan(state, prompt, cfg, spec, stop_ids, drafter, model.embed_tokens))

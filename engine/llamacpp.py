@@ -51,6 +51,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.runtime import ContextOverflow
+
 log = logging.getLogger("engine.llamacpp")
 
 SEQUENCES = 64  # conversations whose caches are alive at once (llama.cpp allows up to 256)
@@ -219,13 +221,22 @@ class LlamaCppModel:
 
     # --- conversation caches ------------------------------------------------------------------
 
-    def new_slot(self, state, capacity: int) -> Slot:
-        """A sequence for `state` (a CacheState), given back when `state` is collected."""
-        slot = Slot(self, min(capacity, self.args.max_seq_len), state)
+    def open_cache(self, state, capacity: int | None) -> None:
+        """A sequence for `state` (a CacheState) in the shared cache, given back when `state` is collected."""
+        slot = Slot(self, min(capacity or self.args.max_seq_len, self.args.max_seq_len), state)
         weakref.finalize(state, self._release, slot)
         with self._lock:
             self._slots.add(slot)
-        return slot
+        state.slot = slot
+
+    def copy_cache(self, src, dst, n: int) -> None:
+        """`dst`'s sequence starts with `src`'s first `n` positions (shared cells, no copy)."""
+        with self._lock:
+            self._seq_for(dst.slot, in_use={src.slot})
+            self._lib.llama_memory_seq_rm(self._mem, dst.slot.seq, -1, -1)
+            if n:
+                self._lib.llama_memory_seq_cp(self._mem, src.slot.seq, dst.slot.seq, 0, n)
+            dst.slot.cells = n
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
@@ -243,15 +254,6 @@ class LlamaCppModel:
         """Drop every cell of the slot (its state was cleared)."""
         with self._lock:
             self._drop(slot)
-
-    def fork(self, src: Slot, dst: Slot, n: int) -> None:
-        """`dst`'s sequence starts with `src`'s first `n` positions (shared cells, no copy)."""
-        with self._lock:
-            self._seq_for(dst, in_use={src})
-            self._lib.llama_memory_seq_rm(self._mem, dst.seq, -1, -1)
-            if n:
-                self._lib.llama_memory_seq_cp(self._mem, src.seq, dst.seq, 0, n)
-            dst.cells = n
 
     def _seq_for(self, slot: Slot, in_use: set[Slot]) -> int:
         """The slot's sequence id, taking a free one (or an idle slot's) if it has none."""
@@ -277,7 +279,6 @@ class LlamaCppModel:
                 state.blocks.clear()
             self._drop(slot)
         if not enough():
-            from engine.decode import ContextOverflow
             raise ContextOverflow(f"the LM's cache is full ({self.kv_tokens} tokens, {len(self._slots)} conversations, "
                                   "none idle): serve fewer sessions or give [lm] max_seq_len more room")
 
@@ -297,7 +298,7 @@ class LlamaCppModel:
     # --- the forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, forwards) -> list[tuple[Tensor, None]]:
+    def step(self, forwards) -> list[tuple[Tensor, Tensor | None]]:
         """Each forward's clean tokens, then its drafted tokens as causal rows (verify), through
         llama_decode (batched; a long prefill in several calls); per forward: (logits of its last
         clean row and of every drafted row [rows, vocab], no hidden states). Drafted rows are
@@ -310,7 +311,6 @@ class LlamaCppModel:
                                  "mask-denoising blocks need the PyTorch model (quantize none|fp16|int8)")
             start, n = len(f.state.ids), len(f.clean) + len(f.draft)
             if start + n > f.state.capacity:
-                from engine.decode import ContextOverflow
                 raise ContextOverflow(f"conversation needs {start + n} tokens but the context holds {f.state.capacity}")
             last_clean = len(f.clean) - 1
             rows += [(i, token, start + j, j >= last_clean) for j, token in enumerate(f.clean + f.draft)]
@@ -320,7 +320,8 @@ class LlamaCppModel:
             for f in forwards:
                 f.state.slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
                 f.state.slot.last_used = time.monotonic()
-        out, at = [], 0
+        out: list[tuple[Tensor, Tensor | None]] = []
+        at = 0
         for f in forwards:
             n = len(f.draft) + (1 if f.clean else 0)
             out.append((logits[at:at + n], None))

@@ -195,6 +195,24 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    # --- engine.runtime.Model: a conversation's cache, batched steps ---------------------------------
+
+    def open_cache(self, state, capacity: int | None) -> None:
+        """Preallocated keys and values per layer, and the last hidden state per position (a
+        draft head reads them)."""
+        state.caches = self.new_caches(1, capacity)
+        k = state.caches[0].k
+        state.hidden = torch.empty(k.shape[2], self.args.dim, device=k.device)
+
+    def copy_cache(self, src, dst, n: int) -> None:
+        for mine, theirs in zip(src.caches, dst.caches):
+            theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
+        dst.hidden[:n] = src.hidden[:n]
+
+    def step(self, forwards) -> list[tuple[Tensor, Tensor | None]]:
+        """The forwards' segments in one pass (`forward_segments`): (logits, hidden states) each."""
+        return self(segments=[f.segment() for f in forwards])
+
     def new_caches(self, batch: int = 1, max_seq_len: int | None = None) -> list[KVCache]:
         """A fresh preallocated cache per layer (one set per conversation in `engine.stream`)."""
         a = self.args

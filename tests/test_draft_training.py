@@ -13,8 +13,9 @@ import json
 import pytest
 import torch
 
+from decoding import generate
 from engine.train.data import chat
-from engine.decode import CacheState, DecodeConfig, generate, generate_ar_batch
+from engine.decode import CacheState, DecodeConfig, generate_ar_batch
 from engine.draft import load_head
 from engine.loading import load
 from engine.model import visibility_mask

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from engine.decode import (CacheState, ContextOverflow, DecodeConfig, DiffusionSpec, generate, generate_ar,
-                           generate_ar_batch, generate_diffusion, run)
+from decoding import generate, generate_ar, generate_diffusion
+from engine.decode import CacheState, ContextOverflow, DecodeConfig, DiffusionSpec, generate_ar_batch, run
 from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
 from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decoding import generate
 from engine.train.data import chat
-from engine.decode import CacheState, DecodeConfig, Proposal, generate, verify_rule
+from engine.decode import CacheState, DecodeConfig, Proposal, verify_rule
 from engine.draft import DraftHead, LookupDrafter
 from engine.loading import load, shipped_drafter
 from engine.quantize import supported

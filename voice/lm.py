@@ -92,7 +92,6 @@ class LocalLM:
         import torch
 
         from engine.decode import DecodeConfig
-        from engine.llamacpp import LlamaCppModel
         from engine.stream import Engine
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -105,7 +104,7 @@ class LocalLM:
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
         self.engine.max_defer_s = self.scheduler.max_defer_s
-        if isinstance(self.engine.model, LlamaCppModel):  # llama.cpp: threads are chosen per step
+        if self.engine.loaded.weights == "gguf":  # llama.cpp: threads are chosen per step
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}

@@ -127,7 +127,7 @@ def _fmt(x: float, digits: int = 1) -> str:
 
 class ForwardTimer:
     """(start, end) perf_counter pairs of every forward of `model`: module hooks on PyTorch's, a
-    wrapper around llama.cpp's `forward` (one call per batched step)."""
+    wrapper around llama.cpp's `step` (one call per batched step)."""
 
     def __init__(self, model):
         self.spans: list[tuple[float, float]] = []
@@ -144,7 +144,7 @@ class ForwardTimer:
             self._handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
             return
         self._handles = []
-        inner = model.forward
+        inner = model.step
 
         def timed(forwards):
             before()
@@ -153,13 +153,13 @@ class ForwardTimer:
             finally:
                 after()
 
-        model.forward = timed
+        model.step = timed
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         if not self._handles:
-            del self._model.forward  # the class's own again
+            del self._model.step  # the class's own again
 
 
 # --- one timed request -------------------------------------------------------------------------

@@ -367,6 +367,7 @@ ALLOW = ["https://home.example.com/api/", "http://10.0.0.5:8123/hooks"]
     "https://home.example.com/api%2fx", "https://home.example.com/api//x", "http://home.example.com/api/x",
     "https://home.example.com/API/x", "http://10.0.0.5:812/hooks/x", "http://10.0.0.5:81234/hooks/x",
     "http://10.0.0.5/hooks/x", "http://10.0.0.5:8123/hooks-x", "https://hоme.example.com/api/x",  # Cyrillic о
+    "https://home.example.com/api/x#@evil.com",  # a fragment: found by the adversarial pass
 ])
 def test_a_webhook_outside_the_allow_list_by_url_tricks_stops_start_up(url):
     """Issue 41, item 7: string prefixes let `..`, `/api-private`, `user@host`, ports and spaces out."""
@@ -440,6 +441,7 @@ def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, co
     ("1e308*10", "too large"),
     ("(-8)**0.5", "no real"),  # was a complex number
     ("99**99*99**99*99**99", "too large"),
+    ("1e999", "too large"),  # infinity as written (found by the adversarial pass)
 ])
 def test_the_calculator_answers_in_words_not_python(expression, says):
     from voice.tools import ToolError, calculate

@@ -169,7 +169,10 @@ def calculate(expression: str) -> str:
         log.info("calculate(%r): %s: %s", expression[:80], type(err).__name__, err)
         raise ToolError("that cannot be worked out") from None
     if isinstance(result, float):
-        result = int(result) if result.is_integer() and abs(result) < 1e15 else float(f"{result:.6g}")
+        if not math.isfinite(result):  # `1e999` is infinity already as written
+            raise ToolError("the numbers get too large to work out")
+        shown = str(int(result)) if result.is_integer() and abs(result) < 1e15 else f"{result:.6g}"
+        return f"{expression.strip()} = {shown}"
     return f"{expression.strip()} = {result}"
 
 

@@ -84,6 +84,13 @@ class AsrConfig:
     cpu_threads: int = 0  # 0 = CTranslate2's default
     early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
     min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
+    initial_prompt: str = ""  # text Whisper reads as what came before every utterance (primes vocabulary)
+    # end-of-turn re-decode when the fast final looks unsure (None: never): its average token log-probability
+    # is under redecode_log_prob, or its no-speech probability over redecode_no_speech
+    redecode_log_prob: float | None = None
+    redecode_no_speech: float = 1.0
+    redecode_model: str = ""  # the re-decode's model ("": asr.model, its encoding reused)
+    redecode_beam_size: int = 5
 
     def __post_init__(self) -> None:
         if not self.model.strip():
@@ -95,6 +102,8 @@ class AsrConfig:
         if self.partial_interval_ms <= 0:
             interval = self.partial_interval_ms
             raise ValueError(f"asr partial_interval_ms must be positive, got {interval}")
+        if self.redecode_beam_size < 1:
+            raise ValueError(f"asr redecode_beam_size must be at least 1, got {self.redecode_beam_size}")
         if not 1 <= self.min_window_s <= FULL_WINDOW_S:
             window = self.min_window_s
             raise ValueError(f"asr min_window_s must be within 1..{FULL_WINDOW_S}, got {window}")

@@ -230,14 +230,14 @@ def test_300_unfinished_request_heads_are_not_held(guard):
     from liveserver import Served
     from voice.server import build_app
     config = make_config()
-    options = {"http": guarded_http(head_s=1.0, body_s=1.0)} if guard else {"timeout_keep_alive": 1}
+    options = {"http": guarded_http(head_s=3.0, body_s=3.0)} if guard else {"timeout_keep_alive": 1}
     with Served(build_app(config, fake_stages(config)), **options) as srv:
         time.sleep(0.3)
         baseline = open_fds()
         socks = unfinished_heads(srv.port, 300)
         time.sleep(0.5)
-        during = open_fds() - 300  # less our own 300 client sockets
-        time.sleep(2.0)
+        during = open_fds() - 300  # less our own 300 client sockets (a loaded machine: all within 3 s)
+        time.sleep(4.0)
         after = open_fds() - 300
         answers = []
         for s in socks[:5]:
@@ -249,7 +249,7 @@ def test_300_unfinished_request_heads_are_not_held(guard):
         for s in socks:
             s.close()
         still = urllib_get(srv.port, "/healthz")
-    print(f"fds: baseline {baseline}, with 300 unfinished heads {during}, 2 s after the deadline {after}")
+    print(f"fds: baseline {baseline}, with 300 unfinished heads {during}, past the deadline {after}")
     assert during >= baseline + 290  # the server holds them while they are within the deadline
     if guard:
         assert after <= baseline + 5, (baseline, after)

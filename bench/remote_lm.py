@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     voice_urls: dict[str, str] = {}
     tmp = Path(tempfile.mkdtemp(prefix="remote_lm-"))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/llamacpp.py sets for its own process
+    from engine.llamacpp import backend_env
+    os.environ.update(backend_env())  # llama.cpp's server finds its CPU variant (engine/llamacpp.py)
     try:
         port = free_port()
         lm_urls["llamacpp"] = f"http://127.0.0.1:{port}/v1"

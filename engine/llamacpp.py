@@ -115,32 +115,49 @@ def cpu_variant() -> str:
     return _variant
 
 
-def _load_cpu_backend(lib_dir: Path) -> str:
-    """Load the best of the CPU variants a dynamic-backend build ships (`libggml-cpu-*.so`, built
-    with GGML_BACKEND_DL and GGML_CPU_ALL_VARIANTS: ./dev) by each variant's own score of this CPU
-    (0: it cannot run here), or the one `GGML_CPU_VARIANT` names (to test another class's kernels).
-    llama-cpp-python never loads them itself: ggml looks beside the executable and in the current
-    directory only."""
+def best_cpu_variant(lib_dir: Path) -> Path | None:
+    """The best of the CPU variants a dynamic-backend build ships (`libggml-cpu-*.so`, built with
+    GGML_BACKEND_DL and GGML_CPU_ALL_VARIANTS: ./dev) by each variant's own score of this CPU (0: it
+    cannot run here), or the one `GGML_CPU_VARIANT` names (to test another class's kernels); None
+    for a build with the CPU backend built in. llama.cpp's libraries must be loaded (import
+    llama_cpp): a variant links libggml-base by name."""
     variants = {p.name[len("libggml-cpu-"):].split(".")[0]: p for p in lib_dir.glob("libggml-cpu-*.so")}
     if not variants:
-        return "built in"
+        return None
     forced = os.environ.get("GGML_CPU_VARIANT", "")
     if forced:
         if forced not in variants:
             raise RuntimeError(f"GGML_CPU_VARIANT={forced!r} is not one of this build's: {', '.join(sorted(variants))}")
-        best = forced
-    else:
-        scores = {name: ctypes.CDLL(str(path)).ggml_backend_score() for name, path in variants.items()}
-        best = max(scores, key=lambda name: scores[name])
-        if scores[best] <= 0:
-            raise RuntimeError(f"none of llama.cpp's CPU variants runs on this CPU ({', '.join(sorted(variants))})")
+        return variants[forced]
+    scores = {name: ctypes.CDLL(str(path)).ggml_backend_score() for name, path in variants.items()}
+    best = max(scores, key=lambda name: scores[name])
+    if scores[best] <= 0:
+        raise RuntimeError(f"none of llama.cpp's CPU variants runs on this CPU ({', '.join(sorted(variants))})")
+    return variants[best]
+
+
+def backend_env() -> dict[str, str]:
+    """What another process using this llama-cpp-python needs in its environment to find its CPU
+    kernels (llama.cpp's own server: ggml looks beside the executable, in the current directory and
+    in GGML_BACKEND_PATH only)."""
+    bindings()
+    path = best_cpu_variant(library_dir())
+    return {"GGML_BACKEND_PATH": str(path)} if path is not None else {}
+
+
+def _load_cpu_backend(lib_dir: Path) -> str:
+    """Load `best_cpu_variant` into the ggml that libllama links; its name ('built in' for a
+    single-class build). llama-cpp-python never loads the variants itself."""
+    path = best_cpu_variant(lib_dir)
+    if path is None:
+        return "built in"
     # the copy of ggml that libllama links (its soname: a wheel holds each name as a separate file,
     # and a second copy would keep a registry of its own)
     ggml = ctypes.CDLL(str(next(p for p in (lib_dir / "libggml.so.0", lib_dir / "libggml.so") if p.exists())))
     ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
-    if not ggml.ggml_backend_load(str(variants[best]).encode()):
-        raise RuntimeError(f"ggml could not load its CPU variant {variants[best]}")
-    return best
+    if not ggml.ggml_backend_load(str(path).encode()):
+        raise RuntimeError(f"ggml could not load its CPU variant {path}")
+    return path.name[len("libggml-cpu-"):].split(".")[0]
 
 
 def system_info() -> str:

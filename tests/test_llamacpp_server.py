@@ -26,6 +26,7 @@ import pytest
 
 from fakes import Client, FakeWhisper, LiveServer, fake_stages, make_config, speech
 from liveserver import free_port, healthz, wait_for
+from engine import llamacpp
 from voice.lm import RemoteLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -53,7 +54,8 @@ class LlamaServer:
                 [sys.executable, "-m", "llama_cpp.server", "--model", str(self.gguf), "--model_alias", MODEL,
                  "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1",
                  "--n_threads_batch", "1", "--interrupt_requests", "False"],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **llamacpp.backend_env(), "PYTHONUNBUFFERED": "1"})  # its CPU variant
         deadline = time.monotonic() + timeout_s
         while not self.up():
             assert self.proc.poll() is None, f"llama.cpp's server exited:\n{self.text()[-3000:]}"

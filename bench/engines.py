@@ -171,6 +171,11 @@ class TransformersWorker:
 class LlamaCppWorker:
     def __init__(self, a):
         import llama_cpp
+        try:  # the product's venv: ./dev's llama.cpp loads its CPU variant through engine/llamacpp.py
+            from engine.llamacpp import bindings
+            bindings()
+        except ImportError:  # bench/.venv-llamacpp: llama.cpp built for this CPU alone
+            pass
         self.llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=2048, n_batch=512, n_threads=a.threads,
                                    n_threads_batch=a.threads, seed=0, verbose=False)

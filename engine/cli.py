@@ -79,7 +79,7 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                         "as the voice service)")
 
 
-def cmd_generate(a) -> int:
+def cmd_generate(a: argparse.Namespace) -> int:
     from engine.stream import Engine
     engine = Engine.load(a.model, adapter=a.adapter, quantize=a.quantize, drafter=a.drafter, device=a.device)
     cfg = decode_config(a)
@@ -96,20 +96,20 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def cmd_serve(a) -> int:
+def cmd_serve(a: argparse.Namespace) -> int:
     from engine.api.server import serve
     serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter, a.device)
     return 0
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: argparse.Namespace) -> int:
     from engine.evals.bench import run_bench
     run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
               quantize=a.quantize, drafter=a.drafter)
     return 0
 
 
-def cmd_eval(a) -> int:
+def cmd_eval(a: argparse.Namespace) -> int:
     from engine.evals.eval import run_answers, run_eval
     if bool(a.prompts) == bool(a.answers):
         raise SystemExit("engine eval: give exactly one of --prompts (replies vs the AR teacher) and --answers "
@@ -123,7 +123,7 @@ def cmd_eval(a) -> int:
     return 0
 
 
-def cmd_adapt(a) -> int:
+def cmd_adapt(a: argparse.Namespace) -> int:
     from engine.train import adapt, data
     from engine.loading import load
     from engine.model import Transformer
@@ -148,7 +148,7 @@ def cmd_adapt(a) -> int:
     return 0
 
 
-def cmd_draft(a) -> int:
+def cmd_draft(a: argparse.Namespace) -> int:
     import torch
     from engine.train import data, draft as train_draft
     from engine.draft import load_head, save_head

@@ -84,12 +84,13 @@ class Proposal:
 class Drafter(Protocol):
     """What `verify` decoding needs of a drafter (`DraftHead`, `LookupDrafter`): how many tokens it
     drafts per pass, and a proposal after `ids`. `embed` is the base's token embedding and
-    `hidden` [len(ids) - 1, dim] its last hidden states (a draft head reads them; lookup does not)."""
+    `hidden` [len(ids) - 1, dim] its last hidden states (a draft head reads them; lookup does not;
+    both None where the model's kernels keep none)."""
 
     @property
     def block(self) -> int: ...
 
-    def propose(self, embed: nn.Embedding, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal: ...
 
 
@@ -243,12 +244,12 @@ class DraftHead(nn.Module):
         return self.head(self.norm(x))
 
     @torch.inference_mode()
-    def propose(self, embed: nn.Embedding, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
         every position but the last (each paired with the token after it, the last one's being ids[-1]).
         A chained head stops drafting once the drafted prefix is less than `threshold` likely right."""
-        if hidden is None:
+        if hidden is None or embed is None:
             raise ValueError("a draft head reads the base's hidden states; this model's kernels keep none")
         h, e, valid = self._window(embed, hidden, ids)
         if not self.args.chain:
@@ -370,8 +371,8 @@ class LookupDrafter:
     ngram = 2
     block = 4
 
-    def propose(self, embed, hidden, ids: list[int], k: int, temperature: float, generator,
-                threshold: float = 0.0) -> Proposal:
+    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+                generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         n = self.ngram
         if len(ids) <= n:
             return Proposal([])

@@ -27,6 +27,8 @@ from engine.quantize import CHOICES as QUANTIZE_TORCH, quantize as quantize_mode
 from engine.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 if TYPE_CHECKING:
+    import gguf
+
     from engine.draft import DraftHead
     from engine.llamacpp import LlamaCppModel
 
@@ -155,7 +157,7 @@ def weights_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
-def load(name: str = "default", max_seq_len: int = 2048, dtype=None, device="cpu",
+def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | None = None, device: str = "cpu",
          adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
     """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id) onto `device` (see
     `pick_device`) in `dtype` (default: `weights_dtype(device)`). `adapter`: a LoRA file to
@@ -231,7 +233,8 @@ def gguf_path(name: str) -> Path:
     return path
 
 
-def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter) -> LoadedModel:
+def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter: str | Path | None
+                      ) -> LoadedModel:
     """The GGUF as packaged, on llama.cpp's kernels (engine.llamacpp, AR only); our tokenizer."""
     from engine import llamacpp
     if device != "cpu":
@@ -346,7 +349,7 @@ def spec_from_hf_config(cfg: dict, tokenizer: Tokenizer) -> DiffusionSpec:
                          sub_block_size=int(cfg.get("small_block_size") or 0), trained=diffusion)
 
 
-def load_hf_folder(folder: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+def load_hf_folder(folder: Path, max_seq_len: int, dtype: torch.dtype, device: str) -> LoadedModel:
     from safetensors.torch import load_file
     if not (folder / "config.json").exists():
         raise ModelLoadError(f"{folder} has no config.json")
@@ -368,7 +371,7 @@ def load_hf_folder(folder: Path, max_seq_len: int, dtype, device) -> LoadedModel
     return LoadedModel(_build(args, state, dtype, device), tokenizer, spec_from_hf_config(cfg, tokenizer), str(folder))
 
 
-def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype, device) -> Transformer:
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:
@@ -403,7 +406,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_gguf(path: Path):
+def _read_gguf(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any], str]:
     """(reader, metadata fields, architecture) of a GGUF file we can run."""
     import gguf
     try:
@@ -417,7 +420,7 @@ def _read_gguf(path: Path):
     return reader, fields, arch
 
 
-def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
+def load_gguf(path: Path, max_seq_len: int, dtype: torch.dtype, device: str) -> LoadedModel:
     reader, fields, arch = _read_gguf(path)
     try:
         return _load_gguf(path, reader, fields, arch, max_seq_len, dtype, device)
@@ -427,7 +430,8 @@ def load_gguf(path: Path, max_seq_len: int, dtype, device) -> LoadedModel:
         raise ModelLoadError(f"{path} is not a usable {arch} GGUF file: {type(err).__name__}: {err}") from err
 
 
-def _load_gguf(path: Path, reader, fields: dict, arch: str, max_seq_len: int, dtype, device) -> LoadedModel:
+def _load_gguf(path: Path, reader: gguf.GGUFReader, fields: dict, arch: str, max_seq_len: int, dtype: torch.dtype,
+               device: str) -> LoadedModel:
     import gguf
 
     def p(key: str, default: Any = None) -> Any:

@@ -34,6 +34,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +69,8 @@ class Int8RowLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -> None:
+def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], head: bool = True,
+                 body: bool = True) -> None:
     """Replace the transformer's linear layers (`body`) and/or its LM head (`head`) with `make(linear)`."""
     if body:
         swap_all_linears(model.get_submodule("layers"), make)
@@ -75,8 +78,8 @@ def swap_linears(model: nn.Module, make, head: bool = True, body: bool = True) -
         model.lm_head = make(model.lm_head)
 
 
-def swap_all_linears(module: nn.Module, make, kind: type = nn.Linear) -> None:
-    """Every `kind` (nn.Linear) inside `module` becomes `make(linear)`."""
+def swap_all_linears(module: nn.Module, make: Callable[[Any], nn.Module], kind: type = nn.Linear) -> None:
+    """Every `kind` (nn.Linear) inside `module` becomes `make(linear)` (`make` takes a `kind`)."""
     for name, child in list(module.named_children()):
         if isinstance(child, kind):
             setattr(module, name, make(child))

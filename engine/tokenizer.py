@@ -6,6 +6,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.sandbox
@@ -74,13 +75,14 @@ def _compiled(chat_template: str) -> jinja2.Template:
     return env.from_string(chat_template)
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """`tojson` as chat templates are written for (transformers'): keys in order, nothing HTML-escaped.
     Jinja's own sorts keys and escapes `<`, which would change every prompt with tools in it."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _raise_template_error(message: str):
+def _raise_template_error(message: str) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
@@ -103,7 +105,7 @@ def tokenizer_from_folder(folder: Path) -> Tokenizer:
     return Tokenizer(backend, template, eos_ids, bos, eos, special)
 
 
-def _token_text(token) -> str:
+def _token_text(token: str | dict | None) -> str:
     return token.get("content", "") if isinstance(token, dict) else (token or "")
 
 

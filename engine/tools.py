@@ -21,7 +21,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 CALL_STARTS = ("<", "{")  # how a call begins, in tags or as bare JSON; the grammar's text begins with neither
@@ -71,7 +74,7 @@ class ToolUse:
                 f"body: %json {json.dumps(call_schema)}\n" + text)
 
 
-def tag_terminals(tokenizer) -> tuple[str, str]:
+def tag_terminals(tokenizer: Tokenizer) -> tuple[str, str]:
     """`<tool_call>` and `</tool_call>` as grammar terminals: the token by id where the vocabulary
     has the tag as one token (Qwen2.5: special tokens, which never match as text), else the text."""
     found = []

@@ -11,6 +11,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter
+
 from voice import records as rec
 from voice.events import Error, Event, LatencyReport
 
@@ -22,12 +24,12 @@ MAX_TURN_ERRORS = 20  # errors kept in one turn's row
 
 
 class CallLog:
-    def __init__(self, records: rec.Records | None, uid: str, session_id: str, error_count=None):
+    def __init__(self, records: rec.Records | None, uid: str, session_id: str, error_count: Counter | None = None):
         self.records, self.uid, self.session_id, self.error_count = records, uid, session_id, error_count
         self.open_turns: dict[int, dict] = {}  # turn -> started (unix time), transcript, errors
         self.error_counts: dict[str, int] = {}
 
-    def _write(self, ops) -> None:
+    def _write(self, ops: list[rec.Op]) -> None:
         if self.records is not None:
             self.records.write_nowait(ops)
 

@@ -27,14 +27,22 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
 from voice.config import Config, VadConfig
 from voice.endofturn import EndOfTurn, SmartTurn, wait_for
+
+if TYPE_CHECKING:
+    from faster_whisper import WhisperModel
+    from piper import PiperVoice
+
+    from voice.lm import Chat
 
 log = logging.getLogger("voice.eot_eval")
 SAMPLE_RATE = 16000
@@ -177,7 +185,7 @@ def _items_from(source: str, kind: str, text: str, audio: np.ndarray, words: lis
     return out
 
 
-def build_items(whisper_model, piper_voice, phone: bool = False) -> list[Item]:
+def build_items(whisper_model: WhisperModel, piper_voice: PiperVoice | None, phone: bool = False) -> list[Item]:
     """The evaluation set (see the module's docstring); `phone`: every item through 8 kHz G.711 µ-law."""
     counter = [0]
     items: list[Item] = []
@@ -210,7 +218,7 @@ def telephone(audio: np.ndarray) -> np.ndarray:
     return resample(ulaw_decode(ulaw_encode(narrow)).astype(np.float32) / 32768, 8000, SAMPLE_RATE)
 
 
-def _word_times(whisper_model, audio: np.ndarray) -> list[tuple[float, float]]:
+def _word_times(whisper_model: WhisperModel, audio: np.ndarray) -> list[tuple[float, float]]:
     segments, _ = whisper_model.transcribe(audio, language="en", word_timestamps=True, vad_filter=False,
                                            condition_on_previous_text=False)
     return [(w.start, w.end) for s in segments for w in (s.words or [])]
@@ -219,7 +227,8 @@ def _word_times(whisper_model, audio: np.ndarray) -> list[tuple[float, float]]:
 # --- streaming the items ------------------------------------------------------------------------
 
 async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: SmartTurn | None,
-                  transcribe, chat_factory, system_prompt: str, frame_ms: int = 20) -> Record:
+                  transcribe: Callable[[np.ndarray], str] | None, chat_factory: Callable[[], Chat] | None,
+                  system_prompt: str, frame_ms: int = 20) -> Record:
     """Stream `item` in VAD frames; ask the signals once per silence that reaches `min_silence_ms`."""
     from voice.audio import float_to_pcm16
     from voice.vad import Endpointer, VoiceStart
@@ -259,8 +268,8 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
                   silences, asks)
 
 
-async def _ask(utterance: np.ndarray, silence_start_s: float, smart_turn: SmartTurn | None, transcribe,
-               chat, messages: list[dict]) -> Ask:
+async def _ask(utterance: np.ndarray, silence_start_s: float, smart_turn: SmartTurn | None,
+               transcribe: Callable[[np.ndarray], str] | None, chat: Chat | None, messages: list[dict]) -> Ask:
     audio_p, st_ms, st_cpu_ms = None, 0.0, 0.0
     if smart_turn is not None:
         t = time.perf_counter()
@@ -278,7 +287,7 @@ async def _ask(utterance: np.ndarray, silence_start_s: float, smart_turn: SmartT
     return Ask(silence_start_s, 0.0, audio_p, text_p, transcript, st_ms, st_cpu_ms, asr_ms, lm_ms)
 
 
-def _timed(fn, *args) -> tuple[float, float]:
+def _timed(fn: Callable[..., float], *args: Any) -> tuple[float, float]:
     """fn(*args) and the CPU time this thread spent on it (ms)."""
     start = time.thread_time()
     result = fn(*args)

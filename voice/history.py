@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from voice.config import LmConfig
 
 
@@ -16,7 +18,7 @@ class History:
         self.system_prompt, self.turns, self.max_chars = system_prompt, turns, max_chars
         self.said: list[dict] = []
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict]:
         return iter(self.said)
 
     def messages(self, user_text: str) -> list[dict]:

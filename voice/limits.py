@@ -14,8 +14,13 @@ import ctypes.util
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from voice.config import LimitsConfig
+
+if TYPE_CHECKING:
+    from voice.latency import Metrics
+    from voice.session import Session
 
 log = logging.getLogger("voice.limits")
 
@@ -78,7 +83,7 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, limits: LimitsConfig, metrics=None):
+    def __init__(self, limits: LimitsConfig, metrics: Metrics | None = None):
         self.limits, self.metrics = limits, metrics
         self.active: collections.Counter[str] = collections.Counter()
         self.total = 0
@@ -117,7 +122,7 @@ class Admission:
         log.warning("session refused: %s (%d open)", reason, self.total)
 
 
-async def watch_session(session) -> None:
+async def watch_session(session: Session) -> None:
     """A session's own limits, checked while it lasts: its total duration and audio idleness.
     Past either, the session is `terminate`d (the transport then closes the connection)."""
     lim = session.config.limits

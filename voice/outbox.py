@@ -12,6 +12,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from prometheus_client import Counter
+
 from voice.config import LimitsConfig
 from voice.events import Event, TtsAudio
 
@@ -19,21 +21,21 @@ log = logging.getLogger("voice.outbox")
 
 
 class Outbox(asyncio.Queue):
-    def __init__(self, limits: LimitsConfig, dropped_seconds=None, session_id: str = ""):
+    def __init__(self, limits: LimitsConfig, dropped_seconds: Counter | None = None, session_id: str = ""):
         super().__init__()
         self.limits, self.dropped_seconds, self.session_id = limits, dropped_seconds, session_id
         self._held: list[Event] | None = None
 
-    def _init(self, maxsize):
+    def _init(self, maxsize: int) -> None:
         super()._init(maxsize)
         self.audio_s = 0.0  # seconds of reply audio queued
 
-    def _put(self, item):
+    def _put(self, item: Event) -> None:
         super()._put(item)
         if isinstance(item, TtsAudio):
             self.audio_s += item.seconds
 
-    def _get(self):
+    def _get(self) -> Event:
         item = super()._get()
         if isinstance(item, TtsAudio):
             self.audio_s = max(self.audio_s - item.seconds, 0.0)

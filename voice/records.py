@@ -30,9 +30,12 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from voice.recordsdb import TABLES, Op, RecordsError, open_database
+
+if TYPE_CHECKING:
+    from voice.latency import Metrics
 
 log = logging.getLogger("voice.records")
 
@@ -56,8 +59,8 @@ class Records:
     """The process's one writer. `write` waits for the commit; `write_nowait` doesn't.
     `database`: the path of an SQLite file or a `postgresql://` URL."""
 
-    def __init__(self, database: str | Path, queue_size: int = 1000, timeout_s: float = 5.0, metrics=None,
-                 probe_s: float = 5.0):
+    def __init__(self, database: str | Path, queue_size: int = 1000, timeout_s: float = 5.0,
+                 metrics: Metrics | None = None, probe_s: float = 5.0):
         self.db = open_database(database)
         self.timeout_s, self.probe_s = timeout_s, probe_s
         self.metrics = metrics

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 # How long a background job may be held back. A reply's first phrase is at least three words,
 # about a second of audio, so holding its later phrases this long costs no gap.
@@ -103,7 +104,7 @@ class Worker:
         """A job is running or queued."""
         return bool(self._running or self._jobs)
 
-    def submit(self, fn: Callable, *args, urgent: Callable[[], bool] = always) -> Future:
+    def submit(self, fn: Callable, *args: Any, urgent: Callable[[], bool] = always) -> Future:
         future: Future = Future()
         with self._ready:
             self._jobs.append(_Job(time.monotonic(), urgent, future, fn, args))

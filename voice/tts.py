@@ -43,7 +43,7 @@ class ShrinkingSession:
         self.options = onnxruntime.RunOptions()
         self.options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
-    def run(self, output_names, input_feed):
+    def run(self, output_names: list[str] | None, input_feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.session.run(output_names, input_feed, self.options)
 
 

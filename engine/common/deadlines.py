@@ -51,7 +51,7 @@ def guarded_http(head_s: float = HEAD_S, body_s: float = BODY_S, base: type | No
         _watched: Any = None  # the request cycle current when the deadline was armed
         _phase = "head"
 
-        def connection_made(self, transport) -> None:
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._arm("head", head_s)
 
@@ -61,7 +61,7 @@ def guarded_http(head_s: float = HEAD_S, body_s: float = BODY_S, base: type | No
             super().data_received(data)
             self._follow()
 
-        def connection_lost(self, exc) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 

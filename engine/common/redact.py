@@ -27,6 +27,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 MARK = "REDACTED"
 MIN_SECRET_CHARS = 8  # shorter "secrets" would redact ordinary words
@@ -111,7 +112,7 @@ class RedactSecrets(logging.Filter):
             record.stack_info = redact(record.stack_info)
 
 
-def _text(value):
+def _text(value: object) -> object:
     """A message or argument with secrets redacted; unchanged (same object) when there are none."""
     if isinstance(value, str):
         return redact(value)
@@ -142,7 +143,7 @@ def install_redaction(secrets: Iterable[str] = ()) -> None:
         _installed = True
         previous = logging.getLogRecordFactory()
 
-        def factory(*args, **kwargs):
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
             record = previous(*args, **kwargs)
             FILTER.filter(record)
             return record

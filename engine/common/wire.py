@@ -90,7 +90,7 @@ def decode_json(data: str | bytes | bytearray | memoryview, *, max_bytes: int = 
         raise WireError("syntax", f"not valid JSON ({type(err).__name__})") from None
 
 
-def _decode(data, max_bytes: int, max_depth: int, max_number_chars: int) -> Any:
+def _decode(data: Any, max_bytes: int, max_depth: int, max_number_chars: int) -> Any:
     if isinstance(data, (bytes, bytearray, memoryview)):
         if len(data) > max_bytes:
             raise WireError("too_large", f"{len(data)} bytes is too large (at most {max_bytes})")

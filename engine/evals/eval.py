@@ -25,6 +25,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def format_table(rows: list[dict], summary: dict) -> str:
 
 
 def run_eval(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
-             limit: int = 0, log=print, quantize: str = "none") -> dict:
+             limit: int = 0, log: Callable[[str], object] = print, quantize: str = "none") -> dict:
     """Evaluate `model`'s diffusion replies against its AR teacher; print, write JSON if asked, return."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()
@@ -221,8 +222,9 @@ def answer_summary(rows: list[dict]) -> dict:
 
 
 def run_answers(model: str, adapter: str | None, questions_path: Path, json_path: Path | None, cfg: DecodeConfig,
-                limit: int = 0, log=print, quantize: str = "none", modes: tuple[str, ...] = ("ar", "diffusion"),
-                system: str = VOICE_SYSTEM_PROMPT, drafter: str | None = None) -> dict:
+                limit: int = 0, log: Callable[[str], object] = print, quantize: str = "none",
+                modes: tuple[str, ...] = ("ar", "diffusion"), system: str = VOICE_SYSTEM_PROMPT,
+                drafter: str | None = None) -> dict:
     """Ask every question in each decoding mode on the same weights; report the share answered right
     (the reference regex found in the reply), boilerplate openings, tokens per forward and speed,
     and how many replies are identical across modes (greedy `verify` must make them all so)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ import torch.nn.functional as F
 from engine.decode import DiffusionSpec
 from engine.lora import attach, save_adapter
 from engine.model import Transformer
+
+Example = tuple[list[int], int]  # (token ids, prompt length), as engine.train.data.training_examples gives them
+# (tokens, positions, mask, targets, weights): one noisy example as lists, a packed batch as tensors
+NoisyExample = tuple[list[int], list[int], torch.Tensor, list[int], list[float]]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -43,7 +49,8 @@ class AdaptConfig:
     seed: int = 0
 
 
-def noisy_example(ids: list[int], prompt_len: int, cfg: AdaptConfig, mask_id: int, rng: random.Random):
+def noisy_example(ids: list[int], prompt_len: int, cfg: AdaptConfig, mask_id: int, rng: random.Random
+                  ) -> NoisyExample:
     """One example as (tokens, positions, mask, targets) with block-causal noisy rows after the clean ones."""
     n = len(ids)
     reply = list(range(prompt_len, n))
@@ -80,9 +87,9 @@ def noisy_example(ids: list[int], prompt_len: int, cfg: AdaptConfig, mask_id: in
     return tokens, positions, mask, targets_clean + targets_noisy, weights
 
 
-def pack(examples, cfg: AdaptConfig, mask_id: int, rng: random.Random):
+def pack(examples: list[Example], cfg: AdaptConfig, mask_id: int, rng: random.Random) -> Batch:
     """Concatenate noisy examples up to cfg.pack_tokens with a block-diagonal mask."""
-    parts: list[tuple] = []
+    parts: list[NoisyExample] = []
     used = 0
     while examples:
         ids, prompt_len = examples[-1]
@@ -100,7 +107,7 @@ def pack(examples, cfg: AdaptConfig, mask_id: int, rng: random.Random):
     return tokens, positions, mask, targets, weights
 
 
-def loss_on(model: Transformer, batch) -> torch.Tensor:
+def loss_on(model: Transformer, batch: Batch) -> torch.Tensor:
     tokens, positions, mask, targets, weights = batch
     rows = (targets != -100).nonzero().squeeze(-1)
     logits = model(tokens, positions, mask, rows)[0]
@@ -108,8 +115,8 @@ def loss_on(model: Transformer, batch) -> torch.Tensor:
     return (losses * weights[rows]).sum() / weights[rows].sum()
 
 
-def train(model: Transformer, examples, spec: DiffusionSpec, cfg: AdaptConfig, out: Path,
-          heldout=None, log=print) -> dict:
+def train(model: Transformer, examples: Sequence[Example], spec: DiffusionSpec, cfg: AdaptConfig, out: Path,
+          heldout: Sequence[Example] | None = None, log: Callable[[str], object] = print) -> dict:
     """Train LoRA + mask embedding on `model` in place; checkpoints to `out`, resumes from it."""
     torch.manual_seed(cfg.seed)
     params = attach(model, cfg.rank, cfg.alpha, spec.mask_id)
@@ -132,7 +139,7 @@ def train(model: Transformer, examples, spec: DiffusionSpec, cfg: AdaptConfig, o
     model.train()
     history = []
 
-    def checkpoint():
+    def checkpoint() -> None:
         torch.save({"adapter": {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad},
                     "optimizer": opt.state_dict(), "step": step, "tokens": tokens_seen, "epoch": epoch},
                    state_path)
@@ -178,7 +185,7 @@ def train(model: Transformer, examples, spec: DiffusionSpec, cfg: AdaptConfig, o
 
 
 @torch.no_grad()
-def evaluate_loss(model: Transformer, examples, spec: DiffusionSpec, cfg: AdaptConfig) -> float:
+def evaluate_loss(model: Transformer, examples: Sequence[Example], spec: DiffusionSpec, cfg: AdaptConfig) -> float:
     was_training = model.training
     model.eval()
     rng = random.Random(1234)

@@ -10,10 +10,12 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.decode import generate_ar_batch
 from engine.loading import LoadedModel
+from engine.tokenizer import Tokenizer
 
 VOICE_SYSTEM_PROMPT = ("You are a friendly voice assistant. Answer in one or two short spoken sentences, "
                        "without lists or markdown.")
@@ -52,7 +54,7 @@ def chitchat_pairs(split: str, n: int, seed: int = 0, heldout_percent: int = 5) 
     return pairs[:n]
 
 
-def write_text_replies(tokenizer, pairs: list[tuple[str, str]], out: Path) -> None:
+def write_text_replies(tokenizer: Tokenizer, pairs: list[tuple[str, str]], out: Path) -> None:
     """The pairs as JSONL rows shaped like distilled ones (prompt, reply_ids), extending `out`."""
     have = sum(1 for _ in out.open()) if out.exists() else 0
     with out.open("a") as f:
@@ -65,7 +67,7 @@ def chat(prompt: str, system: str = VOICE_SYSTEM_PROMPT) -> list[dict]:
 
 
 def distill(teacher: LoadedModel, prompts: list[str], out: Path, max_new_tokens: int = 48,
-            batch_size: int = 32, max_minutes: float = 0.0, log=print) -> None:
+            batch_size: int = 32, max_minutes: float = 0.0, log: Callable[[str], object] = print) -> None:
     """Append the teacher's greedy replies to `out` (JSONL) for every prompt it lacks, so a run resumes
     where a previous one stopped and a longer prompt list only adds; `max_minutes` (0: no limit) stops
     after the batch that crosses it, leaving the rest for a later run."""

@@ -26,17 +26,22 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.train.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
 from engine.decode import CacheState, DecodeConfig, run
 from engine.model import Transformer
+
+# (hidden, embedded next tokens, valid, targets, embedded previous tokens or None): one training batch
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 OFFSET_WEIGHTS = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.2)
 
@@ -93,7 +98,8 @@ SHARD = 500  # replies per saved shard of hidden states
 
 
 @torch.inference_mode()
-def read_corpus(base: LoadedModel, path: Path, window: int, greedy: bool = False, log=print) -> Corpus:
+def read_corpus(base: LoadedModel, path: Path, window: int, greedy: bool = False,
+                log: Callable[[str], object] = print) -> Corpus:
     """Run the base over every reply in `path` (JSONL of prompt + reply_ids). `greedy=False`: the
     replies are the base's own greedy ones (`distill`), so each reply token is the target after the
     one before it. `greedy=True`: any text (people's replies): the base's argmax at every position
@@ -178,7 +184,8 @@ def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids
     return torch.tensor(sorted(set(top[counts[top] > 0].tolist()) | set(eos_ids)))
 
 
-def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Tensor, cfg: DraftTrainConfig, device):
+def batch_at(corpus: Corpus, positions: torch.Tensor, embed: nn.Embedding, to_draft: torch.Tensor,
+             cfg: DraftTrainConfig, device: str) -> Batch:
     """Inputs and targets for bonus positions `positions` (global indices into the corpus)."""
     w, k = cfg.window, cfg.block
     ctx = positions[:, None] - w + torch.arange(w)[None]  # positions p-w .. p-1
@@ -198,7 +205,7 @@ def batch_at(corpus: Corpus, positions: torch.Tensor, embed, to_draft: torch.Ten
             prev.to(device) if prev is not None else None)
 
 
-def loss_and_accepted(head: DraftHead, batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_and_accepted(head: DraftHead, batch: Batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hidden, emb, valid, targets, prev = batch
     with torch.autocast(hidden.device.type, dtype=torch.bfloat16):  # ~1.5x faster on AVX-512 BF16 CPUs too
         logits = head(hidden, emb, valid, prev).float()
@@ -225,8 +232,8 @@ def draft_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_figures(head: DraftHead, corpus: Corpus, examples: list[int], embed, threshold: float,
-                     device="cpu") -> tuple[float, float]:
+def held_out_figures(head: DraftHead, corpus: Corpus, examples: list[int], embed: nn.Embedding,
+                     threshold: float, device: str = "cpu") -> tuple[float, float]:
     """(teacher-forced, decoded) tokens per forward on `examples` (the base's own replies), the head in
     fp32 as the decoder runs it; `threshold` is the decoder's draft threshold."""
     a = head.args
@@ -269,7 +276,8 @@ def split(corpus: Corpus, seed: int) -> tuple[list[int], list[int]]:
     return examples[:n_held], examples[n_held:] + others
 
 
-def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device="cpu", log=print) -> dict:
+def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device: str = "cpu",
+          log: Callable[[str], object] = print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     held, train_set = split(corpus, cfg.seed)
     state_path = out / "train_state.pt"

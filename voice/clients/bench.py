@@ -13,9 +13,10 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jiwer
 import numpy as np
@@ -23,6 +24,9 @@ import websockets
 
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.events import Error, LatencyReport, Ready, ReplyDone, Transcript, from_wire
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
 
 FRAME_MS = 20
 _ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
@@ -83,7 +87,7 @@ class Player:
         self._end = max(arrived, self._end or arrived) + seconds
 
 
-async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float = 30.0) -> Turn:
+async def run_turn(ws: ClientConnection, path: Path, reference: str, rate: int, timeout_s: float = 30.0) -> Turn:
     audio, file_rate = read_wav(path)
     audio = resample(audio, file_rate, rate)
     end_s = speech_end_s(audio, rate)
@@ -93,7 +97,7 @@ async def run_turn(ws, path: Path, reference: str, rate: int, timeout_s: float =
     speech_end_wall: list[float] = []
     player = Player()
 
-    async def receive():
+    async def receive() -> None:
         async for msg in ws:
             if isinstance(msg, bytes):
                 now = time.perf_counter()
@@ -151,7 +155,7 @@ def read_references(folder: Path) -> dict[str, str]:
 
 
 async def run_session(url: str, files: list[Path], refs: dict[str, str], rate: int, lm_mode: str | None,
-                      log=print) -> list[Turn]:
+                      log: Callable[[str], object] = print) -> list[Turn]:
     turns = []
     start = {"type": "start", "version": 1, "sample_rate": rate, "encoding": "pcm_s16le"}
     if lm_mode:

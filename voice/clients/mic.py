@@ -13,6 +13,8 @@ import json
 import signal
 import sys
 import threading
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import soxr
@@ -22,12 +24,15 @@ from voice.audio import RATES
 from voice.events import (WIRE_TYPES, Clear, Error, Event, LatencyReport, Ready, ReplyDone, SpeechStarted,
                           SpeechStopped, Transcript, from_wire)
 
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
 RATE = 16000  # what we stream to the server
 FRAME_MS = 20
 FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
 
 
-def _sounddevice():
+def _sounddevice() -> ModuleType:
     try:
         import sounddevice
     except ImportError:
@@ -72,7 +77,8 @@ class Player:
     def pending(self) -> int:
         return len(self._buf)
 
-    def callback(self, outdata, frames, time_info, status) -> None:  # PortAudio thread
+    def callback(self, outdata: Any, frames: int, time_info: Any, status: Any) -> None:  # PortAudio thread
+        # outdata: a cffi buffer; time_info: a cffi struct; status: sounddevice.CallbackFlags (no stubs)
         n = len(outdata)
         with self._lock:
             take = min(n, len(self._buf))
@@ -104,7 +110,7 @@ class Framer:
 class Console:
     """Event lines, plus a live one-line status redrawn in place when stdout is a terminal."""
 
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.status = ""
@@ -132,7 +138,8 @@ class Console:
 
 
 class MicClient:
-    def __init__(self, url: str, input_device=None, output_device=None, console: Console | None = None):
+    def __init__(self, url: str, input_device: int | str | None = None, output_device: int | str | None = None,
+                 console: Console | None = None) -> None:
         self.url, self.input_device, self.output_device = url, input_device, output_device
         self.console = console or Console()
         self.player = Player()
@@ -145,14 +152,14 @@ class MicClient:
 
     # --- audio devices -----------------------------------------------------------------------
 
-    def _input_rate(self, sd) -> int:
+    def _input_rate(self, sd: ModuleType) -> int:
         try:
             sd.check_input_settings(self.input_device, channels=1, dtype="int16", samplerate=RATE)
             return RATE
         except Exception:  # noqa: BLE001 - PortAudio refuses a rate in many ways: use the device's own
             return int(sd.query_devices(self.input_device, "input")["default_samplerate"])
 
-    def _output_rate(self, sd) -> int:
+    def _output_rate(self, sd: ModuleType) -> int:
         rate = int(sd.query_devices(self.output_device, "output")["default_samplerate"])
         if rate not in RATES:
             rate = RATE
@@ -172,7 +179,7 @@ class MicClient:
         frames: asyncio.Queue[bytes] = asyncio.Queue(maxsize=200)
         framer = Framer(in_rate)
 
-        def on_input(indata, n, time_info, status) -> None:  # PortAudio thread
+        def on_input(indata: Any, n: int, time_info: Any, status: Any) -> None:  # PortAudio thread (cffi objects)
             loop.call_soon_threadsafe(_enqueue, bytes(indata))
 
         def _enqueue(pcm: bytes) -> None:
@@ -209,14 +216,14 @@ class MicClient:
             await ws.close()
             self.console.close()
 
-    async def _send(self, ws, frames: asyncio.Queue) -> None:
+    async def _send(self, ws: ClientConnection, frames: asyncio.Queue[bytes]) -> None:
         try:
             while True:
                 await ws.send(await frames.get())
         except websockets.ConnectionClosed:
             return
 
-    async def _receive(self, ws) -> int:
+    async def _receive(self, ws: ClientConnection) -> int:
         try:
             async for msg in ws:
                 if isinstance(msg, bytes):
@@ -310,7 +317,7 @@ class MicClient:
             await asyncio.sleep(0.1)
 
 
-def mic(url: str, input_device=None, output_device=None) -> int:
+def mic(url: str, input_device: str | None = None, output_device: str | None = None) -> int:
     """Run until Ctrl-C (exit 0) or until the connection fails (exit 1) or a device fails (exit 2)."""
     client = MicClient(url, parse_device(input_device), parse_device(output_device))
     # A process started in the background by a non-interactive shell inherits SIGINT ignored,

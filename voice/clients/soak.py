@@ -17,6 +17,7 @@ import json
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -191,7 +192,7 @@ async def _session(index: int, url: str, clips: list[bytes], rate: int, deadline
 
 
 async def _run(url: str, clips: list[bytes], sessions: int, seconds: float, pid: int, rate: int,
-               turn_timeout_s: float, interval_s: float, say) -> dict:
+               turn_timeout_s: float, interval_s: float, say: Callable[[str], object]) -> dict:
     stats = Stats()
     start = time.monotonic()
     deadline = start + seconds
@@ -248,7 +249,7 @@ async def _run(url: str, clips: list[bytes], sessions: int, seconds: float, pid:
 
 def soak(url: str, audio: Path, sessions: int, minutes: float, pid: int = 0, rate: int = 16000,
          json_path: str | None = None, token: str = "", turn_timeout_s: float = 120.0,
-         interval_s: float | None = None, say=print) -> dict:
+         interval_s: float | None = None, say: Callable[[str], object] = print) -> dict:
     if not 1 <= sessions <= MAX_SESSIONS:
         raise SystemExit(f"voice soak: --sessions must be 1..{MAX_SESSIONS}")
     if not 0 < minutes <= MAX_MINUTES:

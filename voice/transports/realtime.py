@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -59,6 +59,9 @@ from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend
                                               ItemCreate, ItemTruncate, NoFields, ResponseCancel, ResponseCreate,
                                               SessionSettings, SessionUpdate, problem)
 from voice.transports.realtime_items import Items, RealtimeError, new_id, where
+
+if TYPE_CHECKING:
+    from voice.playback import Playback
 
 log = logging.getLogger("voice.realtime")
 BETA_NAMES = {"response.output_audio.delta": "response.audio.delta",
@@ -357,7 +360,7 @@ class RealtimeFront:
 
     # --- the session's events -> server events (AudioOutput) ----------------------------------
 
-    def _playback(self):
+    def _playback(self) -> Playback | None:
         session = self.session
         return session.floor.reply.playback if session is not None and session.floor.reply else None
 

@@ -10,6 +10,7 @@ Limits that come from the configuration (lengths, counts) are checked where the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, \
@@ -29,7 +30,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-def _named_format(value):
+def _named_format(value: object) -> object:
     """A format given by name (beta's "pcm16", or a GA type as a string) is that format's object."""
     return {"type": BETA_FORMATS.get(value, value)} if isinstance(value, str) else value
 
@@ -122,9 +123,9 @@ class InputAudio(Strict):
     audio: str  # base64, in the session's input format
 
 
-def _kind(default: str):
+def _kind(default: str) -> Callable[[object], str | None]:
     """The `type` of an object (`default` if it has none) picks its schema; not an object: none."""
-    def kind(value) -> str | None:
+    def kind(value: object) -> str | None:
         return value.get("type", default) if isinstance(value, dict) else None
     return kind
 

@@ -14,10 +14,11 @@ import ipaddress
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from voice.auth import source_allowed
 from voice.config import SipConfig
@@ -42,16 +43,16 @@ class _Udp(asyncio.DatagramProtocol):
         self.handler = handler
         self.transport: asyncio.DatagramTransport | None = None
 
-    def connection_made(self, transport):
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)  # create_datagram_endpoint's
 
-    def datagram_received(self, data, addr):
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         try:
             self.handler(data, addr)
         except Exception:  # one bad datagram must never take the endpoint down
             log.exception("error handling a datagram from %s", addr)
 
-    def error_received(self, exc):
+    def error_received(self, exc: Exception) -> None:
         log.debug("udp error: %s", exc)
 
 
@@ -161,7 +162,7 @@ class Call:
     def _phrase_sent(self, turn: int, text: str) -> None:
         self.record.heard.append(text)
 
-    def rtcp_in(self, data: bytes, addr) -> None:
+    def rtcp_in(self, data: bytes, addr: tuple[str, int]) -> None:
         self.record.counters["rtcp_in"] += 1  # receiver reports are not used
 
     async def start_media(self) -> None:
@@ -212,7 +213,7 @@ class Call:
 
 
 class SipEndpoint:
-    def __init__(self, stages: Stages, config: SipConfig, registry=None):
+    def __init__(self, stages: Stages, config: SipConfig, registry: CollectorRegistry | None = None):
         self.stages, self.config = stages, config
         self.registry = registry if registry is not None else stages.metrics.registry
         self.calls: dict[str, Call] = {}
@@ -244,7 +245,7 @@ class SipEndpoint:
         if self.transport is not None:
             self.transport.close()
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -252,7 +253,7 @@ class SipEndpoint:
 
     # --- RTP ports ----------------------------------------------------------------------------
 
-    async def bind_rtp(self, call: Call):
+    async def bind_rtp(self, call: Call) -> tuple[int, asyncio.DatagramTransport, asyncio.DatagramTransport]:
         loop = asyncio.get_running_loop()
         lo, hi = self.config.rtp_port_min + self.config.rtp_port_min % 2, self.config.rtp_port_max
         count = max((hi - lo) // 2, 1)
@@ -308,7 +309,8 @@ class SipEndpoint:
             except (OSError, OverflowError, ValueError, TypeError) as err:  # an address a peer made up
                 count_drop(self.registry, None, "sip", "unsendable", f"to {dest!r}: {err}")
 
-    def reply(self, req: SipMessage, source, status: int, to_tag: str = "", extra=None, body: bytes = b"",
+    def reply(self, req: SipMessage, source: tuple[str, int], status: int, to_tag: str = "",
+              extra: list[tuple[str, str]] | None = None, body: bytes = b"",
               content_type: str = "") -> bytes:
         data = response(req, status, source, to_tag, extra, body, content_type).to_bytes()
         self.send(data, response_destination(req, source))
@@ -339,7 +341,7 @@ class SipEndpoint:
             return
         handler(msg, source)
 
-    def _malformed(self, data: bytes, source, why: str) -> None:
+    def _malformed(self, data: bytes, source: tuple[str, int], why: str) -> None:
         """400 if the request is readable enough to answer (it has a Via, Call-ID, CSeq...), else drop."""
         count_drop(self.registry, None, "sip", "sip_malformed", f"from {source[0]}:{source[1]}: {why}")
         text = data.decode("utf-8", "replace").replace("\r\n", "\n")
@@ -359,11 +361,11 @@ class SipEndpoint:
         resp = response(req, 400, source, new_tag(), [("warning", f'399 {AGENT} "{why[:100]}"')])
         self.send(resp.to_bytes(), response_destination(req, source))
 
-    def _options(self, req: SipMessage, source) -> None:
+    def _options(self, req: SipMessage, source: tuple[str, int]) -> None:
         self.reply(req, source, 200, new_tag(), [("allow", ALLOW), ("accept", "application/sdp"),
                                                  ("contact", self.contact(req))])
 
-    def _info(self, req: SipMessage, source) -> None:
+    def _info(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self._dialog(req)
         if call is None:
             self.reply(req, source, 481, new_tag())
@@ -384,7 +386,7 @@ class SipEndpoint:
             return None
         return call
 
-    def _invite(self, req: SipMessage, source) -> None:
+    def _invite(self, req: SipMessage, source: tuple[str, int]) -> None:
         if req.to_tag:  # in-dialog: a re-INVITE
             self._reinvite(req, source)
             return
@@ -443,14 +445,14 @@ class SipEndpoint:
                          ("accept", "application/sdp")], None
         return 0, [], answer
 
-    def _reject(self, req: SipMessage, source, status: int, extra: list) -> None:
+    def _reject(self, req: SipMessage, source: tuple[str, int], status: int, extra: list[tuple[str, str]]) -> None:
         log.info("sip call=%s from %s:%d rejected: %d", req.call_id, *source, status)
         data = self.reply(req, source, status, new_tag(), extra)
         self.completed[(req.call_id, req.branch)] = data
         while len(self.completed) > 256:
             self.completed.popitem(last=False)
 
-    async def _answer(self, call: Call, source) -> None:
+    async def _answer(self, call: Call, source: tuple[str, int]) -> None:
         try:
             if self.config.ring_ms:
                 await asyncio.sleep(self.config.ring_ms / 1000)
@@ -466,14 +468,14 @@ class SipEndpoint:
         call.last_final = self._ok(call, call.invite, source)
         await self._retransmit_ok(call, source)
 
-    def _ok(self, call: Call, req: SipMessage, source) -> bytes:
+    def _ok(self, call: Call, req: SipMessage, source: tuple[str, int]) -> bytes:
         body = sdp.answer_sdp(call.answer, self.advertise(call.invite), call.rtp_port, call.sdp_id,
                               call.sdp_version).encode()
         return self.reply(req, source, 200, call.local_tag,
                           [("contact", self.contact(call.invite)), ("allow", ALLOW)],
                           body, "application/sdp")
 
-    async def _retransmit_ok(self, call: Call, source) -> None:
+    async def _retransmit_ok(self, call: Call, source: tuple[str, int]) -> None:
         """Timer G/H for the 2xx (RFC 3261 section 13.3.1.4): resend until the ACK, give up after 64*T1."""
         interval, waited = T1, 0.0
         dest = response_destination(call.invite, source)
@@ -490,7 +492,7 @@ class SipEndpoint:
         self.send_bye(call)
         await call.end("no_ack")
 
-    def _reinvite(self, req: SipMessage, source) -> None:
+    def _reinvite(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self._dialog(req)
         if call is None:
             self.reply(req, source, 481, new_tag())
@@ -509,14 +511,14 @@ class SipEndpoint:
         call.last_final = self._ok(call, req, source)
         call.record.counters["reinvites"] += 1
 
-    def _ack(self, req: SipMessage, source) -> None:
+    def _ack(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self._dialog(req)
         if call is not None and call.state == "answered":
             call.state = "confirmed"
             log.info("sip call=%s confirmed (ACK)", call.id)
         # ACKs for rejected INVITEs (or retransmitted ACKs) just end their transaction
 
-    def _bye(self, req: SipMessage, source) -> None:
+    def _bye(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self._dialog(req)
         if call is None:
             self.reply(req, source, 481, new_tag())
@@ -524,7 +526,7 @@ class SipEndpoint:
         self.reply(req, source, 200)
         self.spawn(call.end("bye"))
 
-    def _cancel(self, req: SipMessage, source) -> None:
+    def _cancel(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self.calls.get(req.call_id)
         if call is None or call.invite.branch != req.branch or call.invite.cseq[0] != req.cseq[0]:
             self.reply(req, source, 481, new_tag())

@@ -230,6 +230,6 @@ class PacedOutput:
                 await _maybe_await(self.phrase_end(frame.turn, frame.text))
 
 
-async def _maybe_await(value) -> None:
+async def _maybe_await(value: object) -> None:
     if asyncio.iscoroutine(value):
         await value

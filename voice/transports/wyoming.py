@@ -50,7 +50,7 @@ from wyoming.handle import Handled, HandledChunk, HandledStart, HandledStop, Not
 from wyoming.info import (AsrModel, AsrProgram, Attribution, Describe, HandleModel, HandleProgram, Info, TtsProgram,
                           TtsVoice)
 from wyoming.ping import Ping, Pong
-from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
 from engine.common.wire import WireError, decode_json
 from voice import events, vad
@@ -444,7 +444,7 @@ class Connection:
 
     # --- text to speech -------------------------------------------------------------------------
 
-    def check_voice(self, voice) -> None:
+    def check_voice(self, voice: SynthesizeVoice | None) -> None:
         ours = voice_name(self.stages.config.tts)
         if voice is not None and voice.name is not None and voice.name != ours:
             raise RequestFailed("unknown_voice", f"this server speaks with {ours!r}, not {voice.name!r}")

@@ -55,7 +55,7 @@ class Faults:
 class FaultyLM:
     def __init__(self, real):
         self.real = real
-        self.modes, self.mode = real.modes, real.mode
+        self.mode = real.mode
 
     def chat(self):
         return FaultyChat(self.real.chat())

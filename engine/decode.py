@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter, tree_depths
 from engine.grammar import Constraint
@@ -415,7 +415,8 @@ def ar_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, stop_i
 MAX_FORCED_DRAFT = 16  # a draft row costs up to a third of a forward here; a forced token always saves one
 
 
-def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter: Drafter, embed,
+def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter: Drafter,
+                 embed: nn.Embedding | None,
                  stop_ids: set[int], constraint: Constraint | None = None) -> Steps:
     """Draft, then verify: each forward writes the last committed token and checks the drafted
     block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
@@ -456,7 +457,8 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         pending = [committed[-1]]
         proposal = Proposal(forced_draft(constraint))
         if trees:
-            assert state.hidden is not None  # drafters read the base's hidden states (PyTorch's models keep them)
+            assert state.hidden is not None and embed is not None  # drafters read the base's hidden states and
+            # embedding (PyTorch's models keep them)
             tree_drafter = cast(TreeDrafter, drafter)  # `drafts_trees` said so
             proposal = tree_drafter.propose_tree(embed, state.hidden[:len(state.ids)], state.ids + pending, k_max,
                                                  cfg.draft_tree)
@@ -561,7 +563,8 @@ def generate_ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: in
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
-                  drafter: Drafter | None = None, embed=None, constraint: Constraint | None = None) -> Steps:
+                  drafter: Drafter | None = None, embed: nn.Embedding | None = None,
+                  constraint: Constraint | None = None) -> Steps:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
     if cfg.mode == "ar":
         return ar_steps(state, new, cfg, stop_ids, constraint)
@@ -573,7 +576,7 @@ def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: Di
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int], drafter: Drafter | None = None, embed=None,
+         stop_ids: set[int], drafter: Drafter | None = None, embed: nn.Embedding | None = None,
          constraint: Constraint | None = None) -> Steps:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
     only the prompt's uncached tail is prefilled. `verify` drafts with `drafter` (prompt lookup

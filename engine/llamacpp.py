@@ -46,12 +46,16 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from engine.runtime import ContextOverflow
+
+if TYPE_CHECKING:
+    from engine.decode import CacheState, Forward
 
 log = logging.getLogger("engine.llamacpp")
 
@@ -78,7 +82,7 @@ _log_callback = None
 _variant = ""
 
 
-def bindings():
+def bindings() -> Any:  # llama_cpp.llama_cpp, a ctypes module (untyped)
     """llama-cpp-python's ctypes module, initialised once: the best CPU variant of ggml loaded for
     this CPU (`cpu_variant`), llama.cpp's warnings routed to our log."""
     global _lib, _log_callback, _variant
@@ -89,7 +93,7 @@ def bindings():
         from llama_cpp import llama_cpp as lib
 
         @lib.llama_log_callback
-        def forward_log(level: int, text: bytes, _user) -> None:
+        def forward_log(level: int, text: bytes, _user: object) -> None:
             if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
                 log.log(logging.WARNING if level == 3 else logging.ERROR, "%s",
                         text.decode("utf-8", "replace").rstrip())
@@ -179,12 +183,18 @@ class Slot:
     is collected, and may lose its cells (and the state its tokens) after sitting idle while the
     cache is full (`LlamaCppModel._evict`)."""
 
-    def __init__(self, model: "LlamaCppModel", capacity: int, state) -> None:
+    def __init__(self, model: "LlamaCppModel", capacity: int, state: CacheState) -> None:
         self.model, self.capacity = model, capacity
         self.seq: int | None = None
         self.cells = 0  # positions written to the sequence
         self.last_used = time.monotonic()
         self.state = weakref.ref(state)
+
+
+def _slot_of(state: CacheState) -> Slot:
+    """A state's slot: `LlamaCppModel.open_cache` gave it one."""
+    assert state.slot is not None
+    return state.slot
 
 
 class LlamaCppModel:
@@ -238,7 +248,7 @@ class LlamaCppModel:
 
     # --- conversation caches ------------------------------------------------------------------
 
-    def open_cache(self, state, capacity: int | None) -> None:
+    def open_cache(self, state: CacheState, capacity: int | None) -> None:
         """A sequence for `state` (a CacheState) in the shared cache, given back when `state` is collected."""
         slot = Slot(self, min(capacity or self.args.max_seq_len, self.args.max_seq_len), state)
         weakref.finalize(state, self._release, slot)
@@ -246,14 +256,15 @@ class LlamaCppModel:
             self._slots.add(slot)
         state.slot = slot
 
-    def copy_cache(self, src, dst, n: int) -> None:
+    def copy_cache(self, src: CacheState, dst: CacheState, n: int) -> None:
         """`dst`'s sequence starts with `src`'s first `n` positions (shared cells, no copy)."""
+        src_slot, dst_slot = _slot_of(src), _slot_of(dst)
         with self._lock:
-            self._seq_for(dst.slot, in_use={src.slot})
-            self._lib.llama_memory_seq_rm(self._mem, dst.slot.seq, -1, -1)
+            self._seq_for(dst_slot, in_use={src_slot})
+            self._lib.llama_memory_seq_rm(self._mem, dst_slot.seq, -1, -1)
             if n:
-                self._lib.llama_memory_seq_cp(self._mem, src.slot.seq, dst.slot.seq, 0, n)
-            dst.slot.cells = n
+                self._lib.llama_memory_seq_cp(self._mem, src_slot.seq, dst_slot.seq, 0, n)
+            dst_slot.cells = n
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
@@ -299,12 +310,12 @@ class LlamaCppModel:
             raise ContextOverflow(f"the LM's cache is full ({self.kv_tokens} tokens, {len(self._slots)} conversations, "
                                   "none idle): serve fewer sessions or give [lm] max_seq_len more room")
 
-    def _make_room(self, forwards) -> None:
+    def _make_room(self, forwards: list[Forward]) -> None:
         """Cells past each state's cached tokens are stale: drop them; then make sure the step's
         new rows fit in the shared cache."""
-        in_use = {f.state.slot for f in forwards}
+        in_use = {_slot_of(f.state) for f in forwards}
         for f in forwards:
-            slot, keep = f.state.slot, len(f.state.ids)
+            slot, keep = _slot_of(f.state), len(f.state.ids)
             self._seq_for(slot, in_use)
             if slot.cells > keep:
                 self._lib.llama_memory_seq_rm(self._mem, slot.seq, keep, -1)
@@ -315,7 +326,7 @@ class LlamaCppModel:
     # --- the forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, forwards) -> list[tuple[Tensor, Tensor | None]]:
+    def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
         """Each forward's clean tokens, then its drafted tokens as causal rows (verify), through
         llama_decode (batched; a long prefill in several calls); per forward: (logits of its last
         clean row and of every drafted row [rows, vocab], no hidden states). Drafted rows are
@@ -333,10 +344,12 @@ class LlamaCppModel:
             rows += [(i, token, start + j, j >= last_clean) for j, token in enumerate(f.clean + f.draft)]
         with self._lock:
             self._make_room(forwards)
-            logits = self._decode(rows, [f.state.slot.seq for f in forwards])
+            # _make_room gave each a sequence
+            logits = self._decode(rows, [cast(int, _slot_of(f.state).seq) for f in forwards])
             for f in forwards:
-                f.state.slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
-                f.state.slot.last_used = time.monotonic()
+                slot = _slot_of(f.state)
+                slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
+                slot.last_used = time.monotonic()
         out: list[tuple[Tensor, Tensor | None]] = []
         at = 0
         for f in forwards:
@@ -345,7 +358,7 @@ class LlamaCppModel:
             at += n
         return out
 
-    def _decode(self, rows, seqs: list[int]) -> Tensor:
+    def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int]) -> Tensor:
         """llama_decode over `rows` in calls of at most BATCH; the output rows' logits, in order."""
         lib, batch, vocab = self._lib, self._batch, self.args.vocab_size
         threads = self.threads()

@@ -9,11 +9,14 @@ Hugging Face checkpoints (minus the leading `model.`) so loading is a plain stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from engine.decode import CacheState, Forward
 
 
 @dataclass
@@ -48,7 +51,8 @@ class KVCache(nn.Module):
     k: Tensor  # buffers: [batch, n_kv_heads, max_seq_len, head_dim]
     v: Tensor
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype, device=None):
+    def __init__(self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         shape = (batch, n_kv_heads, max_seq_len, head_dim)
         # Uninitialised on purpose: a row is always written before any query can see it, and
@@ -80,7 +84,7 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(args: ModelArgs, device=None) -> tuple[Tensor, Tensor]:
+def rope_tables(args: ModelArgs, device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device).float() / args.head_dim))
     t = torch.arange(args.max_seq_len, device=device).float()
     freqs = torch.outer(t, inv_freq)
@@ -197,19 +201,20 @@ class Transformer(nn.Module):
 
     # --- engine.runtime.Model: a conversation's cache, batched steps ---------------------------------
 
-    def open_cache(self, state, capacity: int | None) -> None:
+    def open_cache(self, state: CacheState, capacity: int | None) -> None:
         """Preallocated keys and values per layer, and the last hidden state per position (a
         draft head reads them)."""
         state.caches = self.new_caches(1, capacity)
         k = state.caches[0].k
         state.hidden = torch.empty(k.shape[2], self.args.dim, device=k.device)
 
-    def copy_cache(self, src, dst, n: int) -> None:
+    def copy_cache(self, src: CacheState, dst: CacheState, n: int) -> None:
+        assert src.hidden is not None and dst.hidden is not None  # open_cache gave both
         for mine, theirs in zip(src.caches, dst.caches):
             theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
         dst.hidden[:n] = src.hidden[:n]
 
-    def step(self, forwards) -> list[tuple[Tensor, Tensor | None]]:
+    def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
         """The forwards' segments in one pass (`forward_segments`): (logits, hidden states) each."""
         return self(segments=[f.segment() for f in forwards])
 
@@ -222,7 +227,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor | None = None, pos: Tensor | None = None, mask: Tensor | None = None,
                 logits_rows: Tensor | slice = slice(None), caches: list[KVCache] | None = None, *,
-                segments: list[Segment] | None = None):
+                segments: list[Segment] | None = None) -> Tensor | list[tuple[Tensor, Tensor]]:
         """tokens [B, T] at positions `pos` [T]; `mask` [T, S] (True = may attend) over `caches`' slots 0..S-1.
 
         With `segments`, several sequences run in one pass against their own caches instead

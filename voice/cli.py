@@ -10,7 +10,7 @@ from pathlib import Path
 from voice.config import load_config
 
 
-def cmd_serve(a) -> int:
+def cmd_serve(a: argparse.Namespace) -> int:
     from voice.server import serve
     config = load_config(a.config)
     if a.host:
@@ -35,7 +35,7 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def cmd_records(a) -> int:
+def cmd_records(a: argparse.Namespace) -> int:
     import json
 
     from voice import records
@@ -60,14 +60,14 @@ def cmd_records(a) -> int:
     return 0
 
 
-def cmd_soak(a) -> int:
+def cmd_soak(a: argparse.Namespace) -> int:
     from voice.clients.soak import soak
     report = soak(a.url, Path(a.audio), a.sessions, a.minutes, pid=a.pid, rate=a.rate, json_path=a.json or None,
                   token=a.token, turn_timeout_s=a.turn_timeout)
     return 0 if report["lost_turns"] == 0 and report["errors"] == 0 else 1
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: argparse.Namespace) -> int:
     from voice.clients.bench import bench
     sessions = [int(n) for n in a.sessions.split(",")] if a.sessions else None
     bench(a.url, Path(a.audio), Path(a.json) if a.json else None, a.rate, a.lm_mode, a.repeat, sessions,
@@ -75,7 +75,7 @@ def cmd_bench(a) -> int:
     return 0
 
 
-def cmd_eot_eval(a) -> int:
+def cmd_eot_eval(a: argparse.Namespace) -> int:
     import json
 
     from voice.eot_eval import load_records, run, summarise, table
@@ -90,7 +90,7 @@ def cmd_eot_eval(a) -> int:
     return 0
 
 
-def cmd_spoken_eval(a) -> int:
+def cmd_spoken_eval(a: argparse.Namespace) -> int:
     import shlex
 
     from voice import spoken_eval
@@ -126,7 +126,7 @@ def cmd_spoken_eval(a) -> int:
     return 0
 
 
-def cmd_mic(a) -> int:
+def cmd_mic(a: argparse.Namespace) -> int:
     from voice.clients import mic
     if a.list_devices:
         print(mic.list_devices())

@@ -8,6 +8,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 FULL_WINDOW_S = 30  # Whisper's encoder window, what it was trained on; it accepts no more
@@ -484,12 +485,12 @@ class Config:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
 
 
-def _build(cls, values: dict, where: str):
+def _build(cls: Any, values: dict, where: str) -> Any:  # cls: a config dataclass; values: its TOML table
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(values) - set(known)
     if unknown:
         raise ValueError(f"unknown option(s) in [{where}]: {', '.join(sorted(unknown))}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, value in values.items():
         f = known[name]
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):

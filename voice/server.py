@@ -17,10 +17,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,6 +39,9 @@ from voice.records import Records, RecordsError
 from voice.stages import Stages
 from voice.tools import webhook_secrets
 from voice.transports import native, twilio
+
+if TYPE_CHECKING:
+    from voice.lm import RemoteLM
 
 log = logging.getLogger("voice.server")
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -105,7 +109,7 @@ class VoiceApp:
                 raise
             records_owned = True
         if config.lm.backend == "openai" and config.lm.probe_interval_s:
-            self.probe = asyncio.create_task(_probe(stages.lm, config.lm.probe_interval_s))
+            self.probe = asyncio.create_task(_probe(cast("RemoteLM", stages.lm), config.lm.probe_interval_s))
         sip = None
         if config.sip.port:
             from voice.transports.sip import SipEndpoint
@@ -234,7 +238,7 @@ def _auth_error(err: AuthError) -> JSONResponse:
                         headers={"www-authenticate": "Bearer"} if err.status == 401 else None)
 
 
-async def _probe(lm, interval: float) -> None:
+async def _probe(lm: RemoteLM, interval: float) -> None:
     while True:
         await lm.probe()
         await asyncio.sleep(interval)
@@ -249,7 +253,7 @@ class VoiceServer(uvicorn.Server):
         super().__init__(config)
         self.voice_app = app
 
-    async def shutdown(self, sockets=None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         try:
             await self.voice_app.state.voice.drain()
         except Exception:  # noqa: BLE001 - shutting down regardless

@@ -29,9 +29,10 @@ import subprocess
 import tempfile
 import time
 import wave
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jiwer
 import numpy as np
@@ -40,6 +41,11 @@ import websockets
 from voice.audio import float_to_int16, float_to_pcm16, read_wav, resample, ulaw_decode, ulaw_encode
 from voice.clients.bench import Turn, normalise, pct, run_turn
 from voice.events import Ready, from_wire
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+    from voice.config import AsrConfig
 
 # (question, accepted answer: a case-insensitive regular expression searched in the reply)
 QUESTIONS: list[tuple[str, str]] = [
@@ -208,7 +214,7 @@ class Target:
     system_prompt: str | None = None
 
 
-async def _session(target: Target, rate: int, lm_mode: str | None):
+async def _session(target: Target, rate: int, lm_mode: str | None) -> ClientConnection:
     start: dict[str, Any] = {"type": "start", "version": 1, "sample_rate": rate, "encoding": "pcm_s16le"}
     session: dict[str, Any] = {}
     if target.system_prompt is not None:
@@ -225,7 +231,7 @@ async def _session(target: Target, rate: int, lm_mode: str | None):
     return ws
 
 
-async def _ask(targets: list[Target], clips: list[Clip], lm_mode: str | None, log,
+async def _ask(targets: list[Target], clips: list[Clip], lm_mode: str | None, log: Callable[[str], object],
                turn_timeout_s: float = 30.0, one_session: bool = False) -> dict[str, list[dict]]:
     """Each question in a session of its own (a question misheard earlier would otherwise colour the
     next replies through the conversation's history), or with `one_session` all the clips of a
@@ -256,7 +262,7 @@ async def _ask(targets: list[Target], clips: list[Clip], lm_mode: str | None, lo
     return rows
 
 
-def asr_overrides(asr, pairs: list[str]):
+def asr_overrides(asr: AsrConfig, pairs: list[str]) -> AsrConfig:
     """`asr` (an AsrConfig) with KEY=VALUE overrides, each VALUE read as the field's type."""
     changes: dict[str, Any] = {}
     for pair in pairs:
@@ -273,7 +279,8 @@ def asr_overrides(asr, pairs: list[str]):
     return dataclasses.replace(asr, **changes)
 
 
-def transcribe_only(clips: list[Clip], variants: dict[str, Any], log) -> dict[str, tuple[list[dict], int]]:
+def transcribe_only(clips: list[Clip], variants: dict[str, AsrConfig], log: Callable[[str], object]
+                    ) -> dict[str, tuple[list[dict], int]]:
     """The end-of-turn transcript of every clip as the service decodes it, by each [asr] variant in turn
     (clip by clip, so a busy moment of a shared machine falls on all of them alike), how long each decode
     took, and how many finals each decoded again (asr.redecode_log_prob)."""
@@ -281,7 +288,7 @@ def transcribe_only(clips: list[Clip], variants: dict[str, Any], log) -> dict[st
     models = {name: Whisper(asr) for name, asr in variants.items()}
     rows: dict[str, list[dict]] = {name: [] for name in variants}
 
-    async def final(whisper: Whisper, asr, audio: np.ndarray) -> str:
+    async def final(whisper: Whisper, asr: AsrConfig, audio: np.ndarray) -> str:
         transcriber = StreamingTranscriber(whisper, asr)
         transcriber.insert_audio_chunk(audio)
         return await transcriber.finish()
@@ -320,7 +327,8 @@ def load_average() -> list[float]:
 def run(url: str | list[Target], folder: Path, json_out: Path | None = None,
         configs: tuple[str, ...] = ("16k", "g711"), voices: tuple[str, ...] = VOICES, every_voice: bool = False,
         limit: int = 0, system_prompt: str | None = None, lm_mode: str | None = None,
-        asr_variants: dict[str, Any] | None = None, log=print, turn_timeout_s: float = 30.0,
+        asr_variants: dict[str, AsrConfig] | None = None, log: Callable[[str], object] = print,
+        turn_timeout_s: float = 30.0,
         one_session: bool = False) -> dict:
     """Ask the running service at `url` (or several targets, clip by clip in turn); with `asr_variants`
     ({name: AsrConfig}), transcribe here instead. A reply not done `turn_timeout_s` after its question is

@@ -22,7 +22,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, tzinfo
 from typing import TYPE_CHECKING, cast
 
 from engine.common.keys import ConfigError
@@ -179,7 +179,7 @@ def calculate(expression: str) -> str:
 class Timers:
     """One session's timers: each says so (through `announce`) when it is due, while the session is open."""
 
-    def __init__(self, announce: Callable[[str], Awaitable[None]], zone=None):
+    def __init__(self, announce: Callable[[str], Awaitable[None]], zone: tzinfo | None = None) -> None:
         self.announce, self.zone = announce, zone
         self.running: set[asyncio.Task] = set()
 
@@ -315,7 +315,7 @@ class Toolbox:
             raise ToolError(f"{hook.name} could not be reached ({type(err).__name__})") from None
         return body.decode(response.encoding or "utf-8", "replace").strip() or "done"
 
-    async def _read_body(self, response) -> bytes:
+    async def _read_body(self, response: httpx2.Response) -> bytes:
         """The body's first bytes: enough for `max_result_chars` characters of any encoding (4 bytes at
         most each), and one more, so that the result is cut with a note; the rest is never read."""
         wanted = 4 * self.config.max_result_chars + 1

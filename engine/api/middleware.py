@@ -11,6 +11,8 @@ import os
 import time
 from collections.abc import Mapping
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from engine.api.requests import APIError
 from engine.common.keys import ConfigError, load_keys
 
@@ -22,11 +24,11 @@ LOG_KEY = "engine.request_log"  # per-request details the handlers leave in the 
 class BearerAuth:
     """`Authorization: Bearer KEY` on /v1/* when keys are configured (constant-time comparison)."""
 
-    def __init__(self, app, keys: dict[str, str]):
+    def __init__(self, app: ASGIApp, keys: dict[str, str]) -> None:
         self.app = app
         self.digests = {name: hashlib.sha256(key.encode()).digest() for name, key in keys.items()}
 
-    def principal(self, scope) -> str | None:
+    def principal(self, scope: Scope) -> str | None:
         headers = dict((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope.get("headers", []))
         scheme, _, key = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -38,7 +40,7 @@ class BearerAuth:
                 found = name
         return found
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.digests or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         name = self.principal(scope)
@@ -67,17 +69,17 @@ def load_api_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
 class RequestLog:
     """One log line per request: method, path, status, time, and what the handler noted."""
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         status = [500]
         info = scope.setdefault(LOG_KEY, {})
 
-        async def send_status(message) -> None:
+        async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)

@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from starlette.types import Receive, Scope, Send
 
 from engine.api.middleware import LOG_KEY
 from engine.api.requests import APIError, Options
@@ -83,14 +85,14 @@ def client_error(err: ContextOverflow | GrammarError, opts: Options) -> APIError
 
 
 async def chunks(answer: Answer, pieces: AsyncGenerator[Piece, None], opts: Options,
-                 info: dict) -> AsyncIterator[bytes]:
+                 info: dict) -> AsyncGenerator[bytes, None]:
     """The pieces as `chat.completion.chunk` events, then `[DONE]`. A reply that starts like a tool
     call is held back and sent whole as `tool_calls` once complete (a call's arguments are JSON only
     when closed). A failure after the headers went out is reported in-band, as OpenAI does. `info`
     gets what the request log notes."""
     usage_field = {"usage": None} if opts.include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> bytes:
+    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> bytes:
         return sse({"id": answer.id, "object": "chat.completion.chunk", "created": answer.created,
                     "model": answer.model, "system_fingerprint": None,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
@@ -141,7 +143,7 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def wait_for_disconnect(receive) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Returns once the client has gone (the request body must have been read already)."""
     while True:
         message = await receive()
@@ -156,10 +158,10 @@ class EventStream:
     versions; doing it here keeps cancellation independent of the server's spec version.)
     """
 
-    def __init__(self, events, on_cancel=None):
+    def __init__(self, events: AsyncGenerator[bytes, None], on_cancel: Callable[[], object] | None = None) -> None:
         self.events, self.on_cancel = events, on_cancel
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]}

@@ -32,13 +32,17 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from engine.train.data import VOICE_SYSTEM_PROMPT, chat
-from engine.decode import DecodeConfig
+from engine.decode import DecodeConfig, Forward
+from engine.runtime import Model
 from engine.stream import Conversation, Engine
 
 MODES = ("ar", "diffusion")
@@ -93,7 +97,7 @@ def machine_info() -> dict:
     return info
 
 
-def finite_or_none(obj):
+def finite_or_none(obj: Any) -> Any:  # JSON
     """Strict JSON has no NaN/Infinity: those become null."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
@@ -129,15 +133,15 @@ class ForwardTimer:
     """(start, end) perf_counter pairs of every forward of `model`: module hooks on PyTorch's, a
     wrapper around llama.cpp's `step` (one call per batched step)."""
 
-    def __init__(self, model):
+    def __init__(self, model: Model) -> None:
         self.spans: list[tuple[float, float]] = []
         self._start = 0.0
         self._model = model
 
-        def before(*_):
+        def before(*_: object) -> None:
             self._start = time.perf_counter()
 
-        def after(*_):
+        def after(*_: object) -> None:
             self.spans.append((self._start, time.perf_counter()))
 
         if isinstance(model, torch.nn.Module):
@@ -146,14 +150,14 @@ class ForwardTimer:
         self._handles = []
         inner = model.step
 
-        def timed(forwards):
+        def timed(forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
             before()
             try:
                 return inner(forwards)
             finally:
                 after()
 
-        model.step = timed
+        setattr(model, "step", timed)  # noqa: B010 - this instance's step, wrapped (mypy: no assigning to a method)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -243,7 +247,8 @@ def format_table(summary: dict) -> str:
 
 
 def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
-              limit: int = 0, log=print, quantize: str = "none", drafter: str | None = None) -> dict:
+              limit: int = 0, log: Callable[[str], object] = print, quantize: str = "none",
+              drafter: str | None = None) -> dict:
     """Benchmark AR vs diffusion decoding of `model`; print a table, write JSON if asked, return the result."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()

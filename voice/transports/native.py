@@ -16,6 +16,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -74,7 +75,7 @@ def parse_start(text: str, max_prompt_chars: int = MAX_SYSTEM_PROMPT_CHARS,
     return {"in_rate": rate, "out_rate": out_rate, "system_prompt": system, "lm_mode": mode}
 
 
-def system_prompt_problem(value, max_chars: int) -> str:
+def system_prompt_problem(value: object, max_chars: int) -> str:
     """What is wrong with a client's system prompt ("" if nothing): the LM must be able to take it."""
     if not isinstance(value, str):
         return "must be a string"
@@ -85,7 +86,7 @@ def system_prompt_problem(value, max_chars: int) -> str:
     return ""
 
 
-def decode(text: str, max_bytes: int, what: str):
+def decode(text: str, max_bytes: int, what: str) -> Any:  # JSON
     """A JSON text frame, through the one decoder of every front (engine.common.wire): ProtocolError bad_json."""
     try:
         return decode_json(text, max_bytes=max_bytes)
@@ -93,7 +94,7 @@ def decode(text: str, max_bytes: int, what: str):
         raise ProtocolError("bad_json", f"{what}: {err.message}") from None
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -31,7 +31,8 @@ from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Seque
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from engine.decode import Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan, run_many
+from engine.decode import (Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan,
+                           prefill_steps, run_many)
 from engine.grammar import Constraint, Grammars
 from engine.tools import Tool, for_template
 from engine.loading import LoadedModel, load
@@ -41,6 +42,16 @@ log = logging.getLogger("engine.stream")
 # Request priorities (`priority()`): the highest present runs; the others sit out for a while.
 BACKGROUND, NORMAL, WAITED = 0, 1, 2
 
+# A prompt is prefilled in chunks of about this much model time, so a conversation's long prompt
+# holds the CPU from the others' steps at most this long at a time (an OS scheduler's quantum).
+SLICE_S = 0.25
+MIN_PREFILL_CHUNK = 16  # tokens: smaller chunks lose more throughput than they give back in latency
+FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token costs here
+
+
+class Superseded(Exception):
+    """A request ended because a newer one on its conversation took its place."""
+
 
 @dataclass
 class Piece:
@@ -49,7 +60,7 @@ class Piece:
     text: str
     token_ids: list[int]
     steps: int  # denoising steps spent on this piece's block so far
-    forwards: int  # model forwards since the request started, prefill included
+    forwards: int  # decoding forwards since the request started (the prompt's last prefill chunk included)
     tokens: int  # reply tokens so far
     ttfb_ms: float  # request -> first piece
     elapsed_ms: float  # request -> this piece
@@ -109,9 +120,10 @@ class _Probe:
     source: CacheState | None = None  # the conversation's cache when it was copied
 
 
-def probe_steps(state: CacheState, new: list[int], probe: _Probe) -> Steps:
-    """One forward writing `new` after `state`'s cached tokens; the probabilities of `probe.tokens` next."""
-    last, _ = yield Forward(state, new)
+def probe_steps(state: CacheState, new: list[int], probe: _Probe, prefill_chunk: int) -> Steps:
+    """Forwards writing `new` after `state`'s cached tokens; the probabilities of `probe.tokens` next."""
+    rest = yield from prefill_steps(state, new, prefill_chunk)
+    last, _ = yield Forward(state, rest)
     probe.scores.extend(last.float().softmax(-1)[probe.tokens].tolist())
 
 
@@ -134,6 +146,7 @@ class _Request:
     result: object = None  # what to send into `steps` next
     forward: Forward | None = None  # the next forward, waiting for its round
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
+    used_s: float = 0.0  # model time its forwards took so far: the least served go first
     cancelled: bool = False
 
     def level(self) -> int:
@@ -173,9 +186,12 @@ def decide(loaded: LoadedModel) -> Decoding:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, max_seq_len: int = 2048, defaults: DecodeConfig | None = None,
-                 max_batch: int = 8, pool_size: int | None = None, max_defer_s: float = 0.3):
+                 max_batch: int = 8, pool_size: int | None = None, max_defer_s: float = 0.3,
+                 max_prefill_s: float | None = None):
         """`pool_size`: idle KV caches kept for requests without a conversation (default `max_batch`).
-        `max_defer_s`: how long a lower-priority forward may sit out rounds."""
+        `max_defer_s`: how long a lower-priority forward may sit out rounds. `max_prefill_s`: a
+        request whose new prompt tokens would take longer to prefill here is refused up front
+        (`ContextOverflow`) instead of running into its caller's timeout; None: never."""
         self.loaded = loaded
         self.model, self.tokenizer, self.spec = loaded.model, loaded.tokenizer, loaded.spec
         self.max_seq_len = min(max_seq_len, self.model.args.max_seq_len)
@@ -183,7 +199,8 @@ class Engine:
         self.defaults = self.resolve(defaults or DecodeConfig())
         log.info("%s (%s): mode 'diffusion' decodes %s here: %s", loaded.name, loaded.weights,
                  "by drafted blocks" if self.decoding.mode == "diffusion" else "AR", self.decoding.why)
-        self.max_batch, self.max_defer_s = max_batch, max_defer_s
+        self.max_batch, self.max_defer_s, self.max_prefill_s = max_batch, max_defer_s, max_prefill_s
+        self.token_s: float | None = None  # model time per prompt token, measured on prefill forwards
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
@@ -220,18 +237,39 @@ class Engine:
         messages, rendered = for_template(messages, tools or [], self.tokenizer.supports_tools)
         return self.tokenizer.encode_chat_open(messages, tools=rendered)
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill forward: about `SLICE_S` of model time here."""
+        if self.token_s is None:
+            return FIRST_PREFILL_CHUNK
+        return max(MIN_PREFILL_CHUNK, int(SLICE_S / self.token_s))
+
+    def prefill_s(self, tokens: int) -> float | None:
+        """What prefilling `tokens` new prompt tokens takes here alone (None: not measured yet)."""
+        return None if self.token_s is None else tokens * self.token_s
+
+    def _affordable(self, prompt: list[int], state: CacheState | None) -> None:
+        """Refuse a prompt whose new tokens would take longer than `max_prefill_s` to prefill."""
+        new = len(prompt) - (state.cached_prefix(prompt) if state is not None else 0)
+        cost = self.prefill_s(new)
+        if self.max_prefill_s is not None and cost is not None and cost > self.max_prefill_s:
+            raise ContextOverflow(f"the prompt's {new} new tokens would take about {cost:.0f} s to read on this "
+                                  f"machine, longer than the {self.max_prefill_s:g} s a reply may wait: "
+                                  f"shorten the conversation or the message")
+
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None) -> tuple[Steps, _Reply]:
         """Plan a reply on `conversation` (closing one still running there)."""
         cfg = self.resolve(cfg)
         prompt = self.prompt_ids(messages, tools)
+        self._affordable(prompt, conversation.state)
         if conversation.active is not None:
             self._close(conversation.active)
         if conversation.state is None:
             conversation.state = self._take_cache()
         reply = _Reply(self, prompt, conversation.state, start)
         steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids, self.loaded.drafter,
-                     self.model.embed_tokens, constraint)
+                     self.model.embed_tokens, constraint, self.prefill_chunk)
         return steps, reply
 
     def _take_cache(self) -> CacheState:
@@ -325,7 +363,10 @@ class Engine:
         """Prefill `messages` into `conversation`'s cache ahead of its next request, which then
         prefills only what is new (the voice service warms a session's system prompt and tools
         while its user speaks). BACKGROUND priority; the one token it decodes is dropped."""
-        async for _ in self.stream(messages, conversation=conversation, tools=tools, warm=True, max_new_tokens=1):
+        try:
+            async for _ in self.stream(messages, conversation=conversation, tools=tools, warm=True, max_new_tokens=1):
+                pass
+        except Superseded:  # the request it was warming for came first, and continues from what it wrote
             pass
 
     async def probe(self, prompt: list[int], tokens: list[int], conversation: Conversation | None = None
@@ -345,12 +386,13 @@ class Engine:
         if len(probe.prompt) >= self.max_seq_len:
             raise ContextOverflow(f"a prompt of {len(probe.prompt)} tokens does not fit the context "
                                   f"of {self.max_seq_len}")
+        self._affordable(probe.prompt, conversation.state)
         probe.source = conversation.state
         probe.state = self._take_cache()
         if probe.source is not None and probe.source.ids:
             probe.source.fork(self.model, into=probe.state)
         reply = _Reply(self, probe.prompt, probe.state, start)
-        return probe_steps(probe.state, probe.state.reuse_for(probe.prompt), probe), reply
+        return probe_steps(probe.state, probe.state.reuse_for(probe.prompt), probe, self.prefill_chunk), reply
 
     def _settle_probe(self, probe: _Probe, conversation: Conversation) -> None:
         """A finished probe's cache becomes its conversation's if that is idle and still has the cache
@@ -385,13 +427,25 @@ class Engine:
                 self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
                 forwards = cast("list[Forward]", [request.forward for request in batch])  # `_ready` planned them
                 results: Sequence[object]
+                began = time.perf_counter()
                 try:
                     results = run_many(self.model, forwards)
                 except Exception as err:  # one bad batch fails its requests, not the scheduler
                     log.exception("batched forward failed")
                     results = [err] * len(batch)
-                for request, result in zip(batch, results):
+                took = time.perf_counter() - began
+                self._measure(forwards, took)
+                rows = [len(f.clean) + len(f.draft) for f in forwards]
+                for request, result, n in zip(batch, results, rows):  # each is charged its rows' share
                     request.result, request.forward = result, None
+                    request.used_s += took * n / max(sum(rows), 1)
+
+    def _measure(self, forwards: list[Forward], took: float) -> None:
+        """Learn what a prompt token costs from forwards of many rows (prefill, mostly)."""
+        tokens = sum(len(f.clean) + len(f.draft) for f in forwards)
+        if tokens >= MIN_PREFILL_CHUNK:
+            sample = took / tokens
+            self.token_s = sample if self.token_s is None else 0.7 * self.token_s + 0.3 * sample
 
     def _admit_new(self, active: list[_Request], timeout: float | None) -> None:
         """Admit whatever is in the inbox, first waiting up to `timeout` s for it (None: forever)."""
@@ -413,12 +467,15 @@ class Engine:
         return active
 
     def _this_round(self, ready: list[_Request]) -> list[_Request]:
-        """The requests of the highest priority present (unless that is BACKGROUND), and those
-        that have sat out `max_defer_s`."""
+        """The least served requests of the highest priority present (unless that is BACKGROUND):
+        a newcomer goes ahead of a conversation that has had the model for a while (a long
+        prompt's prefill); and those that have sat out `max_defer_s`."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
+        least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
         return [request for request, level in zip(ready, levels)
-                if level == top > BACKGROUND or now - request.ready_since >= self.max_defer_s]
+                if (level == top > BACKGROUND and request.used_s <= least + SLICE_S)
+                or now - request.ready_since >= self.max_defer_s]
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation
@@ -433,6 +490,7 @@ class Engine:
             return
         if isinstance(conversation.active, _Request) and conversation.active in active:
             active.remove(conversation.active)
+            conversation.active.deliver(Superseded("a newer request on this conversation took its place"))
         try:
             request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start,
                                                        request.constraint, request.tools)

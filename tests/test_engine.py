@@ -18,6 +18,8 @@ from decoding import generate, generate_ar, generate_diffusion
 from engine.decode import CacheState, ContextOverflow, DecodeConfig, DiffusionSpec, generate_ar_batch, run
 from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
+import engine.decode
+import engine.stream
 from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine
 
 import tinyckpt
@@ -567,3 +569,93 @@ def test_a_background_reply_sits_out_but_is_never_starved(smol):
     assert reply_ids([piece for _, piece in arrivals]) == expected
     gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
     assert len(gaps) == 5 and all(0.2 <= gap < 2.0 for gap in gaps)
+
+
+LONG = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(60))}]
+SHORT = [{"role": "user", "content": "Name a fruit."}]
+
+
+@pytest.mark.parametrize("mode", ["ar", "diffusion"])
+def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypatch):
+    """A long prompt written 16 tokens a forward, so others' steps run between its chunks,
+    decodes exactly what one whole-prompt forward does."""
+    whole, chunked = Engine(smol, max_seq_len=512), Engine(smol, max_seq_len=512)
+    chunked.token_s = engine.stream.SLICE_S / 16  # as if a prompt token cost that much here
+    cfg = DecodeConfig(mode=mode, max_new_tokens=8)
+    expected = list(whole.generate_sync(LONG, cfg))
+    written: list[int] = []
+    run_many = engine.decode.run_many
+
+    def counting(model, forwards):
+        written.extend(len(f.clean) for f in forwards)
+        return run_many(model, forwards)
+
+    monkeypatch.setattr(engine.decode, "run_many", counting)
+    got = list(chunked.generate_sync(LONG, cfg))
+    assert chunked.prefill_chunk == 16 and got[0].prompt_tokens > 250
+    assert reply_ids(got) == reply_ids(expected)
+    chunks = (got[0].prompt_tokens - 1) // 16
+    assert written[:chunks] == [16] * chunks and written[chunks] < 16  # the prompt, 16 tokens a forward
+
+
+def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
+    """Two conversations: one sends a long prompt, the other a short question just after. The
+    short one is answered in full before the long one's first piece: the long prompt is prefilled
+    in chunks and the least served request goes first, so it cannot hold the model for seconds."""
+    monkeypatch.setattr(engine.stream, "SLICE_S", 0.0)  # chunks of MIN_PREFILL_CHUNK, strictly least served first
+    eng = Engine(smol, max_seq_len=512, max_defer_s=60.0)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    expected_long, expected_short = (reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, SHORT))
+    events: list[str] = []
+
+    async def ask(name, messages):
+        pieces = []
+        async for piece in eng.stream(messages, cfg, priority=lambda: WAITED):  # both someone waits for
+            events.append(name)
+            pieces.append(piece)
+        return reply_ids(pieces)
+
+    async def main():
+        long = asyncio.create_task(ask("long", LONG))
+        await asyncio.sleep(0)
+        return await asyncio.gather(long, ask("short", SHORT))
+
+    got_long, got_short = asyncio.run(main())
+    assert (got_long, got_short) == (expected_long, expected_short)
+    assert events.index("long") > max(i for i, e in enumerate(events) if e == "short")
+
+
+def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
+    """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
+    the measured cost is refused before any forward (a clear error), and short ones still run."""
+    eng = Engine(smol, max_seq_len=512, max_prefill_s=1.0)
+    eng.token_s = 0.01  # measured: 100 new tokens fit in a second
+    cfg = DecodeConfig(mode="ar", max_new_tokens=4)
+    with pytest.raises(ContextOverflow, match="would take about [0-9] s to read"):
+        list(eng.generate_sync(LONG, cfg))
+
+    async def stream(messages):
+        return [p async for p in eng.stream(messages, cfg)]
+
+    with pytest.raises(ContextOverflow, match="shorten the conversation"):
+        asyncio.run(stream(LONG))
+    assert eng.batch_sizes == []  # refused before any forward
+    assert reply_ids(asyncio.run(stream(SHORT)))
+
+
+def test_a_warm_that_a_reply_overtakes_ends(smol):
+    """Warming a conversation's cache, then its reply at once: the reply takes over the cache and
+    the warm ends (it used to wait forever), and the reply is unchanged."""
+    eng = Engine(smol, max_seq_len=512)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    expected = reply_ids(eng.generate_sync(LONG, cfg))
+
+    async def main():
+        conversation = Conversation()
+        warming = asyncio.create_task(eng.warm(LONG, conversation))
+        await asyncio.sleep(0)
+        pieces = [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
+        await asyncio.wait_for(warming, 10.0)
+        return pieces
+
+    assert reply_ids(asyncio.run(main())) == expected

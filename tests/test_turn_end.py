@@ -135,6 +135,54 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
     assert [t["status"] for t in turns] in (["superseded", "ok"], ["ok"])  # (turn 1 superseded before its final)
 
 
+class GrowingWhisper(FakeWhisper):
+    """A stand-in ASR whose time grows with the audio, as a real one's does: `per_s` s per s of audio."""
+
+    def __init__(self, per_s: float):
+        super().__init__()
+        self.per_s = per_s
+
+    def transcribe(self, audio, prefix=""):
+        time.sleep(self.per_s * len(audio) / 16000)
+        return f"{len(audio) / 16000:.1f} seconds"
+
+
+def test_every_turn_resumed_or_not_gets_one_final_after_its_speech_stopped():
+    """Issue 41, item 2: talking on with short pauses, each pause ends a turn and the next resumes
+    it; a final that was still being decoded when the user went on was dropped (6 speech_stopped, 2
+    finals). Now each speech_stopped is followed by its turn's one final, and a resumed turn's
+    speech_started and final say which turn they continue (`resumes`): its text holds that one's."""
+    rounds = 5
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000}, vad={"hangover_ms": 300})
+    lm = FakeLM(blocks=("Ok.",))
+    lm.delay_s = 2.0  # no reply is heard before the user goes on: each pause is resumed
+    stages = fake_stages(config, GrowingWhisper(0.2), lm=lm)
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=2.0)
+            for _ in range(rounds):
+                c.say(speech("001.wav") + silence(0.6))
+            await c.wait(lambda m: m["type"] == "reply_done" and not m["interrupted"], timeout=40)
+            await asyncio.sleep(0.5)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    turns = [m for m in c.log if isinstance(m, dict) and m["type"] in ("speech_started", "speech_stopped")
+             or isinstance(m, dict) and m["type"] == "transcript" and m["final"]]
+    stopped = [m["turn"] for m in turns if m["type"] == "speech_stopped"]
+    finals = [m for m in turns if m["type"] == "transcript"]
+    assert len(stopped) == rounds and [m["turn"] for m in finals] == stopped, turns  # one each, in order
+    for m in finals:  # ... after its turn's speech_stopped
+        assert turns.index(m) > turns.index({"type": "speech_stopped", "turn": m["turn"]}), turns
+    started = c.events("speech_started")
+    assert [m.get("resumes", 0) for m in started] == [0, *range(1, rounds)], started  # each pause resumed
+    assert [m.get("resumes", 0) for m in finals] == [0, *range(1, rounds)], finals
+    seconds = [float(m["text"].split()[0]) for m in finals]
+    assert seconds == sorted(seconds) and seconds[-1] > 1.1 * rounds, seconds  # each holds what came before
+    assert [m["turn"] for m in c.events("reply_done") if not m["interrupted"]] == [rounds]  # one answer, whole
+
+
 # --- real recordings, real models -------------------------------------------------------------
 
 def words(text: str) -> list[str]:

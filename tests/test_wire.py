@@ -535,8 +535,10 @@ def test_every_event_reads_back_as_itself():
               Error(3, 0.0, "asr_timeout", "slow", "asr", True), Error(0, 0.0, "bad_frame", "odd length"),
               ToolCall(4, 0.0, "call_1", "calculate", {"expression": "2 + 2"}),
               ToolResult(4, 0.0, "call_1", "calculate", "2 + 2 = 4", "ok", 0.3),
-              Announcement(4, 0.0, "Your timer is done.")]
+              Announcement(4, 0.0, "Your timer is done."),
+              SpeechStarted(5, 0.0, 4), Transcript(5, 0.0, "ten of clubs and more", True, 4)]  # a resumed turn
     assert {type(e) for e in events} == set(WIRE_TYPES.values())
+    assert "resumes" not in SpeechStarted(3, 0.0).to_wire() and "resumes" not in events[3].to_wire()  # only when set
     for ev in events:
         assert from_wire(ev.to_wire()) == ev
 

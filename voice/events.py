@@ -44,16 +44,21 @@ class Ready(Event):
 
 @dataclass
 class SpeechStarted(Event):
-    """The user started talking: turn `turn` begins. `resumed`: they went on after a pause that
-    ended the last turn before its reply was heard, so this turn's transcript holds that one's
-    words too (the last turn is superseded; voice/turns.py)."""
+    """The user started talking: turn `turn` begins. `resumes`: the turn this one continues (0:
+    none): they went on after a pause that ended it before its reply was heard, so this turn's
+    transcript holds that one's words too and supersedes it (voice/turns.py). On the wire only
+    when set."""
 
-    resumed: bool = False
+    resumes: int = 0
     type = "speech_started"
-    optional = ("resumed",)  # the server's own: not sent
+    optional = ("resumes",)
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.resumes)
 
     def to_wire(self) -> dict:
-        return {"type": self.type, "turn": self.turn}
+        return {"type": self.type, "turn": self.turn, **({"resumes": self.resumes} if self.resumes else {})}
 
 
 @dataclass
@@ -68,9 +73,18 @@ class SpeechStopped(Event):
 
 @dataclass
 class Transcript(Event):
+    """`resumes` (a final's, 0: none): the earlier turn this one's text holds too (SpeechStarted's);
+    on the wire only when set."""
+
     text: str = ""
     final: bool = False
+    resumes: int = 0
     type = "transcript"
+    optional = ("resumes",)
+
+    def to_wire(self) -> dict:
+        return {"type": self.type, "turn": self.turn, "text": self.text, "final": self.final,
+                **({"resumes": self.resumes} if self.resumes else {})}
 
 
 @dataclass

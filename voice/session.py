@@ -114,9 +114,9 @@ class Session:
                     self._drop_speculation()
                 case SpeechStopped():
                     self.emit(ev)
-                case Final(turn, transcript, ended):
+                case Final(turn, transcript, ended, resumes):
                     self.stages.scheduler.start_waiting(self)  # until the first audio, this user hears nothing
-                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended))
+                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes))
                 case TooLong(limit):
                     self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
                                                      "it is ignored until you pause")
@@ -137,9 +137,10 @@ class Session:
         if said and self.turns.listening(turn):
             self.emit(Transcript(turn, time.monotonic(), said, False))
 
-    async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event) -> None:
+    async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
-        set yet) the reply starts as soon as the transcript is known, held back until `ended`."""
+        set yet) the reply starts as soon as the transcript is known, held back until `ended`.
+        A turn superseded meanwhile (the user went on) still gets its one final, and no reply."""
         try:
             text = await transcript_within(transcript, self.config.faults)
         except StageFailure as failure:
@@ -148,16 +149,16 @@ class Session:
             await self.floor.asr_failed(turn, failure)
             return
         if turn != self.turn:
-            self.unreplied(turn, text, "superseded")
+            self._superseded(turn, text, ended, resumes)
             return
         reply = None
         if text and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text)
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
-            self.unreplied(turn, text, "superseded")
+            self._superseded(turn, text, ended, resumes)
             return
-        self.emit(Transcript(turn, time.monotonic(), text, True))
+        self.emit(Transcript(turn, time.monotonic(), text, True, resumes))
         self.call_log.transcript(turn, text)
         if text and reply is None:
             reply = self.floor.start(turn, text)
@@ -165,6 +166,13 @@ class Session:
             reply.released.set()
         else:
             self.unreplied(turn, "", "no_speech")
+
+    def _superseded(self, turn: int, text: str, ended: asyncio.Event, resumes: int) -> None:
+        """A later turn began before this one's final was out: the final still goes out (one per
+        turn, after its speech_stopped); the later turn answers (and resumes it, if it does)."""
+        if ended.is_set():  # (its speech_stopped went out)
+            self.emit(Transcript(turn, time.monotonic(), text, True, resumes))
+        self.unreplied(turn, text, "superseded")
 
     def unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""

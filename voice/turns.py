@@ -12,8 +12,10 @@ end-of-turn policy (voice/endofturn.py: Smart Turn on the audio, the LM on the e
 words); its verdict (`verdict`) ends the turn now or after more silence, up to `turn.ceiling_ms`,
 where the VAD ends it anyway. With `turn.policy = "fixed"` the VAD's `vad.hangover_ms` alone
 does. A user who resumes within `turn.resume_ms` of the end, before hearing the reply, continues
-the same utterance: the next turn's audio starts with the last one's (`SpeechStarted.resumed`), so its
-transcript holds both halves and nothing said is lost. `limits.max_utterance_s` bounds the whole of
+the same utterance: the next turn's audio starts with the last one's (`SpeechStarted.resumes` names
+that turn), so its transcript holds both halves and nothing said is lost. Each turn still gets its one
+final transcript (the superseded one's too, of the audio it had when it ended); the resumed turn's
+final says which turn it `resumes`. `limits.max_utterance_s` bounds the whole of
 it, the resumed halves included: past it the utterance is cut (`TooLong`) and cannot be resumed.
 """
 
@@ -51,11 +53,13 @@ class Partial:
 @dataclass(frozen=True)
 class Final:
     """The final transcript of `turn`. `ended` is set once the turn is over; before that the
-    transcript is a speculation (decoded during the VAD hangover)."""
+    transcript is a speculation (decoded during the VAD hangover). `resumes`: the earlier turn
+    whose words it holds too (SpeechStarted's), 0 if none."""
 
     turn: int
     transcript: Awaitable[str]
     ended: asyncio.Event
+    resumes: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,14 +142,15 @@ class TurnTaker:
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
         self.pre_roll: deque[np.ndarray] = deque()
         self.utterance_start_s = 0.0  # audio time the current utterance started
+        self.resumes = 0  # the turn the current one continues (0: none)
         self.partial_task: asyncio.Future[str | None] | None = None
         self.turn_ended: asyncio.Event | None = None  # of the early final (decoded during the hangover)
         self.pauses = 0  # pauses the policy was asked about
         self.asked = False  # about the current silence
         self.stop_at_ms: int | None = None  # the policy's verdict: the turn is over at this much silence
         # The last utterance, until its reply is heard or turn.resume_ms has passed: speech that
-        # resumes by then continues it (`SpeechStarted.resumed`).
-        self.last_utterance: tuple[np.ndarray, float] | None = None  # (16 kHz audio, monotonic deadline)
+        # resumes by then continues it (`SpeechStarted.resumes`).
+        self.last_utterance: tuple[np.ndarray, float, int] | None = None  # (16 kHz audio, monotonic deadline, turn)
 
     @property
     def speaking(self) -> bool:
@@ -192,15 +197,16 @@ class TurnTaker:
         self.utterance_start_s = self.audio_s
         self.transcriber.reset()
         last, self.last_utterance = self.last_utterance, None
-        resumed = last is not None and now <= last[1]
-        if last is not None and resumed:
+        self.resumes = 0
+        if last is not None and now <= last[1]:
+            self.resumes = last[2]
             self.transcriber.insert_audio_chunk(last[0])
             # the carried audio counts: `limits.max_utterance_s` bounds the whole resumed utterance
             self.utterance_start_s -= len(last[0]) / SAMPLE_RATE
         for chunk in self.pre_roll:
             self.transcriber.insert_audio_chunk(chunk)
         self.pre_roll.clear()
-        return SpeechStarted(self.turn, now, resumed)
+        return SpeechStarted(self.turn, now, self.resumes)
 
     def heard(self) -> None:
         """The reply to the last utterance is being heard: speech from now on is a new utterance."""
@@ -246,7 +252,7 @@ class TurnTaker:
         if self.early.quiet(silence_ms):
             if (early := self.early.take()) is not None:
                 self.turn_ended = asyncio.Event()
-                out.append(Final(self.turn, early, self.turn_ended))
+                out.append(Final(self.turn, early, self.turn_ended, self.resumes))
         if self.asks and silence_ms >= self.config.turn.min_silence_ms:
             if not self.asked:
                 self.asked, self.pauses = True, self.pauses + 1
@@ -274,11 +280,11 @@ class TurnTaker:
         ended, self.turn_ended = self.turn_ended, None
         self.asked, self.stop_at_ms = False, None
         resume_s = self.config.turn.resume_ms / 1000 if resumable else 0
-        self.last_utterance = (self.transcriber.audio(), now + resume_s) if resume_s else None
+        self.last_utterance = (self.transcriber.audio(), now + resume_s, self.turn) if resume_s else None
         transcript = self.early.final()  # the early final's, if one was taken (then it went out already)
         if ended is None:
             ended = asyncio.Event()
-            out.append(Final(self.turn, transcript, ended))
+            out.append(Final(self.turn, transcript, ended, self.resumes))
         ended.set()
         return out
 

@@ -255,6 +255,7 @@
       case "speech_started":
         speech = true;
         ui.partial.textContent = "…";
+        if (ev.resumes) turnState(ev.resumes).superseded = true;  // this turn's final holds that one's words
         break;
       case "speech_stopped":
         speech = false;
@@ -266,8 +267,14 @@
           ui.partial.textContent = ev.text;
           break;
         }
+        if (t.superseded) break;  // a later final (its `resumes`) holds these words
         ui.partial.textContent = "";
         stats.transcripts.push(ev.text);
+        if (ev.resumes) {  // the user went on after a pause: this text replaces that turn's
+          const earlier = turnState(ev.resumes);
+          if (earlier.user) earlier.user.remove();
+          earlier.user = null;
+        }
         if (ev.text) t.user = addMessage("user", ev.text);
         else { thinking = false; addMessage("note", "(didn't catch that)"); }
         break;

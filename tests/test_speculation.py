@@ -179,3 +179,31 @@ def test_the_session_waits_from_end_of_speech_to_its_first_audio(speculative):
     assert not during_speech and not after_reply
     assert len(probe) >= 2 and probe[0] and not any(probe[1:])
 
+
+
+def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
+    """Once a reply is decoded the LM prefills the conversation the next turn starts from, the
+    history's oldest turns already forgotten when its window is full: the next turn's prompt
+    then differs only by the user's new words, even on the turn the window slides."""
+    stages = fake_stages(make_config(lm={"history_turns": 1}), LengthWhisper(), None, TimedLM())
+
+    async def scenario():
+        s = Session(stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        asked: list[list[dict]] = []
+        for _ in range(3):
+            await push(s, speech("001.wav"))
+            await push(s, silence(1000), realtime=True)
+            await until_reply_done(seen)
+            asked.append(s.history.messages("")[:-1])  # what the next turn's prompt starts with
+            seen.clear()
+        reader.cancel()
+        await s.close()
+        return asked
+
+    asked = asyncio.run(scenario())
+    prepared = [messages[:-1] for messages, _ in stages.lm.prepared]  # each without its empty question
+    assert len(prepared) == 4  # the session's start, then once per reply
+    assert prepared[1:] == asked
+    assert [m["role"] for m in asked[2]] == ["system", "user", "assistant"]  # the window slid: turn 1 forgotten

@@ -37,9 +37,19 @@ class History:
         self.said.append({"role": "user", "content": user_text})
         if heard:
             self.said.append({"role": "assistant", "content": heard})
-        window = 2 * max(self.turns, 1)
-        if len(self.said) > window:
-            del self.said[:len(self.said) - window // 2]
+        turns = max(self.turns, 1)
+        if len(self.said) > 2 * turns:  # forget down to half the turns (whole turns: it starts with a user's)
+            del self.said[:len(self.said) - 2 * ((turns + 1) // 2)]
+            while self.said and self.said[0]["role"] == "assistant":
+                del self.said[0]
+
+    def ahead(self, user_text: str, heard: str) -> list[dict]:
+        """The next turn's conversation before its question, if this turn ends with `heard`
+        (what `add` would keep): for preparing the LM while the reply is spoken."""
+        later = History(self.system_prompt, self.turns, self.max_chars)
+        later.said = list(self.said)
+        later.add(user_text, heard)
+        return later.messages("")
 
     def heard_only(self, text: str) -> None:
         """The last reply was heard only up to `text` (a Realtime client's truncate): keep that."""

@@ -11,10 +11,11 @@ timeout (`[faults]`) ends the reply with an `error` and the cached apology
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -82,6 +83,10 @@ class ReplySink(Protocol):
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
         ...
 
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run `coro` beside the reply; the session cancels it when it closes."""
+        ...
+
 
 class ReplyRunner:
     """Runs a session's replies. What it needs of the session is its `sink` (a ReplySink) and
@@ -104,14 +109,27 @@ class ReplyRunner:
         except Exception as err:  # noqa: BLE001 - the first turn will simply prefill it itself
             log.warning("session=%s preparing the LM failed: %r", self.name, err)
 
-    async def run(self, reply: Reply, messages: list[dict]) -> None:
-        """The whole reply, until the client has played it (a barge-in cancels this task)."""
+    async def prepare_next(self, reply: Reply, ahead: Callable[[str], list[dict]]) -> None:
+        """Once the decoded reply is released to the user, prefill the conversation the next turn
+        will start from. When the history forgets its oldest turns the prompt's start changes, and
+        without this the next turn would prefill the whole conversation again while the user waits
+        (a first block of 1.4-1.5 s instead of 0.35 s, every fourth turn on two cores)."""
+        await reply.released.wait()
+        await self.prepare(ahead(reply.text.strip()))
+
+    async def run(self, reply: Reply, messages: list[dict],
+                  ahead: Callable[[str], list[dict]] | None = None) -> None:
+        """The whole reply, until the client has played it (a barge-in cancels this task).
+        `ahead(text)`: the next turn's conversation if this reply is heard whole; the LM prefills
+        it as soon as the reply is decoded, while it is spoken (`prepare_next`)."""
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(reply, phrases))
         try:
             try:
                 await self._generate(reply, messages, phrases, speaker)
                 phrases.put_nowait(None)
+                if ahead is not None and not reply.tools:
+                    self.sink.spawn(self.prepare_next(reply, ahead))
                 await speaker
             except StageFailure as failure:
                 speaker.cancel()
@@ -287,7 +305,7 @@ class Floor:
     async def _respond(self, reply: Reply, user_text: str) -> None:
         s = self.session
         try:
-            await s.replies.run(reply, s.history.messages(user_text))
+            await s.replies.run(reply, s.history.messages(user_text), functools.partial(s.history.ahead, user_text))
         finally:
             if reply.released.is_set():  # else a speculation that was dropped: it never happened
                 await self._reply_done(reply, user_text, "ok" if reply.finished else "superseded" if reply.superseded

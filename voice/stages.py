@@ -51,11 +51,14 @@ class Stages:
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
         stages = cls(config, whisper, synthesizer, lm, scheduler)
         stages.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
-        if isinstance(lm, LocalLM) and stages.tools:
-            lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
+        if isinstance(lm, LocalLM):
+            # a prompt this machine cannot read before the first block's timeout is refused up front
+            lm.engine.max_prefill_s = config.faults.lm_first_block_timeout_s
+            if stages.tools:
+                lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
         weights = lm.engine.loaded.weights if isinstance(lm, LocalLM) else "remote"
         log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
-                 config.lm.backend, config.lm.model, weights, config.lm.mode)
+                 config.lm.backend, config.lm.model, weights, lm.mode)
         return stages
 
     def end_of_turn(self, config: Config) -> EndOfTurn:

@@ -581,3 +581,57 @@ def test_tool_lists_are_bounded(served):
     talk = asyncio.run(go())
     assert [e["error"]["param"] for e in talk.of("error")] == ["session.tools", "session.tools"]
     assert talk.of("session.updated")[0]["session"]["tools"][0]["name"] == "f"
+
+
+class WordsWhisper:
+    """A stand-in ASR that hears one word per half second of audio, numbered from the utterance's
+    start ("w0 w1 w2 ..."), so a transcript that repeats an earlier one's words shows it."""
+
+    def __init__(self):
+        from fakes import FakeWhisper
+        base = FakeWhisper()
+        self.worker, self.speaking = base.worker, base.speaking
+
+    def transcribe(self, audio, prefix=""):
+        return " ".join(f"w{i}" for i in range(round(len(audio) / 8000)))
+
+
+@pytest.mark.parametrize("beta", [False, True])
+def test_a_resumed_turn_deletes_the_item_it_supersedes_so_no_transcript_repeats(tmp_path, beta):
+    """Issue 41, item 2: going on within `turn.resume_ms` of a pause continues the utterance, so the
+    new user item's transcript holds the earlier item's words too; both items stayed in the
+    conversation, and the words were there twice. The superseded item is now deleted with the
+    protocol's own `conversation.item.deleted` as the resumed turn starts: the items left hold each
+    word once, and nothing is said about a deleted item after."""
+    from fakes import FakeLM
+    config = make_config(records={"path": str(tmp_path / "records.sqlite3")}, turn={"resume_ms": 3000})
+    lm = FakeLM(blocks=("Ok.",))
+    lm.delay_s = 2.0  # no reply is heard before the user goes on
+    with LiveServer(config, fake_stages(config, WordsWhisper(), lm=lm)) as srv:
+        async def go():
+            async with connect(srv, beta) as conn:
+                talk = Talk(conn, beta)
+                talk.stream((at_24k() + bytes(int(24000 * 0.7) * 2)) * 3)  # three halves, 0.7 s pauses
+                deadline = time.monotonic() + 30
+                while not [e for e in talk.of("response.done") if e["response"]["status"] == "completed"]:
+                    assert time.monotonic() < deadline, [e["type"] for e in talk.events]
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                await conn.close()
+                return talk
+        talk = asyncio.run(go())
+    kinds = [e["type"] for e in talk.events]
+    started = [e["item_id"] for e in talk.of("input_audio_buffer.speech_started")]
+    deleted = [e["item_id"] for e in talk.of("conversation.item.deleted")]
+    assert len(started) == 3 and deleted == started[:2], kinds  # each pause resumed, its item superseded
+    for item in deleted:  # deleted as the next turn starts, and nothing about it after
+        at = next(i for i, e in enumerate(talk.events) if e["type"] == "conversation.item.deleted"
+                  and e["item_id"] == item)
+        assert talk.events[at - 1]["type"] == "input_audio_buffer.speech_started", kinds
+        assert not [e for e in talk.events[at + 1:] if item in (e.get("item_id"), (e.get("item") or {}).get("id"))]
+    left = [e for e in talk.of("conversation.item.input_audio_transcription.completed") if e["item_id"] not in deleted]
+    words = [w for e in left for w in e["transcript"].split()]
+    assert len(words) > 4 and len(words) == len(set(words)), left  # every word once
+    (committed,) = [e for e in talk.of("input_audio_buffer.committed") if e["item_id"] == started[2]]
+    assert committed["previous_item_id"] not in deleted  # the order skips what was deleted
+    assert [e["response"]["status"] for e in talk.of("response.done")][-1] == "completed"

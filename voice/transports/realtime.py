@@ -367,7 +367,7 @@ class RealtimeFront:
     async def send(self, ev: Event) -> None:
         items, turn = self.items, ev.turn
         if isinstance(ev, SpeechStarted):
-            await self.emit(items.speech_started(turn, self.audio_ms))
+            await self.emit(items.speech_started(turn, self.audio_ms, ev.resumes))
         elif isinstance(ev, SpeechStopped):
             await self.emit(items.speech_stopped(turn, self.audio_ms))
         elif isinstance(ev, Transcript) and ev.final:

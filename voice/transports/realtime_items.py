@@ -42,6 +42,7 @@ class Items:
         self.id, self.beta, self.settings, self.limits, self.max_tokens = (conversation_id, beta, settings, limits,
                                                                              max_tokens)
         self.user_items: dict[int, str] = {}  # turn -> the user item's id
+        self.before: dict[str, str | None] = {}  # a spoken user item -> the item before it (its previous_item_id)
         self.responses: dict[int, dict] = {}  # turn -> {id, item, transcript, playback}
         self.pending_text: list[str] = []  # typed user messages not answered yet
         self.pending_outputs: list[ToolRun] = []  # the client's function outputs not answered yet
@@ -50,13 +51,26 @@ class Items:
 
     # --- the user's items -----------------------------------------------------------------------
 
-    def speech_started(self, turn: int, audio_ms: float) -> Events:
+    def speech_started(self, turn: int, audio_ms: float, resumes: int = 0) -> Events:
+        """The user started a turn; `resumes`: the turn it continues (SpeechStarted's), whose user
+        item it supersedes: this turn's item will hold that one's words too, so that one is deleted
+        (`conversation.item.deleted`) and gets no events after it."""
         self.user_items[turn] = new_id("item")
-        return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": int(audio_ms),
-                 "item_id": self.user_items[turn]}]
+        out: Events = [{"type": "input_audio_buffer.speech_started", "audio_start_ms": int(audio_ms),
+                        "item_id": self.user_items[turn]}]
+        superseded = self.user_items.pop(resumes, None) if resumes else None
+        if superseded is not None:
+            if self.last_item == superseded:
+                self.last_item = self.before.get(superseded)
+            self.before.pop(superseded, None)
+            out.append({"type": "conversation.item.deleted", "item_id": superseded})
+        return out
 
     def speech_stopped(self, turn: int, audio_ms: float) -> Events:
         item = self.user_items.setdefault(turn, new_id("item"))
+        self.before[item] = self.last_item
+        while len(self.before) > 64:
+            self.before.pop(next(iter(self.before)))
         out: Events = [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(audio_ms), "item_id": item},
                {"type": "input_audio_buffer.committed", "previous_item_id": self.last_item, "item_id": item},
                {"type": "conversation.item.added", "previous_item_id": self.last_item, "item": _user(item)}]
@@ -65,7 +79,7 @@ class Items:
 
     def transcribed(self, turn: int, text: str, audio_ms: float) -> Events:
         spoken = self.user_items.get(turn)
-        if spoken is None:  # a typed turn: its item was announced when it was created
+        if spoken is None:  # a typed turn (its item was announced when it was created), or a deleted one
             return []
         return [{"type": "conversation.item.input_audio_transcription.completed", "item_id": spoken,
                  "content_index": 0, "transcript": text,

@@ -207,3 +207,25 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
     assert len(prepared) == 4  # the session's start, then once per reply
     assert prepared[1:] == asked
     assert [m["role"] for m in asked[2]] == ["system", "user", "assistant"]  # the window slid: turn 1 forgotten
+
+
+def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
+    """Each partial transcript is read by the LM as it comes (its end-of-turn probe, which
+    prefills the words into the conversation's cache), so the reply to the final transcript
+    prefills only the words after them; none once the final is being decoded."""
+    stages = fake_stages(make_config(), FakeWhisper("eight of spades"), None, TimedLM())
+
+    async def scenario():
+        s = Session(stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        await push(s, speech("005.wav"), realtime=True)
+        await push(s, silence(1000), realtime=True)
+        await until_reply_done(seen)
+        reader.cancel()
+        await s.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    partials = [e.text for e in seen if isinstance(e, Transcript) and not e.final]
+    assert partials and stages.lm.end_of_turn_asked == partials

@@ -64,6 +64,7 @@ class Session:
                                    stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers)
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
+        self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
@@ -116,6 +117,8 @@ class Session:
                     self.emit(ev)
                 case Final(turn, transcript, ended, resumes):
                     self.stages.scheduler.start_waiting(self)  # until the first audio, this user hears nothing
+                    if self.read_ahead is not None:  # it would compete with the reply for the cores
+                        self.read_ahead.cancel()
                     self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes))
                 case TooLong(limit):
                     self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
@@ -136,6 +139,14 @@ class Session:
         said = await text
         if said and self.turns.listening(turn):
             self.emit(Transcript(turn, time.monotonic(), said, False))
+            if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
+                self.read_ahead = self.floor.spawn(self._read(said))
+
+    async def _read(self, said: str) -> None:
+        try:
+            await self._end_signal(said)  # its forward leaves the words in the conversation's cache
+        except Exception as err:  # noqa: BLE001 - the reply will prefill the words itself
+            log.debug("session=%s reading the partial transcript ahead failed: %r", self.id, err)
 
     async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
@@ -253,12 +264,15 @@ class Session:
     def turn(self) -> int:
         return self.turns.turn
 
+    def replying(self) -> bool:
+        """A reply is being made or played."""
+        return self.floor.reply is not None and self.floor.reply.task is not None and not self.floor.reply.task.done()
+
     @property
     def busy(self) -> bool:
         """A turn is in flight: the user is speaking, or their turn is not done yet."""
-        reply_task = self.floor.reply.task if self.floor.reply else None
         return (self.turns.speaking or (self.final_task is not None and not self.final_task.done())
-                or (reply_task is not None and not reply_task.done()))
+                or self.replying())
 
     async def close(self, reason: str = "closed") -> None:
         if self.closed:

@@ -210,9 +210,8 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
 
 
 def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
-    """Each partial transcript is read by the LM as it comes (its end-of-turn probe, which
-    prefills the words into the conversation's cache), so the reply to the final transcript
-    prefills only the words after them; none once the final is being decoded."""
+    """Each partial transcript is read by the LM as it comes (prefilled into the conversation's
+    cache), so the reply to the final transcript prefills only the words after them."""
     stages = fake_stages(make_config(), FakeWhisper("eight of spades"), None, TimedLM())
 
     async def scenario():
@@ -228,4 +227,5 @@ def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
 
     seen = asyncio.run(scenario())
     partials = [e.text for e in seen if isinstance(e, Transcript) and not e.final]
-    assert partials and stages.lm.end_of_turn_asked == partials
+    read = [messages[-1]["content"] for messages, _ in stages.lm.prepared[1:]]  # after the session's start
+    assert partials and read[:len(partials)] == partials

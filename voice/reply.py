@@ -103,10 +103,11 @@ class ReplyRunner:
         self.name = name  # the session, for logs
 
     async def prepare(self, messages: list[dict]) -> None:
-        """Before the first turn: the LM prefills the conversation's start (best effort)."""
+        """The LM prefills `messages` ahead of the reply that will start with them: the session's
+        start, the words heard so far, the next turn's conversation (best effort)."""
         try:
-            await self.chat.prepare(messages, self.tools.openai() or None)
-        except Exception as err:  # noqa: BLE001 - the first turn will simply prefill it itself
+            await self.chat.prepare(messages, (self.tools.openai() + self.client_tools) or None)
+        except Exception as err:  # noqa: BLE001 - the reply will simply prefill it itself
             log.warning("session=%s preparing the LM failed: %r", self.name, err)
 
     async def prepare_next(self, reply: Reply, ahead: Callable[[str], list[dict]]) -> None:

@@ -140,13 +140,7 @@ class Session:
         if said and self.turns.listening(turn):
             self.emit(Transcript(turn, time.monotonic(), said, False))
             if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
-                self.read_ahead = self.floor.spawn(self._read(said))
-
-    async def _read(self, said: str) -> None:
-        try:
-            await self._end_signal(said)  # its forward leaves the words in the conversation's cache
-        except Exception as err:  # noqa: BLE001 - the reply will prefill the words itself
-            log.debug("session=%s reading the partial transcript ahead failed: %r", self.id, err)
+                self.read_ahead = self.floor.spawn(self.replies.prepare(self.history.messages(said)))
 
     async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not

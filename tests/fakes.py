@@ -62,7 +62,7 @@ class FakeChat:
             if self.lm.delay_s:
                 await asyncio.sleep(self.lm.delay_s)
             if self.lm.fail_at is not None and i == self.lm.fail_at:
-                raise RuntimeError("injected LM failure")
+                raise self.lm.failure
             if self.lm.hang_at is not None and i == self.lm.hang_at:
                 await asyncio.sleep(3600)
             yield Committed(text, i + 1, 1)
@@ -88,6 +88,7 @@ class FakeLM:
         self.blocks = list(blocks)
         self.delay_s = 0.0
         self.fail_at: int | None = None
+        self.failure: Exception = RuntimeError("injected LM failure")  # raised at block `fail_at`
         self.hang_at: int | None = None
         self.calls = 0
         self.closed = 0  # chats closed

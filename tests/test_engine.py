@@ -629,7 +629,7 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
     the measured cost is refused before any forward (a clear error), and short ones still run."""
     eng = Engine(smol, max_seq_len=512, max_prefill_s=1.0)
-    eng.token_s = 0.01  # measured: 100 new tokens fit in a second
+    eng.best_token_s = 0.01  # measured: 100 new tokens fit in a second
     cfg = DecodeConfig(mode="ar", max_new_tokens=4)
     with pytest.raises(ContextOverflow, match="would take about [0-9] s to read"):
         list(eng.generate_sync(LONG, cfg))

@@ -22,6 +22,7 @@ from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent
 
 from fakes import LiveServer, fake_stages, make_config, speech
+from engine.runtime import ContextOverflow
 from voice.audio import float_to_pcm16, pcm16_to_float, resample, ulaw_decode, ulaw_encode
 from voice.records import read_sessions
 
@@ -147,6 +148,30 @@ def test_text_in_audio_out(served):
     assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "Hello there"}
     assert talk.of("response.output_audio.delta") and talk.of("response.done")[0]["response"]["status"] == "completed"
     assert not talk.of("input_audio_buffer.speech_started")
+
+
+@pytest.mark.parametrize("failure, code, kind", [
+    (ContextOverflow("the prompt's 1645 new tokens would take about 45 s to read"), "context_length_exceeded",
+     "invalid_request_error"),
+    (RuntimeError("injected LM failure"), "reply_failed", "server_error")])
+def test_a_reply_the_lm_cannot_give_is_a_failed_response(served, failure, code, kind):
+    """The LM refuses the conversation (too long to read before the first block's timeout) or
+    breaks: an `error` of the client's or the server's type, then response.done `failed` with
+    that error (not `cancelled`: the apology that follows is not the reply)."""
+    served.stages.lm.fail_at, served.stages.lm.failure = 0, failure
+
+    async def go():
+        async with connect(served) as conn:
+            talk = Talk(conn)
+            await talk.ask({"type": "input_text", "text": "Hello there"})
+            await talk.wait("response.done")
+            await conn.close()
+            return talk
+    talk = asyncio.run(go())
+    assert [(e["error"]["type"], e["error"]["code"]) for e in talk.of("error")] == [(kind, code)]
+    response = talk.of("response.done")[0]["response"]
+    assert response["status"] == "failed"
+    assert response["status_details"] == {"type": "failed", "error": {"type": kind, "code": code}}
 
 
 def test_response_cancel_mid_reply(served):

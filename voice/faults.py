@@ -34,9 +34,16 @@ def client_caused(err: BaseException) -> bool:
     """Did the LM fail because of what this client sent, rather than being broken? A conversation
     too long for its context (engine ContextOverflow), text it cannot encode, or a remote LM
     answering 400/413/422. Such a failure ends the turn like any other but is no service fault."""
-    if isinstance(err, UnicodeError) or any(c.__name__ == "ContextOverflow" for c in type(err).__mro__):
+    if isinstance(err, UnicodeError) or overflow(err):
         return True
     return getattr(err, "status_code", None) in (400, 413, 422)
+
+
+def overflow(err: BaseException) -> bool:
+    """The engine's ContextOverflow: the conversation does not fit the context, or would take the
+    local LM longer than the first block's timeout to read (named, not imported: the engine
+    loads only with the local LM)."""
+    return any(c.__name__ == "ContextOverflow" for c in type(err).__mro__)
 
 
 async def transcript_within(transcript: Awaitable[str], faults: FaultsConfig) -> str:
@@ -71,8 +78,9 @@ async def blocks_within(blocks: AsyncIterator[Committed], faults: FaultsConfig) 
                 raise
             except Exception as err:
                 if client_caused(err):  # this conversation, not the service: no fault in /healthz
-                    raise StageFailure("reply_failed", f"the language model could not take this conversation: "
-                                                       f"{err}"[:300], "lm", "client") from err
+                    code = "context_length_exceeded" if overflow(err) else "reply_failed"
+                    raise StageFailure(code, f"the language model could not take this conversation: {err}"[:300],
+                                       "lm", "client") from err
                 raise StageFailure("reply_failed", f"the language model failed: {err}", "lm", "error") from err
             count += 1
             yield block

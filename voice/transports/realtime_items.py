@@ -44,6 +44,7 @@ class Items:
         self.user_items: dict[int, str] = {}  # turn -> the user item's id
         self.before: dict[str, str | None] = {}  # a spoken user item -> the item before it (its previous_item_id)
         self.responses: dict[int, dict] = {}  # turn -> {id, item, transcript, playback}
+        self.failures: dict[int, dict] = {}  # turn -> why its response failed ({type, code}), until its response.done
         self.pending_text: list[str] = []  # typed user messages not answered yet
         self.pending_outputs: list[ToolRun] = []  # the client's function outputs not answered yet
         self.calls: dict[str, str] = {}  # call_id -> function name, of the calls the LM made
@@ -184,6 +185,9 @@ class Items:
         """The reply is over (a reply cancelled before its first output is a response too)."""
         r, out = self.response(turn, playback)
         status = "cancelled" if done.interrupted else "completed"
+        details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
+        if (error := self.failures.pop(turn, None)) is not None:  # the turn failed: its apology is not the reply
+            status, details = "failed", {"type": "failed", "error": error}
         if r["item"] is not None:
             at = where(r)
             item = self._assistant(r, status)
@@ -195,8 +199,11 @@ class Items:
                      "item": item},
                     {"type": "conversation.item.done", "previous_item_id": self.last_item, "item": item}]
             self.last_item = r["item"]
-        details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
         return out + [{"type": "response.done", "response": self._response_object(r, status, details)}]
+
+    def failed(self, turn: int, kind: str, code: str) -> None:
+        """The turn's reply failed (its `error` event is out): its response.done says so."""
+        self.failures[turn] = {"type": kind, "code": code}
 
     def truncate(self, item_id: str, audio_end_ms: int) -> tuple[str, Events]:
         """The client played only `audio_end_ms` of an assistant item: what of it was heard."""
@@ -212,7 +219,7 @@ class Items:
         """The spoken message item; `status` is the response's (cancelled: the item is incomplete)."""
         content = [{"type": "output_audio" if not self.beta else "audio", "transcript": r["transcript"]}] \
             if status != "in_progress" else []
-        status = {"cancelled": "incomplete"}.get(status, status)
+        status = {"cancelled": "incomplete", "failed": "incomplete"}.get(status, status)
         return {"id": r["item"], "type": "message", "object": "realtime.item", "role": "assistant", "status": status,
                 "content": content}
 

@@ -28,6 +28,7 @@ class CallLog:
         self.records, self.uid, self.session_id, self.error_count = records, uid, session_id, error_count
         self.open_turns: dict[int, dict] = {}  # turn -> started (unix time), transcript, errors
         self.error_counts: dict[str, int] = {}
+        self.stages_key = False  # the latency's stage times also as `stages` (Wyoming's rows always had them so)
 
     def _write(self, ops: list[rec.Op]) -> None:
         if self.records is not None:
@@ -75,6 +76,8 @@ class CallLog:
         if latency is not None:
             latency.pop("type", None)
             latency.pop("turn", None)
+            if self.stages_key:
+                latency["stages"] = latency["stages_ms"]
         playback = reply.playback
         apologised = playback.apology_at is not None and playback.emitted > playback.apology_at
         return await self.replied(reply.turn, status, transcript, reply.text.strip(), heard, not reply.finished,

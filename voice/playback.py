@@ -84,6 +84,10 @@ class Playback:
                 break
         return " ".join(words)
 
+    async def on_wire(self) -> None:
+        """Until the transport has sent every phrase handed to it."""
+        await self._all_sent.wait()
+
     async def played(self) -> None:
         """Until the transport has sent every phrase and the client has played them."""
         while True:

@@ -15,7 +15,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -93,7 +93,8 @@ class ReplyRunner:
     the session's `timers`."""
 
     def __init__(self, config: Config, chat: Chat, synthesizer: SpeechSynthesizer, out_rate: int, lm_mode: str | None,
-                 apology: bytes | None, sink: ReplySink, name: str, tools: Toolbox, timers: Timers):
+                 apology: bytes | None, sink: ReplySink, name: str, tools: Toolbox, timers: Timers,
+                 requests: bool = False):
         self.config, self.chat, self.synthesizer = config, chat, synthesizer
         self.out_rate, self.lm_mode = out_rate, lm_mode
         self.tools, self.timers = tools, timers
@@ -101,10 +102,15 @@ class ReplyRunner:
         self.apology = apology
         self.sink = sink
         self.name = name  # the session, for logs
+        # A session that serves requests (voice/modes.py): its LM replies are text only, and the
+        # conversation is its caller's (nothing is prepared ahead in it).
+        self.speaks = self.prepares = not requests
 
     async def prepare(self, messages: list[dict]) -> None:
         """The LM prefills `messages` ahead of the reply that will start with them: the session's
         start, the words heard so far, the next turn's conversation (best effort)."""
+        if not self.prepares:
+            return
         try:
             await self.chat.prepare(messages, (self.tools.openai() + self.client_tools) or None)
         except Exception as err:  # noqa: BLE001 - the reply will simply prefill it itself
@@ -253,9 +259,36 @@ class ReplyRunner:
                 self.sink.emit(ToolResult(reply.turn, time.monotonic(), run.id, run.name, run.result, run.status,
                                           round(run.ms, 1)))
 
-    async def _speak(self, reply: Reply, phrases: asyncio.Queue) -> None:
+    async def recite(self, reply: Reply, texts: AsyncIterator[str]) -> None:
+        """Speak `texts` as they come, no LM (voice/modes.py's speak): phrase by phrase, each next
+        one handed over once the last is on the wire, so a client that reads slowly holds the
+        synthesis back rather than the outbox dropping its audio."""
+        tts = self.config.tts
+        splitter = PhraseSplitter(tts.min_chars, tts.first_words, tts.max_phrase_chars)
+        phrases: asyncio.Queue[str | None] = asyncio.Queue()
+        speaker = asyncio.create_task(self._speak(reply, phrases, paced=True))
+        try:
+            async for text in texts:
+                self._say(reply, text, splitter.push(text), phrases)
+                if text:
+                    self.sink.emit(ReplyText(reply.turn, time.monotonic(), text, reply.blocks))
+            phrases.put_nowait(splitter.flush())
+            phrases.put_nowait(None)
+            await speaker
+            reply.finished = True
+        except StageFailure as failure:
+            self.fail(reply, failure)
+        finally:
+            speaker.cancel()
+
+    async def _speak(self, reply: Reply, phrases: asyncio.Queue, paced: bool = False) -> None:
         playback = reply.playback
         while (phrase := await phrases.get()) is not None:
+            if not phrase.strip():
+                continue
+            if not (self.speaks or paced):  # a text-only reply: its first phrase is its first output
+                self.sink.first_audio()
+                continue
             pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
                 not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
             self.sink.first_audio()
@@ -263,6 +296,8 @@ class ReplyRunner:
             if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate,
                                                     phrase)):
                 playback.handed_over()
+                if paced:
+                    await playback.on_wire()
 
     async def announce(self, reply: Reply, text: str) -> None:
         """Speak `text` as it is (no LM), until the client has played it."""
@@ -326,6 +361,27 @@ class Floor:
             s.error("record_failed", "this turn could not be written to the call records")
         if not s.closed:
             s.outbox.release(held)
+
+    def recite(self, turn: int, texts: AsyncIterator[str]) -> Reply:
+        """A reply that speaks `texts` as they come (voice/modes.py's speak), recorded as any."""
+        reply = self.reply = Reply(turn)
+        reply.released.set()
+        reply.task = self.spawn(self._recited(reply, texts))
+        return reply
+
+    async def _recited(self, reply: Reply, texts: AsyncIterator[str]) -> None:
+        try:
+            await self.session.replies.recite(reply, texts)
+        finally:
+            await self._reply_done(reply, "", "ok" if reply.finished else "failed" if reply.failure
+                                   else "interrupted")
+
+    async def listened(self, turn: int, transcript: str) -> None:
+        """A turn that only listens (voice/modes.py's listen) ends at its final transcript: recorded
+        with it, its reply_done and latency report sent, nothing said."""
+        reply = Reply(turn, finished=True)
+        reply.released.set()
+        await self._reply_done(reply, transcript, "ok")
 
     async def asr_failed(self, turn: int, failure: StageFailure) -> None:
         """The turn ends with the error and the apology, unless the user has spoken again since."""

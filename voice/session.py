@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable
 from typing import assert_never
 
+from voice import modes
 from voice.calllog import CallLog
 from voice.config import Config
 from voice.events import Error, Event, SpeechStarted, SpeechStopped, Transcript
@@ -44,7 +45,7 @@ _session_ids = itertools.count(1)
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
-                 peer: str = "", meta: dict | None = None, config: Config | None = None):
+                 peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False):
         cfg = config or stages.config  # a transport may adjust its own copy (Realtime turn detection)
         self.id = f"s{next(_session_ids)}"
         self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
@@ -55,13 +56,15 @@ class Session:
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
                                cfg.lm.history_turns, cfg.lm.max_prompt_chars)
-        self.turns = TurnTaker(cfg, stages.whisper, in_rate, self.id)
+        self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/modes.py)
+        self.turns = (modes.Dictation if requests else TurnTaker)(cfg, stages.whisper, in_rate, self.id)
         self.end_of_turn = stages.end_of_turn(cfg)
         self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
         self.floor = Floor(self)  # the assistant's side: the reply being made or heard (voice/reply.py)
         self.timers = Timers(self.floor.announce, stages.tools.zone)
-        self.replies = ReplyRunner(cfg, stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
-                                   stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers)
+        self.replies = ReplyRunner(cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate,
+                                   lm_mode, None if requests else stages.apology.get(out_rate), self.floor, self.id,
+                                   stages.tools, self.timers, requests)
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
@@ -157,7 +160,7 @@ class Session:
             self._superseded(turn, text, ended, resumes)
             return
         reply = None
-        if text and (self.config.session.speculative_reply or ended.is_set()):
+        if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text)
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
@@ -165,6 +168,9 @@ class Session:
             return
         self.emit(Transcript(turn, time.monotonic(), text, True, resumes))
         self.call_log.transcript(turn, text)
+        if self.requests:  # listen only: the transcript was asked for, not a reply
+            await self.floor.listened(turn, text)
+            return
         if text and reply is None:
             reply = self.floor.start(turn, text)
         if reply is not None:

@@ -11,8 +11,8 @@ session's events into its wire. Everything between is here, once:
                   and when the session is `ending` (a limit, shutdown): stop reading, flush, close;
                   however it ends, `finish`: cancel its tasks, `session.close`, release.
 
-What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming is not on this
-runner yet: it opens no `Session` per connection.
+What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming's connections run
+here too, their session one that serves requests (voice/modes.py: listen, speak, answer).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ FLUSH_S = {
     "twilio": 0.2,
     # SIP: a BYE at once; the error has no SIP form and RTP frames go out with a synchronous sendto.
     "sip": 0.0,
+    # Wyoming: a request's last event, or the error that ends it, is written by the drain itself;
+    # what is left (latency reports) has no Wyoming form.
+    "wyoming": 0.5,
 }
 
 

@@ -20,9 +20,14 @@ the assistant answers `not-handled` instead, which Home Assistant treats as the 
 server does not know are dropped, as the protocol asks. Whatever a client sends is bounded
 ([wyoming]): each event is read by `read_event` (engine/common/wire.py's JSON, sizes and types checked)
 within `idle_timeout_s`, each write must be read within it too, and a connection gives its
-socket back on every way out. Each connection with a request is a session in the call records
-(transport "wyoming"), each request a turn, and its stage times go to /metrics like any
-session's (docs/HOME_ASSISTANT.md).
+socket back on every way out.
+
+This file is only the codec: Wyoming's events and its request model (one request at a time, each
+answered before the next event is read). The work is a `Session` that serves requests
+(voice/modes.py: listen, speak, answer) on the conversation runner every front uses
+(voice/transports/common.py): admission, the call records (transport "wyoming", a connection
+with a request is a session, each request a turn), latency and /metrics, stage faults, the
+scheduler and the end of each turn are the session's, as for /ws (docs/HOME_ASSISTANT.md).
 """
 
 from __future__ import annotations
@@ -32,14 +37,13 @@ import collections
 import ipaddress
 import itertools
 import logging
-import secrets
 import time
 import uuid
-from collections.abc import Awaitable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
@@ -53,20 +57,17 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
 from engine.common.wire import WireError, decode_json
-from voice import events, vad
-from voice.auth import source_allowed
-from voice.asr import SAMPLE_RATE, StreamingTranscriber
+from voice import events, modes
+from voice.asr import SAMPLE_RATE
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
-from voice.calllog import CallLog
+from voice.auth import source_allowed
 from voice.config import TtsConfig, WyomingConfig
-from voice.faults import StageFailure, blocks_within, synthesis_within, transcript_within
 from voice.history import History
-from voice.latency import observe_stages
 from voice.limits import LimitError, Ticket, give_back_freed_memory
 from voice.lm import Chat
+from voice.session import Session
 from voice.stages import Stages
-from voice.tts import PhraseSplitter
-from voice.turns import EarlyFinal
+from voice.transports.common import FLUSH_S, Conversation, acquire
 
 if TYPE_CHECKING:
     from wyoming.zeroconf import HomeAssistantZeroconf
@@ -188,54 +189,6 @@ def text_of(event: Event, most: int, before: int = 0) -> str:
     return text
 
 
-class Dictation:
-    """One transcription, audio-start to audio-stop, as 16 kHz audio into a StreamingTranscriber.
-    The VAD only decides when the final may be decoded early (voice/turns.py's EarlyFinal, as for
-    /ws); every sample is transcribed."""
-
-    def __init__(self, stages: Stages):
-        cfg = stages.config
-        self.transcriber = StreamingTranscriber(stages.whisper, cfg.asr)
-        self.endpointer = vad.Endpointer(cfg.vad, SAMPLE_RATE)
-        self.early = EarlyFinal(self.transcriber, cfg.asr.early_final_ms)
-        self.resampler = StreamResampler(SAMPLE_RATE)
-        self.max_s = cfg.limits.max_utterance_s
-        self.seconds = 0.0
-        self.streamed = ""  # partial text sent as transcript-chunks
-
-    def push(self, chunk: AudioChunk) -> None:
-        if any(type(n) is not int for n in (chunk.width, chunk.channels, chunk.rate)) or chunk.width != 2 \
-                or not 1 <= chunk.channels <= 8 or not 8000 <= chunk.rate <= 192000:
-            raise RequestFailed("unsupported_audio", "audio must be 16-bit PCM, 1-8 channels, 8-192 kHz; got "
-                                                     f"width {chunk.width}, {chunk.channels} channels, {chunk.rate} Hz")
-        if len(chunk.audio) % (2 * chunk.channels):
-            raise RequestFailed("bad_audio", "an audio-chunk must hold whole samples")
-        if self.max_s and self.seconds >= self.max_s:
-            return  # past the utterance limit: the rest is not transcribed
-        audio = pcm16_to_float(chunk.audio).reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
-        audio = self.resampler.push(audio, chunk.rate)
-        if not len(audio):
-            return
-        self.seconds += len(audio) / SAMPLE_RATE
-        self.transcriber.insert_audio_chunk(audio)
-        if any(isinstance(ev, vad.VoiceStart) for ev in self.endpointer.push(float_to_pcm16(audio))):
-            self.early.drop()
-        if self.endpointer.in_speech:
-            if self.early.quiet(self.endpointer.silence_ms):
-                self.early.take()
-            else:
-                self.early.drop()  # (still) speaking
-
-    def finish(self) -> Awaitable[str]:
-        """The final transcript: the early one when nothing but silence came after it."""
-        return self.early.final()
-
-    def cancel(self) -> None:
-        """The dictation is dropped: nothing of it is decoded any more."""
-        self.early.drop()
-        self.transcriber.reset()
-
-
 class Conversations:
     """The assistant's conversations by id: their history and LM chat (which keeps the LM's cache),
     the `size` most recent ones; a forgotten one gives its cache back."""
@@ -256,43 +209,78 @@ class Conversations:
         return found
 
 
+@dataclass
+class Request:
+    """The request being served: which program, its turn of the session, and when it is answered."""
+
+    program: str  # listen | speak | answer
+    turn: int
+    done: asyncio.Future[None]
+    streamed: bool = False  # speak: synthesize-start .. synthesize-stop
+    said: str = ""  # listen: the partial text sent as transcript-chunks
+    context: dict | None = None  # answer: its conversation
+
+
+class Reported(Exception):
+    """The request failed and its client was told (an `error`): the connection closes."""
+
+    def __init__(self, code: str):
+        super().__init__(code)
+        self.code = code
+
+
 class Connection:
-    """One client connection: its events in, in order; what it asked for out."""
+    """One client connection, a wire codec over a session that serves requests (voice/modes.py) on
+    the conversation runner (voice/transports/common.py): its events are read in order, a request
+    at a time (`receive`); what the session says comes through the runner's one drain (`play`,
+    `send`) and is written in Wyoming's events. The session opens with the first request."""
 
     def __init__(self, server: "WyomingServer", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.server, self.stages, self.reader, self.writer = server, server.stages, reader, writer
         self.id = f"w{next(_connection_ids)}"
         peer = writer.get_extra_info("peername") or ("", 0)
         self.peer = f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
-        self.calls: CallLog | None = None  # opened with the first request (Home Assistant polls `describe`)
-        self.ticket: Ticket | None = None  # acquired with `calls`
-        self.turn = 0
-        self.dictation: Dictation | None = None
-        self.partial_task: asyncio.Task | None = None
-        self.speech: tuple[asyncio.Queue, asyncio.Task, float] | None = None  # a streamed synthesis
+        self.conversation = Conversation(FLUSH_S["wyoming"], self)
+        self.session: Session | None = None  # opened with the first request (Home Assistant polls `describe`)
+        self.ticket: Ticket | None = None  # acquired with the session
+        self.request: Request | None = None
+        self.resampler = StreamResampler(SAMPLE_RATE)  # a dictation's audio, any rate, to 16 kHz
+        self.texts: asyncio.Queue[str | None] | None = None  # a streamed synthesis's text so far
         self.speech_chars = 0  # the streamed synthesis's text so far
         self.language = ""
+        self.ended = False  # an error went out (or the session ended): nothing more is written
         self.config = server.config
 
     async def run(self) -> None:
         try:
+            await self.conversation.serve()
+        finally:
+            await self.release()
+
+    # --- the wire in (AudioInput) ---------------------------------------------------------------
+
+    async def receive(self) -> str | None:
+        """Events in, each request answered before the next event is read; why it ended."""
+        try:
             while (event := await self.next_event()) is not None:
+                if self.session is not None:
+                    self.session.last_audio = time.monotonic()  # (the session's idle limit: any event counts)
                 try:
                     await self.handle(event)
                 except (KeyError, TypeError, ValueError, AttributeError) as err:  # a field missing or mistyped
                     raise RequestFailed("bad_event", f"bad {event.type} event: {err!r}") from None
         except RequestFailed as failure:
             await self.fail(failure)
-        except Stalled as stalled:
-            self.error("slow_client", str(stalled))
-            self.writer.transport.abort()  # what it has not read is dropped with it
-        except (ConnectionError, asyncio.IncompleteReadError):
+            return failure.code
+        except Reported as reported:
+            return reported.code
+        except (ConnectionError, asyncio.IncompleteReadError):  # (a write that stalled was cut off)
             pass
         except Exception:  # a bug of ours: this connection ends, the server goes on
             log.exception("wyoming=%s failed", self.id)
             await self.fail(RequestFailed("internal_error", "the server failed to serve this request"))
-        finally:
-            await self.close()
+            return "error"
+        return None
 
     async def next_event(self) -> Event | None:
         """The next event, which must come whole within `idle_timeout_s` (a header that never ends holds
@@ -303,32 +291,6 @@ class Connection:
         except TimeoutError:
             raise RequestFailed("idle_timeout", f"no whole event within {self.config.idle_timeout_s:g} s") from None
 
-    async def write(self, event: Event) -> None:
-        try:
-            async with asyncio.timeout(self.config.idle_timeout_s):
-                await async_write_event(event, self.writer)
-        except TimeoutError:
-            raise Stalled(f"the client read nothing for {self.config.idle_timeout_s:g} s") from None
-
-    def error(self, code: str, message: str) -> None:
-        """Count, log and record an error (in the records once this connection is a session)."""
-        if self.calls is not None:
-            self.calls.error(events.Error(self.turn, time.monotonic(), code, message))
-        else:
-            self.stages.metrics.errors.labels(code).inc()
-            log.warning("wyoming=%s %s: %s", self.id, code, message)
-
-    async def fail(self, failure: RequestFailed) -> None:
-        """Stop what this connection was doing, then say why (the error is the last event sent)."""
-        await self.stop_work()
-        self.error(failure.code, failure.message)
-        if self.calls is not None and self.turn in self.calls.open_turns:
-            self.calls.unreplied(self.turn, "", failure.code)
-        try:
-            await self.write(Error(text=failure.message, code=failure.code).event())
-        except ConnectionError:
-            pass
-
     async def handle(self, event: Event) -> None:
         kind = event.type
         if Describe.is_type(kind):
@@ -338,176 +300,120 @@ class Connection:
         elif Transcribe.is_type(kind):
             self.language = Transcribe.from_event(event).language or ""
         elif AudioStart.is_type(kind):
-            await self.start_dictation()
+            await self.listen()
         elif AudioChunk.is_type(kind):
-            if self.dictation is None:  # audio without audio-start: its chunks carry their format
-                await self.start_dictation()
-            assert self.dictation is not None  # started
-            self.dictation.push(AudioChunk.from_event(event))
-            if self.partial_task is None or self.partial_task.done():
-                self.partial_task = asyncio.create_task(self.partial(self.dictation))
+            if not self.dictating():  # audio without audio-start: its chunks carry their format
+                await self.listen()
+            await self.hear(AudioChunk.from_event(event))
         elif AudioStop.is_type(kind):
-            await self.transcribe()
+            if not self.dictating():
+                raise RequestFailed("bad_event", "audio-stop without audio")
+            assert self.session is not None  # dictating
+            self.session.end_speech()
+            await self.answered()
         elif Synthesize.is_type(kind):
-            if self.speech is None:  # inside a stream it is only the text again, for older servers
+            if self.texts is None:  # inside a stream it is only the text again, for older servers
                 text = text_of(event, self.config.max_text_chars)
                 self.check_voice(Synthesize.from_event(event).voice)
-                await self.synthesize(text)
+                await self.speak([text])
+                await self.answered()
         elif SynthesizeStart.is_type(kind):
             self.check_voice(SynthesizeStart.from_event(event).voice)
-            await self.start_speech()
+            if self.texts is not None:
+                raise RequestFailed("bad_event", "synthesize-start inside another synthesize-start")
+            self.texts, self.speech_chars = asyncio.Queue(), 0
+            await self.speak(None)
         elif SynthesizeChunk.is_type(kind):
-            if self.speech is None:
+            if self.texts is None:
                 raise RequestFailed("bad_event", "synthesize-chunk outside synthesize-start .. synthesize-stop")
             text = text_of(event, self.config.max_text_chars, self.speech_chars)
             self.speech_chars += len(text)
-            self.speech[0].put_nowait(text)
+            self.texts.put_nowait(text)
         elif SynthesizeStop.is_type(kind):
-            await self.finish_speech()
+            if self.texts is None:
+                raise RequestFailed("bad_event", "synthesize-stop without synthesize-start")
+            self.texts.put_nowait(None)
+            self.texts = None
+            await self.answered()
         elif Transcript.is_type(kind):
             text_of(event, self.config.max_text_chars)
             await self.answer(Transcript.from_event(event))
         else:
             log.debug("wyoming=%s dropped a %s event", self.id, kind)
 
-    def begin(self) -> float:
-        """A new request (a turn of this connection's session); the time it began."""
-        if self.calls is None:
+    def open(self) -> Session:
+        """The connection's session, opened with its first request (admitted then)."""
+        if self.session is None:
             try:
-                self.ticket = self.stages.admission.acquire("wyoming", per_key=False)
+                self.ticket = acquire(self.stages, "wyoming", per_key=False)
             except LimitError as err:
                 raise RequestFailed(err.code, err.message) from None
-            self.calls = CallLog(self.stages.records, secrets.token_hex(8), self.id, self.stages.metrics.errors)
-            self.calls.opened("wyoming", "wyoming", self.peer, {})
-            self.stages.metrics.sessions.labels("wyoming").inc()
-            log.info("wyoming=%s session from %s", self.id, self.peer)
-        self.turn += 1
-        self.calls.started(self.turn)
-        return time.monotonic()
+            session = Session(self.stages, SAMPLE_RATE, self.stages.synthesizer.voice_rate, "wyoming",
+                              principal="wyoming", peer=self.peer, requests=True)
+            session.call_log.stages_key = True
+            self.session = self.conversation.open(session, self)
+        return self.session
 
-    async def done(self, status: str, transcript: str, reply: str, stages: dict[str, float]) -> None:
-        stages = {name: round(ms, 1) for name, ms in stages.items()}
-        observe_stages(self.stages.metrics, self.stages.config.budget, stages, self.id, self.turn)
-        assert self.calls is not None  # opened as the request began
-        await self.calls.replied(self.turn, status, transcript, reply, "", False, False, {"stages": stages})
+    def begin(self, program: str, turn: int, **details: Any) -> Request:
+        self.request = Request(program, turn, asyncio.get_running_loop().create_future(), **details)
+        return self.request
 
-    def failed(self, failure: StageFailure) -> RequestFailed:
-        """A stage failed this request: a fault for /healthz and `voice_stage_faults`, as /ws's are;
-        the request's `error` to raise."""
-        self.stages.fault(failure)
-        code = failure.code if failure.stage in ("asr", "lm") else \
-            f"{failure.stage}_{'timeout' if failure.kind == 'timeout' else 'failed'}"
-        return RequestFailed(code, failure.message)
+    async def answered(self) -> None:
+        """Until the request's last event is written (a stage that failed: its `error` was)."""
+        assert self.request is not None  # begun
+        await self.request.done
 
-    # --- speech to text -------------------------------------------------------------------------
+    # --- the three programs ---------------------------------------------------------------------
 
-    async def start_dictation(self) -> None:
+    def dictating(self) -> bool:
+        return self.session is not None and self.session.turns.speaking
+
+    async def listen(self) -> None:
         asr = self.stages.config.asr
         if self.language and asr.language and self.language.split("-")[0] != asr.language:
             raise RequestFailed("unsupported_language", f"this server transcribes {asr.language!r}, not "
                                                         f"{self.language!r}")
-        if self.dictation is not None:  # a second audio-start: the first dictation is dropped
-            assert self.calls is not None  # the first dictation began a request
-            self.dictation.cancel()
-            self.calls.unreplied(self.turn, "", "superseded")
-        self.begin()
-        self.dictation = Dictation(self.stages)
+        session = self.open()
+        self.begin("listen", modes.listen(session))
+        self.resampler = StreamResampler(SAMPLE_RATE)
         await self.write(TranscriptStart(language=asr.language or None).event())
 
-    async def partial(self, dictation: Dictation) -> None:
-        text = await dictation.transcriber.process_iter()
-        if text and dictation is self.dictation and text.startswith(dictation.streamed):
-            delta, dictation.streamed = text[len(dictation.streamed):], text
-            await self.write(TranscriptChunk(text=delta).event())
-
-    async def transcribe(self) -> None:
-        dictation, self.dictation = self.dictation, None
-        if dictation is None:
-            raise RequestFailed("bad_event", "audio-stop without audio")
-        if self.partial_task is not None:
-            self.partial_task.cancel()
-        stopped = time.monotonic()
-        scheduler = self.stages.scheduler
-        scheduler.start_waiting(self)
-        try:
-            text = await transcript_within(dictation.finish(), self.stages.config.faults)
-        except StageFailure as failure:
-            raise self.failed(failure) from None
-        finally:
-            scheduler.stop_waiting(self)
-        asr_ms = (time.monotonic() - stopped) * 1000
-        if text.startswith(dictation.streamed) and len(text) > len(dictation.streamed):
-            await self.write(TranscriptChunk(text=text[len(dictation.streamed):]).event())
-        await self.write(Transcript(text=text, language=self.stages.config.asr.language or None).event())
-        await self.write(TranscriptStop().event())
-        await self.done("ok", text, "", {"asr": asr_ms})
-
-    # --- text to speech -------------------------------------------------------------------------
+    async def hear(self, chunk: AudioChunk) -> None:
+        """An audio-chunk of the dictation: mixed to mono, resampled to 16 kHz, into the session."""
+        if any(type(n) is not int for n in (chunk.width, chunk.channels, chunk.rate)) or chunk.width != 2 \
+                or not 1 <= chunk.channels <= 8 or not 8000 <= chunk.rate <= 192000:
+            raise RequestFailed("unsupported_audio", "audio must be 16-bit PCM, 1-8 channels, 8-192 kHz; got "
+                                                     f"width {chunk.width}, {chunk.channels} channels, {chunk.rate} Hz")
+        if len(chunk.audio) % (2 * chunk.channels):
+            raise RequestFailed("bad_audio", "an audio-chunk must hold whole samples")
+        audio = pcm16_to_float(chunk.audio).reshape(-1, chunk.channels).mean(axis=1, dtype=np.float32)
+        audio = self.resampler.push(audio, chunk.rate)
+        if len(audio):
+            assert self.session is not None  # dictating
+            await self.session.push_audio(float_to_pcm16(audio))
 
     def check_voice(self, voice: SynthesizeVoice | None) -> None:
         ours = voice_name(self.stages.config.tts)
         if voice is not None and voice.name is not None and voice.name != ours:
             raise RequestFailed("unknown_voice", f"this server speaks with {ours!r}, not {voice.name!r}")
 
-    async def synthesize(self, text: str) -> None:
-        """One text, spoken phrase by phrase: audio-start, the audio as each phrase is ready, audio-stop."""
-        queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(text)
-        queue.put_nowait(None)
-        await self.speak(queue, self.begin(), text)
-        await self.write(AudioStop().event())
+    async def speak(self, texts: list[str] | None) -> None:
+        """Text (`texts`, or the stream's as it comes) spoken phrase by phrase: audio-start, then the
+        audio as each phrase is ready; audio-stop once its turn is done."""
+        session = self.open()
+        queue = self.texts
 
-    async def start_speech(self) -> None:
-        if self.speech is not None:
-            raise RequestFailed("bad_event", "synthesize-start inside another synthesize-start")
-        queue: asyncio.Queue = asyncio.Queue()
-        started = self.begin()
-        self.speech, self.speech_chars = (queue, asyncio.create_task(self.speak(queue, started)), started), 0
+        async def stream() -> AsyncIterator[str]:
+            if texts is not None:
+                for text in texts:
+                    yield text
+                return
+            assert queue is not None  # synthesize-start's
+            while (more := await queue.get()) is not None:
+                yield more
 
-    async def finish_speech(self) -> None:
-        if self.speech is None:
-            raise RequestFailed("bad_event", "synthesize-stop without synthesize-start")
-        (queue, speaker, _), self.speech = self.speech, None
-        queue.put_nowait(None)
-        await speaker
-        await self.write(AudioStop().event())
-        await self.write(SynthesizeStopped().event())
-
-    async def speak(self, texts: asyncio.Queue, started: float, whole: str = "") -> None:
-        """Texts from `texts` (None ends them) -> phrases -> audio-start and audio-chunks."""
-        cfg, synth, scheduler = self.stages.config, self.stages.synthesizer, self.stages.scheduler
-        splitter = PhraseSplitter(cfg.tts.min_chars, cfg.tts.first_words, cfg.tts.max_phrase_chars)
-        rate, first_ms, spoken = synth.voice_rate, None, ""
-        await self.write(AudioStart(rate=rate, width=2, channels=1).event())
-        scheduler.start_waiting(self)
-        try:
-            while True:
-                text = await texts.get()
-                phrases = splitter.push(text) if text is not None else [splitter.flush()]
-                for phrase in phrases:
-                    if not phrase.strip():
-                        continue
-                    if self.writer.is_closing():  # the client has gone: its phrases would only wait for others'
-                        raise ConnectionResetError("the client has gone")
-                    try:  # (asked while this phrase waits for the worker: first_ms is current then)
-                        pcm = await synthesis_within(synth, phrase, rate, cfg.faults,
-                                                     urgent=lambda: first_ms is None)  # noqa: B023
-                    except StageFailure as failure:
-                        raise self.failed(failure) from None
-                    for i in range(0, len(pcm), AUDIO_CHUNK_SAMPLES):
-                        await self.write(AudioChunk(rate=rate, width=2, channels=1,
-                                                    audio=pcm[i:i + AUDIO_CHUNK_SAMPLES].tobytes()).event())
-                        if first_ms is None:
-                            first_ms = (time.monotonic() - started) * 1000
-                            scheduler.stop_waiting(self)
-                    spoken += phrase + " "
-                if text is None:
-                    break
-        finally:
-            scheduler.stop_waiting(self)
-        await self.done("ok", "", whole or spoken.strip(), {"tts_first_audio": first_ms or 0.0})
-
-    # --- the assistant --------------------------------------------------------------------------
+        await self.write(AudioStart(rate=session.out_rate, width=2, channels=1).event())
+        self.begin("speak", modes.speak(session, stream()), streamed=texts is None)
 
     async def answer(self, transcript: Transcript) -> None:
         """The LM's reply to a transcript, in the conversation its context names."""
@@ -517,60 +423,137 @@ class Connection:
             conversation_id = uuid.uuid4().hex
         context = {"conversation_id": conversation_id}
         history, chat = self.server.conversations.get(conversation_id)
-        started, first_ms, reply = self.begin(), None, ""
+        session = self.open()
         await self.write(HandledStart(context=context).event())
-        scheduler = self.stages.scheduler
-        scheduler.start_waiting(self)
-        stream = chat.reply(history.messages(transcript.text), urgent=lambda: first_ms is None)
-        try:
-            async with aclosing(blocks_within(stream, self.stages.config.faults)) as blocks:
-                async for block in blocks:
-                    if first_ms is None:
-                        first_ms = (time.monotonic() - started) * 1000
-                        scheduler.stop_waiting(self)
-                    reply += block.text
-                    await self.write(HandledChunk(text=block.text).event())
-                    if len(reply) >= self.stages.config.limits.max_reply_chars:
-                        break
-        except StageFailure as failure:
-            self.error(self.failed(failure).code, failure.message)
-            await self.write(NotHandled(text="Sorry, I could not answer that.", context=context).event())
-            assert self.calls is not None  # opened by `begin` above
-            self.calls.unreplied(self.turn, transcript.text, "failed")
+        self.begin("answer", session.turn + 1, context=context)
+        await modes.answer(session, transcript.text, history, chat)
+        await self.answered()
+
+    # --- the wire out (AudioOutput) -------------------------------------------------------------
+
+    async def play(self, audio: events.TtsAudio, heard: Callable[[], None]) -> None:
+        """A phrase of a synthesis, in audio-chunks of AUDIO_CHUNK_SAMPLES; heard once the first is written."""
+        assert self.session is not None  # (its outbox is drained)
+        pcm = np.frombuffer(audio.pcm, dtype="<i2")
+        for i in range(0, len(pcm), AUDIO_CHUNK_SAMPLES):
+            if self.ended or not self.session.is_current(audio.turn):
+                return
+            await self.write(AudioChunk(rate=audio.rate, width=2, channels=1,
+                                        audio=pcm[i:i + AUDIO_CHUNK_SAMPLES].tobytes()).event())
+            if not i:
+                heard()
+
+    async def clear(self) -> None:
+        return None  # (a request is never talked over: the next one is read once this one is answered)
+
+    async def send(self, ev: events.Event) -> None:
+        """The session's events in Wyoming's: each request's own, and how it ends."""
+        request = self.request
+        if self.ended:
             return
+        if isinstance(ev, events.Error):  # (the session counted and recorded it)
+            if ev.stage and request is not None and ev.turn == request.turn and not request.done.done():
+                await self.stage_failed(request, ev)
+            elif self.session is not None and self.session.ending.is_set():
+                await self.end(ev.code, ev.message)  # the session ends (a limit, shutdown): the last word
+            return
+        if request is None or ev.turn != request.turn:
+            return
+        if isinstance(ev, events.Transcript) and request.program == "listen":
+            await self.transcribed(request, ev)
+        elif isinstance(ev, events.ReplyText) and request.program == "answer":
+            await self.write(HandledChunk(text=ev.text).event())
+        elif isinstance(ev, events.ReplyDone) and request.program == "speak":
+            await self.write(AudioStop().event())
+            if request.streamed:
+                await self.write(SynthesizeStopped().event())
+            answered(request)
+        elif isinstance(ev, events.ReplyDone) and request.program == "answer" and not request.done.done():
+            await self.write(Handled(text=ev.text, context=request.context).event())
+            await self.write(HandledStop().event())
+            answered(request)
+
+    async def transcribed(self, request: Request, ev: events.Transcript) -> None:
+        """A partial transcript: its new words as a transcript-chunk; the final: the rest, transcript
+        and transcript-stop."""
+        text = ev.text
+        if text.startswith(request.said) and len(text) > len(request.said):
+            delta, request.said = text[len(request.said):], text
+            await self.write(TranscriptChunk(text=delta).event())
+        if ev.final:
+            await self.write(Transcript(text=text, language=self.stages.config.asr.language or None).event())
+            await self.write(TranscriptStop().event())
+            answered(request)
+
+    async def stage_failed(self, request: Request, ev: events.Error) -> None:
+        """The assistant answers not-handled (Home Assistant's end of it); speech to text or text to
+        speech ends with an `error` and the connection closes (HA's clients have no timeout)."""
+        if request.program == "answer":
+            await self.write(NotHandled(text="Sorry, I could not answer that.", context=request.context).event())
+            answered(request)
+        else:
+            kind = "timeout" if ev.code.endswith("timeout") else "failed"
+            await self.end(ev.code if ev.stage in ("asr", "lm") else f"{ev.stage}_{kind}", ev.message)
+
+    async def end(self, code: str, message: str) -> None:
+        """The last event of this connection: an `error`; the request waiting for it ends the reading."""
+        self.ended = True
+        try:
+            await self.write(Error(text=message, code=code).event())
         finally:
-            scheduler.stop_waiting(self)
-        reply = reply.strip()
-        history.add(transcript.text, reply)
-        await self.write(Handled(text=reply, context=context).event())
-        await self.write(HandledStop().event())
-        await self.done("ok", transcript.text, reply, {"lm_first_block": first_ms or 0.0})
+            if self.request is not None and not self.request.done.done():
+                self.request.done.set_exception(Reported(code))
 
-    async def stop_work(self) -> None:
-        """Cancel the transcription and synthesis in flight, and let them stop (CLOSE_GRACE_S at most)."""
-        tasks = [task for task in (self.partial_task, self.speech[1] if self.speech else None) if task is not None]
-        self.partial_task, self.speech = None, None
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            done, _ = await asyncio.wait(tasks, timeout=CLOSE_GRACE_S)
-            for task in done:
-                if not task.cancelled():
-                    task.exception()  # what it failed with ends with this connection: nothing to report
-        if self.dictation is not None:
-            self.dictation.cancel()
-            self.dictation = None
+    async def close(self, code: int, reason: str) -> None:
+        """The session ended (its `error` went out last): nothing more is written; `release` closes."""
+        self.ended = True
 
-    async def close(self) -> None:
+    async def write(self, event: Event) -> None:
+        """One event, which the client must read within `idle_timeout_s`: else it is cut off without a
+        word (it would not read one), and `Stalled` says so."""
+        try:
+            async with asyncio.timeout(self.config.idle_timeout_s):
+                await async_write_event(event, self.writer)
+        except TimeoutError:
+            message = f"the client read nothing for {self.config.idle_timeout_s:g} s"
+            self.error("slow_client", message)
+            self.ended = True
+            self.writer.transport.abort()  # what it has not read is dropped with it
+            raise Stalled(message) from None
+
+    # --- errors and the end ---------------------------------------------------------------------
+
+    def error(self, code: str, message: str) -> None:
+        """Count, log and record an error (in the records once this connection is a session)."""
+        if self.session is not None:
+            self.session.emit(events.Error(self.session.turn, time.monotonic(), code, message), wire=False)
+        else:
+            self.stages.metrics.errors.labels(code).inc()
+            log.warning("wyoming=%s %s: %s", self.id, code, message)
+
+    async def fail(self, failure: RequestFailed) -> None:
+        """Stop what this connection was doing, then say why (the error is the last event sent)."""
+        self.ended = True
+        drain = self.conversation.drain
+        if drain is not None:
+            drain.cancel()
+            await asyncio.wait({drain})
+        self.error(failure.code, failure.message)
+        session = self.session
+        if session is not None:
+            await modes.stop(session)
+            if session.turn in session.call_log.open_turns:
+                session.unreplied(session.turn, "", failure.code)
+        try:
+            await self.write(Error(text=failure.message, code=failure.code).event())
+        except ConnectionError:
+            pass
+
+    async def release(self) -> None:
         """Give everything back, the socket last and whatever else fails: a client that reads nothing
         is cut off after CLOSE_GRACE_S instead of holding the socket until it reads."""
         try:
-            await self.stop_work()
-            self.stages.scheduler.stop_waiting(self)
-            if self.calls is not None:
-                self.calls.closed("closed", self.turn)
-                self.stages.metrics.sessions.labels("wyoming").dec()
-                assert self.ticket is not None  # acquired with `calls`
+            if self.ticket is not None:
                 self.ticket.release()
         finally:
             self.writer.close()
@@ -580,6 +563,12 @@ class Connection:
             except (TimeoutError, ConnectionError):
                 self.writer.transport.abort()
             give_back_freed_memory()  # a connection that made no request held no ticket
+
+
+
+def answered(request: Request) -> None:
+    if not request.done.done():
+        request.done.set_result(None)
 
 
 class WyomingServer:

@@ -1,0 +1,201 @@
+"""A session that serves requests instead of holding a conversation: Wyoming's three programs.
+
+    listen   audio from the client's start to its stop -> one final transcript, no reply
+             (`Dictation`, the session's TurnTaker: every sample transcribed; the VAD only
+             decides when the final may be decoded early, as a TurnTaker's EarlyFinal does)
+    speak    text as it comes -> phrases -> audio (`ReplyRunner.recite`: no LM)
+    answer   a typed turn in a conversation the caller keeps -> the LM's reply as text (no TTS)
+
+Each request is a turn of the session (`Session(..., requests=True)`), so admission, the call
+records, latency and metrics, stage faults, the scheduler and the end of the turn are the
+session's, as for every other front. What a request says goes out through the session's outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING
+
+from voice import vad
+from voice.asr import SAMPLE_RATE, Transcriber
+from voice.audio import pcm16_to_float
+from voice.config import Config
+from voice.events import SpeechStarted, SpeechStopped
+from voice.history import History
+from voice.lm import Chat, Committed
+from voice.reply import Reply
+from voice.turns import Final, Partial, SpeculationDropped, TurnEvent, TurnTaker
+
+if TYPE_CHECKING:
+    from voice.session import Session
+
+STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
+
+
+class Dictation(TurnTaker):
+    """Listen only: one utterance from `start` to `end_now` (the client says where it begins and
+    ends), all of it transcribed, 16 kHz PCM16 in. The same turn events as a TurnTaker: a partial
+    transcript whenever the last is done, a speculative Final once the speaker has been quiet
+    `asr.early_final_ms` (dropped if they go on), and at the end SpeechStopped and the Final."""
+
+    def __init__(self, config: Config, whisper: Transcriber, in_rate: int, name: str):
+        assert in_rate == SAMPLE_RATE, "a dictation's audio comes resampled to 16 kHz"
+        super().__init__(config, whisper, in_rate, name)
+        self.asks = False  # the client ends the turn, not a policy
+        self.dictating = False
+        self.voice_at = 0.0  # when the last audio with speech in it came (the turn's speech end)
+
+    @property
+    def speaking(self) -> bool:
+        return self.dictating
+
+    def listening(self, turn: int) -> bool:
+        return turn == self.turn and self.dictating
+
+    def start(self, now: float) -> list[TurnEvent]:
+        """A new utterance (the one in flight, if any, is dropped)."""
+        out = self.clear(now)
+        self.turn += 1
+        self.endpointer = vad.Endpointer(self.config.vad, SAMPLE_RATE)
+        self.dictating, self.audio_s, self.voice_at = True, 0.0, now
+        return [*out, SpeechStarted(self.turn, now)]
+
+    def push(self, pcm16: bytes, now: float) -> list[TurnEvent]:
+        limit = self.config.limits.max_utterance_s
+        if not self.dictating or not pcm16 or limit and self.audio_s >= limit:
+            return []  # (past the utterance limit the rest is not transcribed)
+        audio = pcm16_to_float(pcm16)
+        self.audio_s += len(audio) / SAMPLE_RATE
+        self.transcriber.insert_audio_chunk(audio)
+        out: list[TurnEvent] = []
+        if any(isinstance(ev, vad.VoiceStart) for ev in self.endpointer.push(pcm16)):
+            out += self._drop_early()
+        if self.endpointer.in_speech:
+            if not self.endpointer.silence_ms:
+                self.voice_at = now
+            if not self.early.quiet(self.endpointer.silence_ms):
+                out += self._drop_early()  # (still) speaking
+            elif (early := self.early.take()) is not None:
+                self.turn_ended = asyncio.Event()
+                out.append(Final(self.turn, early, self.turn_ended))
+        if self.partial_task is None or self.partial_task.done():
+            self.partial_task = asyncio.ensure_future(self.transcriber.process_iter())
+            out.append(Partial(self.turn, self.partial_task))
+        return out
+
+    def _drop_early(self) -> list[TurnEvent]:
+        if not self.early.drop():
+            return []
+        self.turn_ended = None
+        return [SpeculationDropped()]
+
+    def end_now(self, now: float) -> list[TurnEvent]:
+        """The client's audio-stop: the final transcript (the early one if only silence followed it)."""
+        if not self.dictating:
+            return []
+        self.dictating = False
+        if self.partial_task is not None:
+            self.partial_task.cancel()
+        ended, self.turn_ended = self.turn_ended, None
+        out: list[TurnEvent] = [SpeechStopped(self.turn, now, self.voice_at)]
+        transcript = self.early.final()
+        if ended is None:
+            ended = asyncio.Event()
+            out.append(Final(self.turn, transcript, ended))
+        ended.set()
+        return out
+
+    def clear(self, now: float) -> list[TurnEvent]:
+        """The utterance is dropped: nothing of it is decoded any more."""
+        if not self.dictating:
+            return []
+        self.dictating = False
+        if self.partial_task is not None:
+            self.partial_task.cancel()
+        out = self._drop_early()
+        self.transcriber.reset()
+        return out
+
+
+class NoChat:
+    """A requests session's own chat: it has none (an answer borrows its conversation's)."""
+
+    async def reply(self, messages: list[dict], mode: str | None = None, urgent: object = None,
+                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
+        raise RuntimeError("this session answers only in a conversation it is given")
+        yield
+
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+        return None
+
+    async def end_of_turn_probability(self, messages: list[dict], text: str,
+                                      tools: list[dict] | None = None) -> float | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def dictation(session: Session) -> Dictation:
+    assert isinstance(session.turns, Dictation), "a session that serves requests (requests=True)"
+    return session.turns
+
+
+def answered(session: Session) -> None:
+    """The last request is answered: its reply (audio the client has, not plays) is no barge-in's."""
+    reply = session.floor.reply
+    if reply is not None and (reply.task is None or reply.task.done()):
+        session.floor.reply = None
+
+
+def listen(session: Session) -> int:
+    """Start a dictation (one in flight is dropped, unanswered: `superseded`). Its turn."""
+    answered(session)
+    turns, before = dictation(session), session.turn
+    dropped = turns.dictating
+    session._on_turn(turns.start(time.monotonic()))
+    if dropped and before in session.call_log.open_turns:
+        session.unreplied(before, "", "superseded")
+    return session.turn
+
+
+def speak(session: Session, texts: AsyncIterator[str]) -> int:
+    """A turn that speaks `texts` as they come (no LM). Its turn."""
+    answered(session)
+    turn = session.turns.new_turn()
+    session.call_log.started(turn)
+    session.stages.scheduler.start_waiting(session)  # until its first audio, the client waits
+    session.floor.recite(turn, texts)
+    return turn
+
+
+async def answer(session: Session, text: str, history: History, chat: Chat) -> int:
+    """A typed turn in the conversation `history` and `chat` hold (the caller keeps them), answered
+    as text only; returns once its turn is recorded. Its turn."""
+    answered(session)
+    mine = session.history, session.replies.chat
+    session.history, session.replies.chat = history, chat
+    try:
+        turn = session.text_turn(text)
+        reply = session.floor.reply
+        assert reply is not None and reply.task is not None  # started by text_turn
+        await asyncio.wait({reply.task})
+        return turn
+    finally:
+        session.history, session.replies.chat = mine
+
+
+async def stop(session: Session) -> None:
+    """The client's request failed: drop what is in flight (a dictation, its final transcript, a
+    reply), and let a cancelled reply record itself."""
+    session.clear_speech()
+    reply: Reply | None = session.floor.reply
+    tasks = [t for t in (reply.task if reply else None, session.final_task, *session.partial_tasks)
+             if t is not None and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+    session.stages.scheduler.stop_waiting(session)

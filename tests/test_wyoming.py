@@ -351,3 +351,18 @@ def test_every_connection_has_a_read_deadline_and_gives_its_socket_back():
         while psutil.Process().num_fds() > baseline and time.monotonic() < deadline:
             time.sleep(0.05)  # the server closes its end of the last connection
         assert psutil.Process().num_fds() <= baseline  # (an fd of an earlier test may close meanwhile)
+
+
+def test_a_transcription_is_a_session_turn_like_a_ws_one(server):
+    """Wyoming runs on the session: a transcription's row has the transcript, status ok and the
+    latency report a /ws turn has (stages_ms, with the asr stage), beside Wyoming's `stages`."""
+    pcm = speech("001.wav")
+    chunks = [AudioChunk(rate=16000, width=2, channels=1, audio=pcm[i:i + 2048]).event()
+              for i in range(0, len(pcm), 2048)]
+    talk(server, AudioStart(rate=16000, width=2, channels=1).event(), *chunks, AudioStop().event(),
+         until="transcript-stop")
+    server.stop()
+    [session] = rec.read_sessions(server.config.records.path)
+    [turn] = session["turns"]
+    assert (turn["status"], turn["transcript"]) == ("ok", "what time is it")
+    assert "asr" in turn["latency"]["stages_ms"] and turn["latency"]["stages"] == turn["latency"]["stages_ms"]

@@ -20,7 +20,9 @@ spread over all of them. Only one system is being talked to at a time; the other
 Threads: --threads (default 1) torch threads for our LM wherever it runs (lm.threads for the
 in-process engine, `engine serve --threads`). faster-whisper and Piper keep their defaults in
 both systems (CTranslate2 and onnxruntime choose), which are the same code paths in both.
---quantize (default fp16, as shipped) applies to our LM wherever it runs, Pipecat's included.
+--model and --quantize (default: the voice default, qwen2.5-1.5b, quantize auto, as shipped: the
+packaged GGUF on llama.cpp's kernels where PyTorch has no AVX-512) apply to our LM wherever it
+runs, Pipecat's engine serve included.
 
 --ours-lm local (default) runs our service as shipped: the engine in-process, the conversation's
 KV cache kept between turns. --ours-lm serve points our service at the same `engine serve` as
@@ -51,6 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (BENCH_DIR, PIPECAT_PYTHON, REPO, RESULTS, cpu_model, fmt, free_port, loadavg,  # noqa: E402
                     machine, ratio, update_latest, write_json)
 from drive import clip_list, run_session, summarise  # noqa: E402
+
+sys.path.insert(0, str(REPO))
+from voice.config import LmConfig  # noqa: E402  (the shipped LM: what this benchmark measures by default)
 
 SYSTEMS = ("ours", "ours_ar", "pipecat", "pipecat_ar")
 DEFAULT_SYSTEMS = ("ours", "ours_ar", "pipecat")
@@ -113,9 +118,10 @@ def our_config(a, engine_url: str | None, path: Path) -> Path:
     import dataclasses
 
     from voice.config import Config
-    lines = ["[lm]", f"threads = {a.threads}", f'quantize = "{a.quantize}"']
+    lines = ["[lm]", f"threads = {a.threads}", f'model = "{a.model}"', f'quantize = "{a.quantize}"']
     if a.ours_lm == "serve":
-        lines += ['backend = "openai"', f'url = "{engine_url}"', 'model = "default"']
+        lines = [line for line in lines if not line.startswith("model")]
+        lines += ['backend = "openai"', f'url = "{engine_url}"', f'model = "{a.model}"']
     if "records" in {f.name for f in dataclasses.fields(Config)}:  # keep bench turns out of runs/records.sqlite3
         lines += ["[records]", f'path = "{path.with_suffix(".sqlite3")}"']
     path.write_text("\n".join(lines) + "\n")
@@ -145,9 +151,10 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N clips (0: all)")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each plays every clip once per system (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for our LM (in-process or engine serve)")
-    p.add_argument("--quantize", choices=["none", "fp16", "int8"], default="fp16",
-                   help="our LM's linear layers, in our service and in the engine serve Pipecat uses (default fp16, "
-                        "as shipped)")
+    p.add_argument("--model", default=LmConfig.model, help=f"our LM (default {LmConfig.model}, the voice default)")
+    p.add_argument("--quantize", choices=["auto", "gguf", "none", "fp16", "int8"], default=LmConfig.quantize,
+                   help=f"our LM's weights, in our service and in the engine serve Pipecat uses (default "
+                        f"{LmConfig.quantize}, as shipped)")
     p.add_argument("--ours-lm", choices=["local", "serve"], default="local",
                    help="our service's LM: in-process engine (as shipped) or the shared engine serve")
     p.add_argument("--pipecat-turn", choices=["smart", "timeout"], default="smart",
@@ -188,7 +195,8 @@ def main(argv=None) -> int:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}/v1"
             services["engine"] = Service("engine", [str(VENV_BIN / "engine"), "serve", "--port", str(port),
-                                                    "--threads", str(a.threads), "--quantize", a.quantize], log_dir,
+                                                    "--model", a.model, "--threads", str(a.threads),
+                                                    "--quantize", a.quantize], log_dir,
                                          http_ok(f"http://127.0.0.1:{port}/healthz"))
             t = services["engine"].wait_ready(a.start_timeout)
             print(f"  engine serve ready on {engine_url} ({t:.0f} s)", flush=True)
@@ -209,7 +217,7 @@ def main(argv=None) -> int:
             mode = "ar" if name == "pipecat_ar" else "diffusion"
             port = free_port()
             args = [a.pipecat_python, str(BENCH_DIR / "pipecat_pipeline.py"), "--port", str(port), "--llm-url",
-                    engine_url, "--lm-mode", mode, "--turn", a.pipecat_turn]
+                    engine_url, "--llm-model", a.model, "--lm-mode", mode, "--turn", a.pipecat_turn]
             if a.pipecat_whisper_beam is not None:
                 args += ["--whisper-beam-size", str(a.pipecat_whisper_beam)]
             services[name] = Service(name, args, log_dir, log_says("pipecat pipeline ready"))

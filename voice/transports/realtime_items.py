@@ -185,7 +185,7 @@ class Items:
         """The reply is over (a reply cancelled before its first output is a response too)."""
         r, out = self.response(turn, playback)
         status = "cancelled" if done.interrupted else "completed"
-        details = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
+        details: dict[str, Any] | None = {"type": "cancelled", "reason": "turn_detected"} if done.interrupted else None
         if (error := self.failures.pop(turn, None)) is not None:  # the turn failed: its apology is not the reply
             status, details = "failed", {"type": "failed", "error": error}
         if r["item"] is not None:

@@ -7,8 +7,13 @@ behind each other (continuous batching at block-step granularity). Each round th
 the highest priority go first (`priority()`, asked per round: a reply that has not delivered a
 piece yet is WAITED); the others sit out, each forward at most `max_defer_s`, so they are
 delayed, never starved; a BACKGROUND request sits out even alone. What deserves which priority
-is the caller's policy (voice/lm.py has the voice service's). Each conversation keeps
-its own KV cache, so a new turn only prefills what is new. Cancelling a stream (barge-in)
+is the caller's policy (voice/lm.py has the voice service's). Within a priority the least
+served requests go first (each is charged its rows' share of the model time of the batches it
+was in), and a prompt is prefilled in chunks of about `SLICE_S` of model time: a conversation
+that sends a long prompt cannot hold the model from the others' steps, and a newcomer goes
+ahead of it. A prompt whose new tokens would take longer than `max_prefill_s` to read is
+refused before any forward. Each conversation keeps its own KV cache, so a new turn only
+prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
 

@@ -135,15 +135,20 @@ def test_a_spoken_turn_through_the_sdk_gets_a_transcript_and_audio(served):
     assert session["transport"] == "realtime" and session["turns"][0]["reply"] == "Sure, here is a short reply."
 
 
-def test_text_in_audio_out(served):
+def ask_text(served, text: str) -> Talk:
+    """One typed question and its response, on a new connection."""
     async def go():
         async with connect(served) as conn:
             talk = Talk(conn)
-            await talk.ask({"type": "input_text", "text": "Hello there"})
+            await talk.ask({"type": "input_text", "text": text})
             await talk.wait("response.done")
             await conn.close()
             return talk
-    talk = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_text_in_audio_out(served):
+    talk = ask_text(served, "Hello there")
     assert talk.of("conversation.item.added")[0]["item"]["content"][0]["text"] == "Hello there"
     assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "Hello there"}
     assert talk.of("response.output_audio.delta") and talk.of("response.done")[0]["response"]["status"] == "completed"
@@ -159,15 +164,7 @@ def test_a_reply_the_lm_cannot_give_is_a_failed_response(served, failure, code, 
     breaks: an `error` of the client's or the server's type, then response.done `failed` with
     that error (not `cancelled`: the apology that follows is not the reply)."""
     served.stages.lm.fail_at, served.stages.lm.failure = 0, failure
-
-    async def go():
-        async with connect(served) as conn:
-            talk = Talk(conn)
-            await talk.ask({"type": "input_text", "text": "Hello there"})
-            await talk.wait("response.done")
-            await conn.close()
-            return talk
-    talk = asyncio.run(go())
+    talk = ask_text(served, "Hello there")
     assert [(e["error"]["type"], e["error"]["code"]) for e in talk.of("error")] == [(kind, code)]
     response = talk.of("response.done")[0]["response"]
     assert response["status"] == "failed"

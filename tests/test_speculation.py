@@ -74,25 +74,26 @@ def silence(ms: int) -> bytes:
     return bytes(32 * ms)
 
 
+async def one_turn(stages, clip: str, realtime: bool = False) -> list:
+    """A session hears `clip` (in real time if `realtime`) and a second of silence: what it sent."""
+    s = Session(stages, 16000, 16000)
+    seen: list = []
+    reader = drain(s, seen)
+    await push(s, speech(clip), realtime=realtime)
+    await push(s, silence(1000), realtime=True)
+    await until_reply_done(seen)
+    reader.cancel()
+    await s.close()
+    return seen
+
+
 @pytest.mark.parametrize("speculative", [True, False])
 def test_the_reply_waits_for_the_end_of_the_turn(speculative):
     """Speculative: the LM is asked during the hangover, before the VAD declares the end of
     speech, yet nothing of the reply is sent before the final transcript. Without: it is asked
     only after the end of speech."""
     stages = stages_for(speculative)
-
-    async def scenario():
-        s = Session(stages, 16000, 16000)
-        seen: list = []
-        reader = drain(s, seen)
-        await push(s, speech("001.wav"))
-        await push(s, silence(1000), realtime=True)
-        await until_reply_done(seen)
-        reader.cancel()
-        await s.close()
-        return seen
-
-    seen = asyncio.run(scenario())
+    seen = asyncio.run(one_turn(stages, "001.wav"))
     stopped = next(e for e in seen if isinstance(e, SpeechStopped))
     assert len(stages.lm.asked_at) == 1
     assert (stages.lm.asked_at[0] < stopped.t) == speculative
@@ -213,19 +214,7 @@ def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
     """Each partial transcript is read by the LM as it comes (prefilled into the conversation's
     cache), so the reply to the final transcript prefills only the words after them."""
     stages = fake_stages(make_config(), FakeWhisper("eight of spades"), None, TimedLM())
-
-    async def scenario():
-        s = Session(stages, 16000, 16000)
-        seen: list = []
-        reader = drain(s, seen)
-        await push(s, speech("005.wav"), realtime=True)
-        await push(s, silence(1000), realtime=True)
-        await until_reply_done(seen)
-        reader.cancel()
-        await s.close()
-        return seen
-
-    seen = asyncio.run(scenario())
+    seen = asyncio.run(one_turn(stages, "005.wav", realtime=True))
     partials = [e.text for e in seen if isinstance(e, Transcript) and not e.final]
     read = [messages[-1]["content"] for messages, _ in stages.lm.prepared[1:]]  # after the session's start
     assert partials and read[:len(partials)] == partials

@@ -575,21 +575,23 @@ def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: Di
     return diffusion_steps(state, new, cfg, spec, stop_ids)
 
 
-def prefill_steps(state: CacheState, new: list[int], chunk: int) -> Generator[Forward, Any, list[int]]:
-    """Write `new` into the cache `chunk` tokens a forward (0: all at once) and return the last
-    stretch unwritten: the decoder's first forward writes it. A scheduler runs other
-    conversations' forwards between the chunks, so a long prompt cannot hold the CPU for seconds."""
-    while 0 < chunk < len(new):
-        yield Forward(state, new[:chunk])
-        new = new[chunk:]
+def prefill_steps(state: CacheState, new: list[int], chunk: Callable[[], int] | None
+                  ) -> Generator[Forward, Any, list[int]]:
+    """Write `new` into the cache `chunk()` tokens a forward (asked before each; None: all at
+    once) and return the last stretch unwritten: the decoder's first forward writes it. A
+    scheduler runs other conversations' forwards between the chunks, so a long prompt cannot hold
+    the CPU for seconds."""
+    while chunk is not None and 0 < (n := chunk()) < len(new):
+        yield Forward(state, new[:n])
+        new = new[n:]
     return new
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
          stop_ids: set[int], drafter: Drafter | None = None, embed: nn.Embedding | None = None,
-         constraint: Constraint | None = None, prefill_chunk: int = 0) -> Steps:
+         constraint: Constraint | None = None, prefill_chunk: Callable[[], int] | None = None) -> Steps:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
-    only the prompt's uncached tail is prefilled, `prefill_chunk` tokens a forward (0: at once).
+    only the prompt's uncached tail is prefilled, `prefill_chunk()` tokens a forward (None: at once).
     `verify` drafts with `drafter` (prompt lookup when None); `embed` is the base model's token
     embedding, which a draft head reads. `constraint` (engine.grammar) keeps the reply inside a grammar."""
     if len(prompt) + cfg.max_new_tokens > state.capacity:

@@ -577,8 +577,8 @@ SHORT = [{"role": "user", "content": "Name a fruit."}]
 
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypatch):
-    """A long prompt written 16 tokens a forward, so others' steps run between its chunks,
-    decodes exactly what one whole-prompt forward does."""
+    """A long prompt written in chunks (64 tokens a forward here: alone, 4 slices of 16), so
+    others' steps could run between them, decodes exactly what one whole-prompt forward does."""
     whole, chunked = Engine(smol, max_seq_len=512), Engine(smol, max_seq_len=512)
     chunked.token_s = engine.stream.SLICE_S / 16  # as if a prompt token cost that much here
     cfg = DecodeConfig(mode=mode, max_new_tokens=8)
@@ -592,10 +592,11 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
 
     monkeypatch.setattr(engine.decode, "run_many", counting)
     got = list(chunked.generate_sync(LONG, cfg))
+    alone = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: bigger chunks
     assert chunked.prefill_chunk == 16 and got[0].prompt_tokens > 250
     assert reply_ids(got) == reply_ids(expected)
-    chunks = (got[0].prompt_tokens - 1) // 16
-    assert written[:chunks] == [16] * chunks and written[chunks] < 16  # the prompt, 16 tokens a forward
+    chunks = (got[0].prompt_tokens - 1) // alone
+    assert written[:chunks] == [alone] * chunks and written[chunks] < alone  # the prompt, a chunk a forward
 
 
 def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):

@@ -91,13 +91,19 @@ class Dictation(TurnTaker):
         self.turn_ended = None
         return [SpeculationDropped()]
 
-    def end_now(self, now: float) -> list[TurnEvent]:
-        """The client's audio-stop: the final transcript (the early one if only silence followed it)."""
+    def _stop(self) -> bool:
+        """Stop dictating (no more partials); False if it was not dictating."""
         if not self.dictating:
-            return []
+            return False
         self.dictating = False
         if self.partial_task is not None:
             self.partial_task.cancel()
+        return True
+
+    def end_now(self, now: float) -> list[TurnEvent]:
+        """The client's audio-stop: the final transcript (the early one if only silence followed it)."""
+        if not self._stop():
+            return []
         ended, self.turn_ended = self.turn_ended, None
         out: list[TurnEvent] = [SpeechStopped(self.turn, now, self.voice_at)]
         transcript = self.early.final()
@@ -109,11 +115,8 @@ class Dictation(TurnTaker):
 
     def clear(self, now: float) -> list[TurnEvent]:
         """The utterance is dropped: nothing of it is decoded any more."""
-        if not self.dictating:
+        if not self._stop():
             return []
-        self.dictating = False
-        if self.partial_task is not None:
-            self.partial_task.cancel()
         out = self._drop_early()
         self.transcriber.reset()
         return out

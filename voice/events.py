@@ -179,8 +179,9 @@ class Error(Event):
     message: str = ""
     stage: str = ""  # asr | lm | tts for a stage failure or timeout
     apology: bool = False  # the spoken apology follows (binary frames of this turn)
+    client: bool = False  # what the client sent caused it (its code says so on the wire; for the codecs)
     type = "error"
-    optional = ("stage", "apology")
+    optional = ("stage", "apology", "client")  # `client`: not sent
 
     def to_wire(self) -> dict:
         body = {"type": self.type, "turn": self.turn, "code": self.code, "message": self.message}

@@ -104,12 +104,12 @@ class ReplyRunner:
         self.name = name  # the session, for logs
         # A session that serves requests (voice/modes.py): its LM replies are text only, and the
         # conversation is its caller's (nothing is prepared ahead in it).
-        self.speaks = self.prepares = not requests
+        self.requests = requests
 
     async def prepare(self, messages: list[dict]) -> None:
         """The LM prefills `messages` ahead of the reply that will start with them: the session's
         start, the words heard so far, the next turn's conversation (best effort)."""
-        if not self.prepares:
+        if self.requests:
             return
         try:
             await self.chat.prepare(messages, (self.tools.openai() + self.client_tools) or None)
@@ -286,7 +286,7 @@ class ReplyRunner:
         while (phrase := await phrases.get()) is not None:
             if not phrase.strip():
                 continue
-            if not (self.speaks or paced):  # a text-only reply: its first phrase is its first output
+            if self.requests and not paced:  # a text-only reply: its first phrase is its first output
                 self.sink.first_audio()
                 continue
             pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
@@ -315,7 +315,8 @@ class ReplyRunner:
         reply.failure = failure
         reply.playback.apology_at = reply.playback.emitted
         apology = bool(self.apology) and self.sink.is_current(reply.turn)
-        self.sink.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology))
+        self.sink.emit(Error(reply.turn, time.monotonic(), failure.code, failure.message, failure.stage, apology,
+                             failure.kind == "client"))
         if apology and self.apology is not None and self.sink.emit(
                 TtsAudio(reply.turn, time.monotonic(), self.apology, self.out_rate, self.config.faults.apology),
                 track=False):

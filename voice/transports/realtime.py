@@ -379,7 +379,7 @@ class RealtimeFront:
         elif isinstance(ev, ReplyDone):
             await self.emit(items.done(turn, ev, self._playback()))
         elif isinstance(ev, Error):
-            kind = "server_error" if ev.stage and ev.code != "context_length_exceeded" else "invalid_request_error"
+            kind = "server_error" if ev.stage and not ev.client else "invalid_request_error"
             if ev.stage:  # a stage failed this turn's reply
                 items.failed(turn, kind, ev.code)
             await self.emit([self.error_event(RealtimeError(ev.message, ev.code, kind=kind))])

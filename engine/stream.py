@@ -281,7 +281,8 @@ class Engine:
         """Plan a reply on `conversation` (closing one still running there)."""
         cfg = self.resolve(cfg)
         prompt = self.prompt_ids(messages, tools)
-        self._affordable(prompt, conversation.state)
+        if not background:  # a warm has no one waiting: it may take as long as it takes
+            self._affordable(prompt, conversation.state)
         if conversation.active is not None:
             self._close(conversation.active)
         if conversation.state is None:

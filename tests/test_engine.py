@@ -628,7 +628,8 @@ def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
 
 def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
-    the measured cost is refused before any forward (a clear error), and short ones still run."""
+    the measured cost is refused before any forward (a clear error), and short ones still run; a
+    warm of the same prompt is not refused, and the reply after it prefills only what is new."""
     eng = Engine(smol, max_seq_len=512, max_prefill_s=1.0)
     eng.best_token_s = 0.01  # measured: 100 new tokens fit in a second
     cfg = DecodeConfig(mode="ar", max_new_tokens=4)
@@ -642,6 +643,14 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
         asyncio.run(stream(LONG))
     assert eng.batch_sizes == []  # refused before any forward
     assert reply_ids(asyncio.run(stream(SHORT)))
+
+    async def warm_then_reply():  # a warm is never refused (nobody waits for it): the reply then fits
+        conversation = Conversation()
+        await eng.warm(LONG, conversation)
+        eng.best_token_s = 0.01  # as measured before (the warm's own forwards measured this machine)
+        return [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
+
+    assert reply_ids(asyncio.run(warm_then_reply()))
 
 
 def test_a_warm_that_a_reply_overtakes_ends(smol):

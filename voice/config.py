@@ -136,7 +136,8 @@ class LmConfig:
     idle_threads: int = 0  # local, quantize gguf: CPU threads while they have none (0: every core)
     device: str = "cpu"  # local: cpu | cuda (bf16 weights; fp16 where bf16 is missing) | auto (cuda if present)
     max_batch: int = 8  # local: conversations whose decoding steps share one batched forward (1: none)
-    # local: auto = fp16 where PyTorch runs AVX-512, else gguf (bf16 on a GPU) | gguf = the packaged GGUF on
+    # local: auto = fp16 for a model with its draft head where PyTorch runs AVX-512, else gguf (the 1.5B default:
+    # gguf on every CPU class; bf16 on a GPU) | gguf = the packaged GGUF on
     # llama.cpp's kernels (CPU, AR only) | fp16 | int8 | none = PyTorch linear layers (verify; BENCHMARKS.md)
     quantize: str = "auto"
     # local, with [tools]: a reply calls a tool only when the model puts e**this times more probability

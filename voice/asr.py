@@ -294,6 +294,20 @@ class StreamingTranscriber:
                                                                    urgent=lambda: False))
 
 
+# What Whisper writes for near-silence, a breath or a knock: sign-offs of the subtitles it learnt from, not
+# speech. tiny.en writes "you" for 0.5 s of digital silence, for a browser microphone's noise at -55 to -100
+# dBFS, for noise bursts up to -40 dBFS and for a breath; "you you" for a quarter second of a syllable.
+NEAR_SILENCE = (("you",), ("thank", "you"), ("thanks", "for", "watching"), ("thank", "you", "for", "watching"))
+
+
+def has_words(text: str) -> bool:
+    """Whether `text` holds words someone said: not empty, not only punctuation, and not one of
+    Whisper's near-silence transcripts (NEAR_SILENCE), said once or more."""
+    words = tuple(word for word in map(_normalise, text.split()) if word)
+    return bool(words) and not any(len(words) % len(phrase) == 0 and words == phrase * (len(words) // len(phrase))
+                                   for phrase in NEAR_SILENCE)
+
+
 def repeats_itself(text: str) -> bool:
     """Whether some run of 2-4 words comes three times in a row: Whisper's loop, not speech."""
     words = [_normalise(word) for word in text.split()]

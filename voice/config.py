@@ -59,6 +59,10 @@ class TurnConfig:
     # Speech that resumes this soon after the turn ended, before its reply is heard, continues that
     # turn: the new transcript holds both halves, the reply to the first is dropped (0: never)
     resume_ms: int = 2000
+    # Speech over a reply stops it once it holds words (a transcript that is not Whisper's near-silence
+    # "you") or this much voiced audio, whichever comes first: a VAD blip (a click, a breath, a browser's
+    # microphone settling) leaves the reply playing
+    barge_in_ms: int = 600
 
     def __post_init__(self) -> None:
         if self.policy not in TURN_POLICIES:
@@ -72,6 +76,8 @@ class TurnConfig:
             raise ValueError(f"turn.threads must be at least 1, got {self.threads}")
         if self.resume_ms < 0:
             raise ValueError(f"turn.resume_ms must not be negative, got {self.resume_ms}")
+        if self.barge_in_ms < 0:
+            raise ValueError(f"turn.barge_in_ms must not be negative, got {self.barge_in_ms}")
 
 
 @dataclass

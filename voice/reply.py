@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from voice.asr import has_words
 from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio)
@@ -333,6 +334,7 @@ class Floor:
         self.session = session
         self.reply: Reply | None = None
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
+        self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
 
     def start(self, turn: int, user_text: str) -> Reply:
         reply = self.reply = Reply(turn)
@@ -407,15 +409,48 @@ class Floor:
 
     # --- what the user hears ------------------------------------------------------------------
 
+    def speech_started(self, turn: int, now: float, resumes: int) -> None:
+        """The user started talking. Going on with the utterance whose reply they have not heard yet,
+        that reply stops at once (its words are in this turn's transcript too). Over any other reply
+        still pending or playing, this turn is a contender: it stops the reply only once it is speech
+        (`talked_over`, `heard_words`), so a VAD blip (a knock, a breath, a microphone's processing
+        noise) leaves it playing."""
+        reply, self.contender = self.reply, None
+        if reply is not None and resumes and reply.turn == resumes:
+            reply.superseded = True
+            self.barge_in(now)
+        elif reply is not None and self._interruptible(reply, now):
+            self.contender = turn
+
+    def talked_over(self, turn: int, now: float) -> None:
+        """`turn` has been voiced long enough to be speech (voice/turns.py's Talking): a barge-in."""
+        if turn == self.contender:
+            self.barge_in(now)
+
+    def heard_words(self, turn: int, text: str, now: float) -> bool:
+        """`turn`'s transcript so far is `text`: is it a turn to answer? One begun over a reply must
+        hold words, not Whisper's near-silence "you" (voice/asr.py's has_words), and then it is a
+        barge-in; without them it is no speech, and the reply goes on."""
+        if turn != self.contender:
+            return True
+        if not has_words(text):
+            return False
+        self.barge_in(now)
+        return True
+
+    @staticmethod
+    def _interruptible(reply: Reply, now: float) -> bool:
+        """Is `reply` still being made, or played?"""
+        return reply.task is not None and not reply.task.done() or reply.playback.playing(now)
+
     def barge_in(self, now: float) -> None:
-        """User speech while a reply is pending or playing: stop it and drop queued audio."""
+        """Stop the reply pending or playing (the user's speech, a Realtime `response.cancel`, a
+        typed turn) and drop queued audio."""
         reply = self.reply
-        if reply is None:
+        if reply is None or not self._interruptible(reply, now):
             return
         if reply.task is not None and not reply.task.done():
             cancel(reply.task)
-        elif not reply.playback.playing(now):
-            return
         self.session.stages.metrics.barge_ins.inc()
         session_log.info("session=%s turn=%d barge-in", self.session.id, reply.turn)
         self.emit(Clear(reply.turn, now))

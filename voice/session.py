@@ -5,12 +5,11 @@
            --final transcript--> Floor -> ReplyRunner (LM -> TTS)  voice/reply.py
            <--outbox-- events; audio_sent --> Playback ledger   voice/playback.py
 
-The conversation runner (voice/transports/common.py) feeds `push_audio`, drains `outbox` and
-reports with `audio_sent` what reached the wire: what the user heard. Beside the line: the call
-log writes each turn's row before its `reply_done` is sent; the history is what the LM sees;
-`watch_session` (voice/limits.py) sets `ending` past a limit; a failed stage ends the turn with
-an `error` and a spoken apology (docs/RELIABILITY.md). From the end of the user's speech to their
-reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
+The conversation runner (voice/transports/common.py) feeds `push_audio`, drains `outbox` and reports with `audio_sent`
+what reached the wire: what the user heard. Beside the line: the call log writes each turn's row before its
+`reply_done` is sent; the history is what the LM sees; `watch_session` (voice/limits.py) sets `ending` past a limit; a
+failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILITY.md). From the end of the user's
+speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from voice.outbox import Outbox
 from voice.reply import Floor, ReplyRunner
 from voice.stages import Stages
 from voice.tools import Timers
-from voice.turns import Final, Partial, Pause, SpeculationDropped, TooLong, TurnEvent, TurnTaker
+from voice.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooLong, TurnEvent, TurnTaker
 
 log = logging.getLogger("voice.session")
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
@@ -98,12 +97,12 @@ class Session:
         """What the session does at each point of the user's turn (the TurnTaker's events, in order)."""
         for ev in events:
             match ev:
-                case SpeechStarted(turn, now, resumed):  # the user started talking: a reply still playing stops
-                    if resumed and self.floor.reply is not None:  # its words are in this turn's transcript too
-                        self.floor.reply.superseded = True
-                    self.floor.barge_in(now)
+                case SpeechStarted(turn, now, resumes):  # the user started talking, maybe over a reply
+                    self.floor.speech_started(turn, now, resumes)
                     self.call_log.started(turn)
                     self.emit(ev)
+                case Talking(turn, now):  # speech, not a blip: a reply it talks over stops
+                    self.floor.talked_over(turn, now)
                 case Partial(turn, text):
                     task = asyncio.create_task(self._partial(turn, text))
                     self.partial_tasks.add(task)
@@ -140,7 +139,7 @@ class Session:
 
     async def _partial(self, turn: int, text: Awaitable[str | None]) -> None:
         said = await text
-        if said and self.turns.listening(turn):
+        if said and self.turns.listening(turn) and self.floor.heard_words(turn, said, time.monotonic()):
             self.emit(Transcript(turn, time.monotonic(), said, False))
             if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
                 self.read_ahead = self.floor.spawn(self.replies.prepare(self.history.messages(said)))
@@ -159,6 +158,7 @@ class Session:
         if turn != self.turn:
             self._superseded(turn, text, ended, resumes)
             return
+        text = text if self.floor.heard_words(turn, text, time.monotonic()) else ""  # else a blip over a reply
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text)

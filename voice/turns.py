@@ -17,6 +17,8 @@ that turn), so its transcript holds both halves and nothing said is lost. Each t
 final transcript (the superseded one's too, of the audio it had when it ended); the resumed turn's
 final says which turn it `resumes`. `limits.max_utterance_s` bounds the whole of
 it, the resumed halves included: past it the utterance is cut (`TooLong`) and cannot be resumed.
+Once an utterance has `turn.barge_in_ms` of voiced audio it is `Talking`: speech, not a VAD blip,
+which is what lets it interrupt a reply before its words are transcribed (voice/reply.py's Floor).
 """
 
 from __future__ import annotations
@@ -74,6 +76,15 @@ class Pause:
 
 
 @dataclass(frozen=True)
+class Talking:
+    """The user's speech in `turn` has had `turn.barge_in_ms` of voiced audio: speech, not a VAD
+    blip, even before it has words (once per utterance)."""
+
+    turn: int
+    now: float
+
+
+@dataclass(frozen=True)
 class SpeculationDropped:
     """The user went on talking after a speculative final: it, and what was started on it, is void."""
 
@@ -85,7 +96,7 @@ class TooLong:
     limit_s: float
 
 
-TurnEvent = SpeechStarted | SpeechStopped | Partial | Final | Pause | SpeculationDropped | TooLong
+TurnEvent = SpeechStarted | Talking | SpeechStopped | Partial | Final | Pause | SpeculationDropped | TooLong
 
 
 class EarlyFinal:
@@ -143,6 +154,7 @@ class TurnTaker:
         self.pre_roll: deque[np.ndarray] = deque()
         self.utterance_start_s = 0.0  # audio time the current utterance started
         self.resumes = 0  # the turn the current one continues (0: none)
+        self.talking = False  # the current utterance has been voiced `turn.barge_in_ms` (Talking went out)
         self.partial_task: asyncio.Future[str | None] | None = None
         self.turn_ended: asyncio.Event | None = None  # of the early final (decoded during the hangover)
         self.pauses = 0  # pauses the policy was asked about
@@ -174,6 +186,9 @@ class TurnTaker:
                 out.append(self._speech_started(now))
             else:
                 out += self._speech_stopped(ev, now)
+        if self.endpointer.in_speech and not self.talking and self.endpointer.voiced_ms >= self.config.turn.barge_in_ms:
+            self.talking = True
+            out.append(Talking(self.turn, now))
         if self.endpointer.in_speech:
             self.transcriber.insert_audio_chunk(audio)
             limit = self.config.limits.max_utterance_s
@@ -195,6 +210,7 @@ class TurnTaker:
     def _speech_started(self, now: float) -> SpeechStarted:
         self.turn += 1
         self.utterance_start_s = self.audio_s
+        self.talking = False
         self.transcriber.reset()
         last, self.last_utterance = self.last_utterance, None
         self.resumes = 0

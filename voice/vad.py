@@ -47,6 +47,13 @@ class Endpointer:
         return self._in_speech
 
     @property
+    def voiced_ms(self) -> int:
+        """Voiced audio in the current speech so far, its start included (0 when not in speech): how
+        much of it is speech, not how long the VAD has been in speech (a blip of noise holds it there
+        for a whole hangover)."""
+        return self._voiced * self.config.frame_ms if self._in_speech else 0
+
+    @property
     def silence_ms(self) -> int:
         """Unvoiced audio at the end of the current speech so far (0 when not in speech)."""
         return self._run * self.config.frame_ms if self._in_speech else 0
@@ -57,6 +64,7 @@ class Endpointer:
         self._pending = b""
         self._frames_seen = 0
         self._run = 0  # consecutive frames that disagree with the current state
+        self._voiced = 0  # voiced frames of the current speech
         self._in_speech = False
         self._suppressed = False  # after force_stop: no new speech until a hangover of silence
 
@@ -92,8 +100,10 @@ class Endpointer:
                 self._suppressed, self._run = False, 0
             return None
         self._run = self._run + 1 if voiced != self._in_speech else 0
+        if voiced and self._in_speech:
+            self._voiced += 1
         if not self._in_speech and self._run >= self._start_frames:
-            self._in_speech, self._run = True, 0
+            self._in_speech, self._run, self._voiced = True, 0, self._run
             return VoiceStart(t_audio_s=self._seconds(self._frames_seen))
         if self._in_speech and self._run >= self._stop_frames:
             speech_end_frames = self._frames_seen - self._run

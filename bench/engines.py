@@ -177,10 +177,19 @@ class LlamaCppWorker:
         except ImportError:  # bench/.venv-llamacpp: llama.cpp built for this CPU alone
             pass
         self.llama_cpp = llama_cpp
+        if a.llamacpp_extra_bufts == "off":  # Llama() takes no such argument: its model parameters are patched
+            low, default_params = llama_cpp.llama_cpp, llama_cpp.llama_cpp.llama_model_default_params
+
+            def params_without_extra_bufts():
+                params = default_params()
+                params.use_extra_bufts = False
+                return params
+            low.llama_model_default_params = params_without_extra_bufts
         self.llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=2048, n_batch=512, n_threads=a.threads,
                                    n_threads_batch=a.threads, seed=0, verbose=False)
-        self.info = {"engine": "llama.cpp via llama-cpp-python (Q4_1 kernels, greedy)",
+        self.info = {"engine": "llama.cpp via llama-cpp-python (greedy)",
                      "llama_cpp_python": llama_cpp.__version__, "n_threads": a.threads,
+                     "extra_bufts": a.llamacpp_extra_bufts,
                      "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
 
     def run(self, req: dict) -> dict:
@@ -253,7 +262,8 @@ class Worker:
                 "--threads", str(a.threads), "--max-new-tokens", str(a.max_new_tokens), "--model", a.model,
                 "--adapter", a.adapter, "--ar-adapter", a.ar_adapter, "--block-size", str(a.block_size),
                 "--first-block-size", str(a.first_block_size), "--threshold", str(a.threshold),
-                "--quantize", a.quantize, "--diffusion-quantize", a.diffusion_quantize]
+                "--quantize", a.quantize, "--diffusion-quantize", a.diffusion_quantize,
+                "--llamacpp-extra-bufts", a.llamacpp_extra_bufts]
         n = str(a.threads)
         env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n,
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
@@ -381,6 +391,9 @@ def main(argv=None) -> int:
                    help="interpreter for ours_* and transformers (default: .venv)")
     p.add_argument("--llamacpp-python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else LLAMACPP_PYTHON),
                    help="interpreter with llama_cpp (default: the project's .venv, which has it)")
+    p.add_argument("--llamacpp-extra-bufts", choices=["on", "off"], default="on",
+                   help="llamacpp's weight repacking and AMX buffers (use_extra_bufts): 'off' for a native build "
+                        "on an AMX Xeon without ./dev's AMX fix, which crashes on its first decode with them on")
     p.add_argument("--json", default=str(RESULTS / "engines.json"), help="results file ('' for none)")
     p.add_argument("--no-latest", action="store_true", help="do not update bench/results/latest.json")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)

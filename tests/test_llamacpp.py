@@ -219,7 +219,8 @@ def test_the_cpu_variant_is_the_best_this_cpu_runs_and_can_be_forced():
     best = variant_in_subprocess(None)
     assert best.returncode == 0, best.stderr[-2000:]
     name, token = best.stdout.split()
-    expected = ("zen4" if {"avx512vbmi", "avx512_vnni", "avx512_bf16"} <= flags else
+    zen4 = {"avx512vbmi", "avx512_vnni", "avx512_bf16"}
+    expected = ("sapphirerapids" if zen4 | {"amx_tile", "amx_int8"} <= flags else "zen4" if zen4 <= flags else
                 "skylakex" if "avx512f" in flags else "haswell" if "avx2" in flags else "x64")
     assert name == (expected if expected in shipped else name) and name in shipped
     slow = variant_in_subprocess("x64")

@@ -7,8 +7,11 @@ llama.cpp's C API, reached through llama-cpp-python's low-level bindings: one co
 unified KV cache holds every conversation as a sequence, one `llama_decode` per batched step.
 
 Which kernels: ggml's CPU backend comes in variants (x64, haswell = AVX2, skylakex = AVX-512, zen4
-= AVX-512 with VNNI and BF16; ./dev builds them), and `bindings()` loads the one that scores this
-CPU best, so one install runs every CPU class's own kernels (`cpu_variant()`, on /healthz).
+= AVX-512 with VNNI and BF16, sapphirerapids = zen4's plus AMX tiles; ./dev builds them), and
+`bindings()` loads the one that scores this CPU best, so one install runs every CPU class's own
+kernels (`cpu_variant()`, on /healthz). On an AMX Xeon the weights go to ggml's AMX buffer: a
+prefill or a batch of rows runs on the tiles, 2-2.4x faster than zen4's kernels on 2 cores, while
+a one-row step keeps AVX-512 VNNI.
 
 Verify runs here too: a forward's drafted chain goes through the same `llama_decode` as causal
 rows after the clean token, with logits for every row; their cells stay scratch past
@@ -16,9 +19,10 @@ rows after the clean token, with logits for every row; their cells stay scratch 
 "diffusion"` decodes AR on these kernels (`DRAFT_ROWS`, `engine.stream.decide`), by measurement
 (BENCHMARKS.md, "Drafted rows on llama.cpp's kernels", bench/llamacpp_rows.py):
 - a drafted row costs 0.3-0.7 of a one-row step (ggml's quantised matmuls scale with the rows on
-  2 cores, repacked or not, Q4_K, Q4_0 or Q8_0), so a drafter must be accepted for well over 2
-  tokens a forward before verify pays; prompt lookup, the only drafter that needs no hidden
-  states, is accepted far less on spoken replies;
+  2 cores, repacked or not, Q4_K, Q4_0 or Q8_0; on AMX tiles 0.07-0.14 each in a block of 7), so
+  a drafter must be accepted for well over 2 tokens a forward (AMX: over 1) before verify pays;
+  prompt lookup, the only drafter that needs no hidden states, is accepted far less on spoken
+  replies;
 - no draft head reads ggml's states: ours read the base's last hidden states before the final
   norm, and llama.cpp gives them after it (`embeddings`);
 - ggml's batched kernels round a drafted row a little differently from the one-row kernel (a
@@ -62,10 +66,13 @@ log = logging.getLogger("engine.llamacpp")
 SEQUENCES = 64  # conversations whose caches are alive at once (llama.cpp allows up to 256)
 BATCH = 512  # tokens per llama_decode call; a longer prefill is decoded in several calls
 IDLE_EVICT_S = 30.0  # a cache unused this long may be dropped when the shared cache is full
-# why `mode = "diffusion"` decodes AR on these kernels (engine.stream.decide), from
-# bench/llamacpp_rows.py and BENCHMARKS.md, "Drafted rows on llama.cpp's kernels"
-DRAFT_ROWS = ("on llama.cpp's kernels a drafted row costs 0.3-0.7 of a step on 2 cores and no draft head "
-              "reads ggml's hidden states (given after the final norm): prompt lookup alone does not pay")
+# why `mode = "diffusion"` decodes AR on these kernels (engine.stream.decide), by CPU class, from
+# bench/llamacpp_rows.py and BENCHMARKS.md, "Drafted rows on llama.cpp's kernels" and "AMX tiles"
+NO_HEAD = ("no draft head reads ggml's hidden states (given after the final norm): prompt lookup alone "
+           "does not pay")
+DRAFT_ROWS = f"on llama.cpp's kernels a drafted row costs 0.3-0.7 of a step on 2 cores and {NO_HEAD}"
+DRAFT_ROWS_AMX = ("on llama.cpp's AMX tiles a block of 7 drafted rows costs 0.5-1.0 of a step on 2 cores (a lone "
+                  f"drafted row 0.6-1.3), but {NO_HEAD}")
 
 
 def available() -> str:
@@ -201,7 +208,6 @@ class LlamaCppModel:
     """A GGUF on llama.cpp: the `model` of a `LoadedModel` loaded with `quantize="gguf"`."""
 
     embed_tokens = None  # no draft head reads llama.cpp's states (`draft_rows`)
-    draft_rows = DRAFT_ROWS
 
     def __init__(self, path: Path, max_seq_len: int) -> None:
         lib = bindings()
@@ -229,6 +235,7 @@ class LlamaCppModel:
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise ValueError(f"llama.cpp could not make a context of {cparams.n_ctx} tokens for {path}")
+        self.draft_rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)

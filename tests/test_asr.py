@@ -146,7 +146,8 @@ def test_concurrent_sessions_share_the_model(model):
         return await asyncio.gather(*(s.finish() for s in sessions))
 
     clubs, forward = asyncio.run(both())
-    assert "clubs" in clubs.lower()
+    # each its own words ("clubs" is heard "cloves" on AVX2's kernels and "close" on AVX-512's)
+    assert normalise(clubs).startswith("ten of")
     assert "forward" in forward.lower()
 
 

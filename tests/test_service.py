@@ -21,6 +21,7 @@ from liveserver import serving
 import websockets
 
 from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_dbfs
+from voice.clients.bench import normalise
 from voice.config import Config
 from voice.latency import STAGES
 from voice.server import build_app
@@ -286,7 +287,9 @@ def test_barge_in_interrupts_reply_and_next_turn_proceeds(service):
 
     c, first_audio, clear, interrupted, final2, reply2 = asyncio.run(scenario())
     assert not c.events("error"), c.events("error")
-    assert "clubs" in [t for t in c.events("transcript") if t["final"] and t["turn"] == 1][0]["text"].lower()
+    # "ten of clubs" ("clubs" is heard "cloves" on AVX2's kernels and "close" on AVX-512's)
+    heard1 = [t for t in c.events("transcript") if t["final"] and t["turn"] == 1][0]["text"]
+    assert normalise(heard1).startswith("ten of"), heard1
 
     assert c.log[clear]["turn"] == 1
     started2 = c.log.index(next(e for e in c.events("speech_started") if e["turn"] == 2))

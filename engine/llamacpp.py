@@ -208,6 +208,7 @@ class LlamaCppModel:
     """A GGUF on llama.cpp: the `model` of a `LoadedModel` loaded with `quantize="gguf"`."""
 
     embed_tokens = None  # no draft head reads llama.cpp's states (`draft_rows`)
+    mask_blocks = False  # a batch's rows are causal within their sequence: drafted chains only
 
     def __init__(self, path: Path, max_seq_len: int) -> None:
         lib = bindings()

@@ -185,6 +185,7 @@ class Transformer(nn.Module):
     # why verify's drafted rows do not pay on these kernels ('' where they do: rows independent of
     # their batch, hidden states for a draft head; BENCHMARKS.md, "Verify on this CPU")
     draft_rows = ""
+    mask_blocks = True  # its attention takes any mask: denoising blocks and draft trees
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -23,10 +23,13 @@ class Model(Protocol):
 
     `args`: `dim`, `vocab_size`, `max_seq_len`. `embed_tokens`: the token embedding a draft head
     reads with the hidden states (None where the kernels keep no hidden states). `draft_rows`:
-    why verify's drafted rows do not pay on these kernels ('' where they do)."""
+    why verify's drafted rows do not pay on these kernels ('' where they do). `mask_blocks`: whether
+    a forward may carry a block of mask rows that attend to each other (the lossy denoising rules)
+    or a draft tree, rather than only causal drafted rows."""
 
     args: Any
     draft_rows: str
+    mask_blocks: bool
 
     @property
     def embed_tokens(self) -> nn.Embedding | None: ...

@@ -192,7 +192,8 @@ class DraftHeadEngine(EncodingEngine):
         class drafter:
             block = 4
 
-        model = None  # not engine.model.Transformer: no mask blocks either
+        class model:
+            mask_blocks = False  # and no mask blocks either (the `topk` request)
 
 
 @pytest.mark.parametrize("extra", [{"block_size": 6}, {"block_size": 5, "stream": True}, {"rule": "topk"}])
@@ -336,7 +337,10 @@ def test_both_servers_run_with_the_read_deadlines(monkeypatch):
         defaults = DecodeConfig()
 
         class loaded:
-            weights, drafter, model = "stand-in", None, None
+            weights, drafter = "stand-in", None
+
+            class model:
+                mask_blocks = False
 
     monkeypatch.setattr(engine_server.Engine, "load", classmethod(lambda cls, *a, **k: Loaded()))
     with pytest.raises(SystemExit):  # the stand-in never "started": serve says so, after running

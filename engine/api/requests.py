@@ -60,9 +60,8 @@ class Runs:
         loaded = getattr(engine, "loaded", None)
         if loaded is None:
             return cls()
-        from engine.model import Transformer
         drafter = loaded.drafter
-        return cls(drafter.block if drafter is not None else None, isinstance(loaded.model, Transformer))
+        return cls(drafter.block if drafter is not None else None, loaded.model.mask_blocks)
 
 
 def check_runnable(cfg: DecodeConfig, runs: Runs) -> None:

@@ -10,7 +10,7 @@ Which kernels: ggml's CPU backend comes in variants (x64, haswell = AVX2, skylak
 = AVX-512 with VNNI and BF16, sapphirerapids = zen4's plus AMX tiles; ./dev builds them), and
 `bindings()` loads the one that scores this CPU best, so one install runs every CPU class's own
 kernels (`cpu_variant()`, on /healthz). On an AMX Xeon the weights go to ggml's AMX buffer: a
-prefill or a batch of rows runs on the tiles, 2-2.4x faster than zen4's kernels on 2 cores, while
+prefill or a batch of rows runs on the tiles, 2.1-2.9x faster than zen4's kernels on 2 cores, while
 a one-row step keeps AVX-512 VNNI.
 
 Verify runs here too: a forward's drafted chain goes through the same `llama_decode` as causal

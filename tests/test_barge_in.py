@@ -143,3 +143,33 @@ def test_speech_over_a_reply_stops_it_within_its_first_second(real_stages, tmp_p
     final = [m["text"] for m in c.events("transcript") if m["final"] and m["turn"] == 2]
     assert final and "forward" in final[0].lower(), final
     assert lm.calls == 2  # and it is answered
+
+
+def test_a_contender_stops_the_reply_it_began_over_never_its_own():
+    """A late partial or Talking of the contender can land after its own speculative reply started:
+    that reply goes on (before, it was cancelled as if talked over)."""
+    from types import SimpleNamespace
+
+    from voice.events import Clear
+    from voice.reply import Floor, Reply
+
+    async def scenario() -> tuple[list, bool, bool]:
+        sent: list = []
+        session = SimpleNamespace(id="s", stages=SimpleNamespace(metrics=SimpleNamespace(
+            barge_ins=SimpleNamespace(inc=lambda: None))), emit=lambda ev, wire=True, track=True: sent.append(ev))
+        floor = Floor(session)  # type: ignore[arg-type]
+        running = lambda: asyncio.create_task(asyncio.sleep(10))  # noqa: E731 - a reply still being made
+        floor.reply = old = Reply(1, task=running())
+        floor.speech_started(2, time.monotonic(), 0)
+        assert floor.contender == 2 and not sent  # no words yet: the reply goes on
+        assert floor.heard_words(2, "go forward", time.monotonic())  # words: the reply it began over stops
+        assert floor.reply is None and [type(ev) for ev in sent] == [Clear]
+        floor.reply = own = Reply(2, task=running())  # turn 2's own (speculative) reply
+        assert floor.heard_words(2, "go forward ten", time.monotonic())  # a late partial
+        floor.talked_over(2, time.monotonic())
+        await asyncio.sleep(0.05)  # a cancelled task ends on its next step
+        assert old.task is not None and own.task is not None
+        return sent, old.task.cancelled(), own.task.cancelled()  # (asyncio.run cancels what is left after)
+
+    sent, old_cancelled, own_cancelled = asyncio.run(scenario())
+    assert len(sent) == 1 and old_cancelled and not own_cancelled

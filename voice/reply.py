@@ -425,7 +425,7 @@ class Floor:
     def talked_over(self, turn: int, now: float) -> None:
         """`turn` has been voiced long enough to be speech (voice/turns.py's Talking): a barge-in."""
         if turn == self.contender:
-            self.barge_in(now)
+            self._contended(turn, now)
 
     def heard_words(self, turn: int, text: str, now: float) -> bool:
         """`turn`'s transcript so far is `text`: is it a turn to answer? One begun over a reply must
@@ -435,8 +435,14 @@ class Floor:
             return True
         if not has_words(text):
             return False
-        self.barge_in(now)
+        self._contended(turn, now)
         return True
+
+    def _contended(self, turn: int, now: float) -> None:
+        """The contender `turn` is speech: the reply it began over stops, never the turn's own (a late
+        partial can land after its speculative reply started)."""
+        if self.reply is not None and self.reply.turn != turn:
+            self.barge_in(now)
 
     @staticmethod
     def _interruptible(reply: Reply, now: float) -> bool:

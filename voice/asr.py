@@ -304,8 +304,7 @@ def has_words(text: str) -> bool:
     """Whether `text` holds words someone said: not empty, not only punctuation, and not one of
     Whisper's near-silence transcripts (NEAR_SILENCE), said once or more."""
     words = tuple(word for word in map(_normalise, text.split()) if word)
-    return bool(words) and not any(len(words) % len(phrase) == 0 and words == phrase * (len(words) // len(phrase))
-                                   for phrase in NEAR_SILENCE)
+    return bool(words) and not any(words == phrase * (len(words) // len(phrase)) for phrase in NEAR_SILENCE)
 
 
 def repeats_itself(text: str) -> bool:

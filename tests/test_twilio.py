@@ -22,6 +22,7 @@ from liveserver import serving
 import websockets
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode, float_to_int16
+from voice.clients.bench import normalise
 from voice.config import Config
 from voice.server import build_app
 from voice.transports.telephony import calls
@@ -291,7 +292,8 @@ def test_bad_input_is_dropped_and_the_call_goes_on(service):
     assert (c["dropped_bad_json"], c["dropped_bad_message"], c["dropped_unknown_event"], c["dropped_bad_base64"],
             c["dropped_bad_media"], c["dropped_unknown_mark"], c["dropped_bad_dtmf"], c["dropped_binary_frame"]) \
         == (1, 1, 1, 1, 1, 1, 1, 1)
-    assert record.transcripts and "clubs" in record.transcripts[0].lower()
+    # "ten of clubs" ("clubs" may be heard "cloves" or "close", by CPU class)
+    assert record.transcripts and normalise(record.transcripts[0]).startswith("ten of"), record.transcripts
     assert c["media_in"] > 50
     assert service.metric(dropped % "before_start") == before + 1
     assert service.metric(dropped % "bad_base64") >= 1

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.runtime import ContextOverflow
 
@@ -207,7 +207,6 @@ def _slot_of(state: CacheState) -> Slot:
 class LlamaCppModel:
     """A GGUF on llama.cpp: the `model` of a `LoadedModel` loaded with `quantize="gguf"`."""
 
-    embed_tokens = None  # no draft head reads llama.cpp's states (`draft_rows`)
     mask_blocks = False  # a batch's rows are causal within their sequence: drafted chains only
 
     def __init__(self, path: Path, max_seq_len: int) -> None:
@@ -237,6 +236,9 @@ class LlamaCppModel:
             lib.llama_model_free(self._model)
             raise ValueError(f"llama.cpp could not make a context of {cparams.n_ctx} tokens for {path}")
         self.draft_rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
+        # a draft head's inputs (`read_states`): none until one is attached
+        self.embed_tokens: nn.Module | None = None
+        self.state_rows = 0
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)
@@ -254,11 +256,22 @@ class LlamaCppModel:
             lib.llama_free(self._ctx)
             lib.llama_model_free(self._model)
 
+    def read_states(self, rows: int, embed: nn.Module | None = None) -> None:
+        """From now on each step also gives the hidden states of its last `rows` clean rows and of
+        every drafted row (after the final norm: ggml's embeddings output), zeros for earlier rows,
+        and each cache keeps them (`CacheState.hidden`): what a draft head reads, with `embed`.
+        Only those rows: llama.cpp outputs (and runs the LM head on) every row of a call that asks
+        for embeddings, so a prefill's earlier rows go in a call of their own without."""
+        self.state_rows, self.embed_tokens = rows, embed
+        self._lib.llama_set_embeddings(self._ctx, False)
+
     # --- conversation caches ------------------------------------------------------------------
 
     def open_cache(self, state: CacheState, capacity: int | None) -> None:
         """A sequence for `state` (a CacheState) in the shared cache, given back when `state` is collected."""
         slot = Slot(self, min(capacity or self.args.max_seq_len, self.args.max_seq_len), state)
+        if self.state_rows:
+            state.hidden = torch.zeros(slot.capacity, self.args.dim, dtype=torch.float16)
         weakref.finalize(state, self._release, slot)
         with self._lock:
             self._slots.add(slot)
@@ -273,6 +286,8 @@ class LlamaCppModel:
             if n:
                 self._lib.llama_memory_seq_cp(self._mem, src_slot.seq, dst_slot.seq, 0, n)
             dst_slot.cells = n
+        if src.hidden is not None and dst.hidden is not None:
+            dst.hidden[:n] = src.hidden[:n]
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
@@ -336,10 +351,10 @@ class LlamaCppModel:
     @torch.inference_mode()
     def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
         """Each forward's clean tokens, then its drafted tokens as causal rows (verify), through
-        llama_decode (batched; a long prefill in several calls); per forward: (logits of its last
-        clean row and of every drafted row [rows, vocab], no hidden states). Drafted rows are
-        written to the cache past `state.ids`: scratch, dropped before the next step unless
-        verify keeps them."""
+        llama_decode (batched; a long prefill in several calls); per forward: the logits of its last
+        clean row and of every drafted row [rows, vocab], and its rows' hidden states where
+        `read_states` asks for them (else None). Drafted rows are written to the cache past
+        `state.ids`: scratch, dropped before the next step unless verify keeps them."""
         rows: list[tuple[int, int, int, bool]] = []  # (forward, token, position, output)
         for i, f in enumerate(forwards):
             if f.parents is not None or (f.draft and not f.draft_causal):
@@ -348,30 +363,48 @@ class LlamaCppModel:
             start, n = len(f.state.ids), len(f.clean) + len(f.draft)
             if start + n > f.state.capacity:
                 raise ContextOverflow(f"conversation needs {start + n} tokens but the context holds {f.state.capacity}")
-            last_clean = len(f.clean) - 1
-            rows += [(i, token, start + j, j >= last_clean) for j, token in enumerate(f.clean + f.draft)]
+            first_out = len(f.clean) - max(1, self.state_rows)
+            rows += [(i, token, start + j, j >= first_out) for j, token in enumerate(f.clean + f.draft)]
         with self._lock:
             self._make_room(forwards)
             # _make_room gave each a sequence
-            logits = self._decode(rows, [cast(int, _slot_of(f.state).seq) for f in forwards])
+            logits, hidden = self._decode(rows, [cast(int, _slot_of(f.state).seq) for f in forwards])
             for f in forwards:
                 slot = _slot_of(f.state)
                 slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
                 slot.last_used = time.monotonic()
         out: list[tuple[Tensor, Tensor | None]] = []
         at = 0
-        for f in forwards:
+        for i, f in enumerate(forwards):
+            outputs = sum(1 for row in rows if row[0] == i and row[3])
             n = len(f.draft) + (1 if f.clean else 0)
-            out.append((logits[at:at + n], None))
-            at += n
+            states = None
+            if hidden is not None:
+                states = torch.zeros(len(f.clean) + len(f.draft), self.args.dim)
+                states[len(states) - outputs:] = hidden[at:at + outputs]
+            out.append((logits[at + outputs - n:at + outputs], states))
+            at += outputs
         return out
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int]) -> Tensor:
-        """llama_decode over `rows` in calls of at most BATCH; the output rows' logits, in order."""
-        lib, batch, vocab = self._lib, self._batch, self.args.vocab_size
+    def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int]) -> tuple[Tensor, Tensor | None]:
+        """llama_decode over `rows`: the output rows' logits, in order, and their hidden states where
+        `read_states` asks for them (rows that need none go first, in calls without embeddings)."""
         threads = self.threads()
-        lib.llama_set_n_threads(self._ctx, threads, threads)
-        logits = []
+        self._lib.llama_set_n_threads(self._ctx, threads, threads)
+        if not self.state_rows:
+            return self._decode_calls(rows, seqs, False)
+        self._decode_calls([row for row in rows if not row[3]], seqs, False)
+        self._lib.llama_set_embeddings(self._ctx, True)
+        try:
+            return self._decode_calls([row for row in rows if row[3]], seqs, True)
+        finally:
+            self._lib.llama_set_embeddings(self._ctx, False)
+
+    def _decode_calls(self, rows: list[tuple[int, int, int, bool]], seqs: list[int], states: bool
+                      ) -> tuple[Tensor, Tensor | None]:
+        """llama_decode over `rows` in calls of at most BATCH."""
+        lib, batch, vocab, dim = self._lib, self._batch, self.args.vocab_size, self.args.dim
+        logits, hidden = [torch.empty(0, vocab)], [torch.empty(0, dim)]
         for start in range(0, len(rows), BATCH):
             chunk = rows[start:start + BATCH]
             for j, (i, token, pos, output) in enumerate(chunk):
@@ -386,4 +419,7 @@ class LlamaCppModel:
             if outputs:
                 logits.append(torch.from_numpy(np.ctypeslib.as_array(lib.llama_get_logits(self._ctx),
                                                                      shape=(outputs, vocab)).copy()))
-        return torch.cat(logits)
+            if outputs and states:
+                hidden.append(torch.from_numpy(np.ctypeslib.as_array(lib.llama_get_embeddings(self._ctx),
+                                                                     shape=(outputs, dim)).copy()))
+        return torch.cat(logits), torch.cat(hidden) if states else None

@@ -70,6 +70,53 @@ def test_logits_follow_the_pytorch_model_on_the_same_gguf(name, small):
     assert agree / total >= 0.9, agree / total
 
 
+def test_states_for_a_draft_head_are_the_pytorch_models_after_its_final_norm():
+    """`read_states`: a step gives ggml's states (after the final norm) for its last `rows` clean
+    rows and every drafted row, zeros before them, and the logits stay those of a step without."""
+    ours = load("small", max_seq_len=512, quantize="gguf")
+    reference = load("small", max_seq_len=512, quantize="none", drafter="")
+    prompt = prompt_ids(ours, "How do I make tea?")
+    plain = step(ours.model, CacheState.new(ours.model, 512), prompt)
+    ours.model.read_states(8)
+    state = CacheState.new(ours.model, 512)
+    last, _ = run_many(ours.model, [Forward(state, prompt[:-1])])[0]
+    last, drafted = run_many(ours.model, [Forward(state, prompt[-1:], draft=[100, 200], draft_causal=True)])[0]
+    assert torch.equal(last, plain) and drafted is not None and drafted.shape[0] == 2
+    ours_states = state.hidden[:len(prompt) + 2].float()
+    ref_state = CacheState.new(reference.model, 512)
+    run_many(reference.model, [Forward(ref_state, prompt + [100, 200])])
+    ref = reference.model.norm(ref_state.hidden[:len(prompt) + 2])
+    kept = torch.arange(len(prompt) + 2) >= len(prompt) - 1 - 8  # the prefill's last 8 rows, then each step's
+    assert (ours_states[~kept] == 0).all()
+    cos = torch.nn.functional.cosine_similarity(ours_states[kept], ref[kept], dim=-1)
+    assert cos.min() > 0.99, cos
+
+
+def test_distilling_keeps_the_states_a_teacher_forced_read_gives(tmp_path, monkeypatch):
+    """`engine draft --quantize gguf`: the states captured while the base generates its replies are
+    the ones reading each reply again gives (the head trains on what it will read)."""
+    from engine.train import draft as train_draft
+    loaded = load("small", max_seq_len=512, quantize="gguf")
+    monkeypatch.setattr(train_draft, "SHARD", 2)
+    prompts = ["What do bees make?", "Name three colours.", "How do I make tea?"]
+    train_draft.distill_states(loaded, prompts, tmp_path / "distilled.jsonl", 16, 12, batch_size=2)
+    corpus = train_draft.read_corpus(loaded, tmp_path / "distilled.jsonl", 16)
+    assert len(corpus.starts) == 3 and (tmp_path / "hidden-000002.pt").exists()
+    loaded.model.read_states(1 << 20)
+    for e, question in enumerate(prompts):
+        start, n = corpus.starts[e], corpus.lengths[e]
+        state = CacheState.new(loaded.model, 512)
+        prompt = prompt_ids(loaded, question)
+        reply = corpus.ids[start + corpus.train_from[e]:start + n].tolist()
+        run_many(loaded.model, [Forward(state, prompt + reply)])
+        read = state.hidden[len(prompt) - corpus.train_from[e]:len(prompt) + len(reply) - 1].float()
+        kept = corpus.hidden[start:start + len(read)].float()
+        assert corpus.ids[start:start + corpus.train_from[e]].tolist() == prompt[-corpus.train_from[e]:]
+        fed = kept.abs().sum(-1) > 0  # all but a cut-off reply's last token, never fed (no target after it)
+        assert fed[:-1].all()
+        assert torch.nn.functional.cosine_similarity(read[fed], kept[fed], dim=-1).min() > 0.999
+
+
 def test_a_new_turn_drops_the_stale_tail_of_the_last(small):
     """Turn 1's reply was cut (barge-in): turn 2's prompt keeps only part of it. The cells past
     the kept prefix must be gone before turn 2 writes there, or its rows would see them."""

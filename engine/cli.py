@@ -156,10 +156,16 @@ def cmd_draft(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device(a.device)
-    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32)  # fp32 targets, as on CPU
+    # fp32 targets, as on CPU; or the GGUF on llama.cpp's kernels, whose states the head then reads
+    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32, quantize=a.quantize)
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
-    data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
+    if a.quantize == "gguf":
+        if a.text_replies:
+            raise SystemExit("--text-replies needs the PyTorch model (--quantize none)")
+        train_draft.distill_states(base, prompts, distilled, a.window, a.reply_tokens, a.distill_batch)
+    else:
+        data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
     corpus = train_draft.read_corpus(base, distilled, a.window)
     if a.text_replies:
         text = out / "text.jsonl"
@@ -272,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop after this long (resume later)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    p.add_argument("--quantize", default="none", choices=("none", "gguf"),
+                   help="the base as it will decode: 'none' = PyTorch's model (the head reads its last states, "
+                        "before the final norm); 'gguf' = the GGUF on llama.cpp's kernels (CPU; the head reads "
+                        "ggml's states, after the final norm, captured while distilling)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_draft)

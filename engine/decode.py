@@ -416,7 +416,7 @@ MAX_FORCED_DRAFT = 16  # a draft row costs up to a third of a forward here; a fo
 
 
 def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, drafter: Drafter,
-                 embed: nn.Embedding | None,
+                 embed: nn.Module | None,
                  stop_ids: set[int], constraint: Constraint | None = None) -> Steps:
     """Draft, then verify: each forward writes the last committed token and checks the drafted
     block as causal rows; `verify_rule` commits what the base agrees with plus its own next token.
@@ -563,7 +563,7 @@ def generate_ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: in
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],
-                  drafter: Drafter | None = None, embed: nn.Embedding | None = None,
+                  drafter: Drafter | None = None, embed: nn.Module | None = None,
                   constraint: Constraint | None = None) -> Steps:
     """The decoder `cfg` names, continuing `state` with the uncached tokens `new`."""
     if cfg.mode == "ar":
@@ -588,7 +588,7 @@ def prefill_steps(state: CacheState, new: list[int], chunk: Callable[[], int] | 
 
 
 def plan(state: CacheState, prompt: list[int], cfg: DecodeConfig, spec: DiffusionSpec,
-         stop_ids: set[int], drafter: Drafter | None = None, embed: nn.Embedding | None = None,
+         stop_ids: set[int], drafter: Drafter | None = None, embed: nn.Module | None = None,
          constraint: Constraint | None = None, prefill_chunk: Callable[[], int] | None = None) -> Steps:
     """The decoder's steps to continue `state` with `prompt` (the whole conversation so far);
     only the prompt's uncached tail is prefilled, `prefill_chunk()` tokens a forward (None: at once).

@@ -90,7 +90,7 @@ class Drafter(Protocol):
     @property
     def block(self) -> int: ...
 
-    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Module | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal: ...
 
 
@@ -100,7 +100,7 @@ class TreeDrafter(Drafter, Protocol):
     @property
     def drafts_trees(self) -> bool: ...
 
-    def propose_tree(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal: ...
+    def propose_tree(self, embed: nn.Module, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal: ...
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -137,6 +137,9 @@ class DraftArgs:
     hidden_dim: int = 1536
     norm_eps: float = 1e-5
     chain: bool = False  # each row reads the token before it and sees only earlier rows (heads saved before it: False)
+    # the base's states it reads: "last" (its last layer before the final norm: PyTorch's model) or
+    # "normed" (after it: what llama.cpp outputs as embeddings)
+    states: str = "last"
 
 
 class DraftLayer(nn.Module):
@@ -244,7 +247,7 @@ class DraftHead(nn.Module):
         return self.head(self.norm(x))
 
     @torch.inference_mode()
-    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Module | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         """Draft `k` (<= block) tokens after `ids`; `hidden` [len(ids) - 1, dim] are the base's states at
         every position but the last (each paired with the token after it, the last one's being ids[-1]).
@@ -273,7 +276,7 @@ class DraftHead(nn.Module):
         return Proposal(ids_out, torch.cat(probs) if probs else None, confidence)
 
     @torch.inference_mode()
-    def propose_tree(self, embed: nn.Embedding, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal:
+    def propose_tree(self, embed: nn.Module, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal:
         """Greedy, chained heads: a tree of `nodes` tokens at most `k` deep after `ids` (EAGLE-2-like).
         Each pass drafts the next token of the TREE_WIDTH likeliest paths so far, TREE_WIDTH
         alternatives each; of all tokens drafted, the `nodes` likeliest paths are kept (a path's
@@ -306,14 +309,14 @@ class DraftHead(nn.Module):
         chosen = set(order)
         return Proposal(tokens, None, confidence, parents)._keep([i in chosen for i in range(len(tokens))])
 
-    def _window(self, embed: nn.Embedding, hidden: Tensor, ids: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    def _window(self, embed: nn.Module, hidden: Tensor, ids: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """The last `window` positions' hidden states and next-token embeddings, padded in front, and
         which are real: the head's context."""
         w, device = self.args.window, hidden.device
         n = min(w, hidden.shape[0])
         pad = w - n
-        valid = (torch.arange(w, device=device) >= pad)[None]
         h = F.pad(hidden[-n:].float(), (0, 0, pad, 0))[None]
+        valid = h.abs().sum(-1) > 0  # padding, and rows whose state the kernels did not give (as in training)
         e = F.pad(embed(torch.tensor(ids[-n:], device=device)).float(), (0, 0, pad, 0))[None]
         return h, e, valid
 
@@ -348,14 +351,19 @@ def save_head(path: str | Path, head: DraftHead, info: dict | None = None, dtype
     save_file(state, str(path), metadata={"args": json.dumps(asdict(head.args)), "info": json.dumps(info or {})})
 
 
-def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:
+def read_head_args(path: str | Path) -> DraftArgs:
+    """A saved head's arguments (its file's metadata; the weights are not read)."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
     if "args" not in meta:
         raise ValueError(f"{path} is not one of our draft heads (no args in its metadata)")
-    args = DraftArgs(**json.loads(meta["args"]))
+    return DraftArgs(**json.loads(meta["args"]))
+
+
+def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:
+    from safetensors.torch import load_file
+    args = read_head_args(path)
     if (args.dim, args.vocab_size) != (dim, vocab_size):
         raise ValueError(f"{path} drafts for a model of hidden size {args.dim} and vocabulary {args.vocab_size}, "
                          f"not {dim} and {vocab_size}")
@@ -371,7 +379,7 @@ class LookupDrafter:
     ngram = 2
     block = 4
 
-    def propose(self, embed: nn.Embedding | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
+    def propose(self, embed: nn.Module | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
                 generator: torch.Generator | None, threshold: float = 0.0) -> Proposal:
         n = self.ngram
         if len(ids) <= n:

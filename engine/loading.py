@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from engine.decode import DiffusionSpec
 from engine.model import ModelArgs, Transformer, rope_tables
@@ -133,7 +134,8 @@ def resolve_quantize(how: str, device: str, name: str = "default") -> str:
     if device != "cpu":
         return "none"
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return "fp16" if avx512 and shipped_drafter(name) else "gguf"
+    head = shipped_drafter(name)
+    return "fp16" if avx512 and head and head_states(head) == "last" else "gguf"
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -176,16 +178,26 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         if model != "smollm2-135m":
             raise ModelLoadError(f"the shipped adapter is for SmolLM2 ('small'), not {name!r}")
         adapter = DEFAULT_ADAPTER
-    if quantize == "gguf":
-        if drafter:
-            raise ModelLoadError("a draft head reads the hidden states of PyTorch's model (quantize none|fp16|int8); "
-                                 "on llama.cpp's kernels (gguf) replies decode AR, or by prompt lookup (drafter '')")
-        loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter)
-        loaded.lookup = drafter == ""
-        return loaded
     lookup = drafter == ""
     if drafter is None:
         drafter = shipped_drafter(model) or ""
+    states = head_states(drafter) if drafter else ""
+    if quantize == "gguf":
+        loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter)
+        loaded.lookup = lookup
+        if states == "normed":
+            from engine.llamacpp import LlamaCppModel
+            assert isinstance(loaded.model, LlamaCppModel)
+            loaded.drafter = _load_head(drafter, loaded.model.args, device)
+            loaded.model.read_states(loaded.drafter.args.window, TokenTable(gguf_token_table(gguf_path(name))))
+        elif drafter and drafter != shipped_drafter(model):
+            raise ModelLoadError(f"draft head {drafter} reads PyTorch's hidden states (before the final norm): "
+                                 "use quantize none|fp16|int8, or a head trained on llama.cpp's states "
+                                 "(engine draft --quantize gguf)")
+        return loaded  # the shipped head of a model PyTorch runs faster: AR (or prompt lookup) on llama.cpp
+    if states == "normed":
+        raise ModelLoadError(f"draft head {drafter} reads llama.cpp's hidden states (after the final norm): "
+                             "use quantize gguf")
     path = Path(name)
     if model == "smollm2-135m" or model in PACKAGED_MODELS or path.suffix == ".gguf":
         loaded = load_gguf(gguf_path(name), max_seq_len, dtype, device)
@@ -203,11 +215,7 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         from engine.lora import load_adapter
         loaded.spec = load_adapter(loaded.model, adapter, loaded.spec)
     if drafter:
-        from engine.draft import load_head
-        try:
-            loaded.drafter = load_head(drafter, loaded.model.args.dim, loaded.model.args.vocab_size).to(device)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot use draft head {drafter}: {err}") from err
+        loaded.drafter = _load_head(drafter, loaded.model.args, device)
     loaded.model.eval()
     loaded.lookup = lookup
     loaded.weights = quantize_model(loaded.model, quantize)
@@ -215,6 +223,23 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         from engine.quantize import quantize_like
         quantize_like(loaded.drafter, loaded.weights)
     return loaded
+
+
+def head_states(path: str | Path) -> str:
+    """Which of the base's hidden states the draft head at `path` reads (`DraftArgs.states`)."""
+    from engine.draft import read_head_args
+    try:
+        return read_head_args(path).states
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot use draft head {path}: {err}") from err
+
+
+def _load_head(path: str | Path, args: Any, device: str) -> DraftHead:
+    from engine.draft import load_head
+    try:
+        return load_head(path, args.dim, args.vocab_size).to(device)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot use draft head {path}: {err}") from err
 
 
 def gguf_path(name: str) -> Path:
@@ -280,6 +305,39 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
                                "special_ids": sorted(tok.special_ids)}))
     tmp.replace(cached)
     return tok
+
+
+def gguf_token_table(path: Path, tensor: str = "token_embd.weight") -> np.ndarray:
+    """A GGUF's token embedding (or, `tensor="output.weight"`, its LM head) as an fp16 [vocab, dim]
+    array, memory-mapped from a copy dequantised beside the assembled models on first use (a
+    lookup reads only its rows): what a draft head on llama.cpp's kernels reads with the states."""
+    from engine.common.packages import cache_dir
+    stat = path.stat()
+    cached = cache_dir() / "tables" / f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-{tensor}.f16.npy"
+    if not cached.exists():
+        import gguf
+        reader, _, _ = _read_gguf(path)
+        t = next((t for t in reader.tensors if t.name == tensor), None)
+        if t is None:
+            raise ModelLoadError(f"{path} has no tensor {tensor}")
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".part.npy")
+        np.save(tmp, w.astype(np.float16))
+        tmp.replace(cached)
+    return np.load(cached, mmap_mode="r")
+
+
+class TokenTable(nn.Module):
+    """A token embedding over a memory-mapped table (`gguf_token_table`): called like nn.Embedding."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = np.asarray(self.table[ids.cpu().numpy().reshape(-1)], dtype=np.float32)
+        return torch.from_numpy(rows).reshape(*ids.shape, rows.shape[-1])
 
 
 def _download(repo_id: str) -> Path:

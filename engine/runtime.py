@@ -32,7 +32,7 @@ class Model(Protocol):
     mask_blocks: bool
 
     @property
-    def embed_tokens(self) -> nn.Embedding | None: ...
+    def embed_tokens(self) -> nn.Module | None: ...
 
     def open_cache(self, state: CacheState, capacity: int | None) -> None:
         """Give `state` an empty cache of `capacity` positions (None: the model's context)."""

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable
+from typing import cast
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,8 +40,9 @@ from torch import nn
 from engine.train.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
-from engine.decode import CacheState, DecodeConfig, run
+from engine.decode import CacheState, DecodeConfig, Forward, run, run_many
 from engine.model import Transformer
+from engine.runtime import Model
 
 # (hidden, embedded next tokens, valid, targets, embedded previous tokens or None): one training batch
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -176,6 +180,73 @@ def _read_rows(base: LoadedModel, rows: list[dict], window: int, greedy: bool) -
     return shard
 
 
+@torch.inference_mode()
+def distill_states(base: LoadedModel, prompts: list[str], path: Path, window: int, max_new_tokens: int = 48,
+                   batch_size: int = 32, log: Callable[[str], object] = print) -> None:
+    """Distil and read in one pass, for a base on llama.cpp's kernels (`quantize="gguf"`): its greedy
+    replies to `prompts` (appended to `path`, as `engine.train.data.distill` writes them) and, from
+    the same forwards, the hidden states a head reads (ggml's, after the final norm:
+    `LlamaCppModel.read_states`), saved in `read_corpus`'s shards. Reading them again would cost a
+    prefill of every example; here they come with the generation. An example keeps the last
+    `window` prompt positions (all a head reads before the reply). Resumes by whole shards."""
+    from engine.llamacpp import LlamaCppModel
+    model, tok = base.model, base.tokenizer
+    assert isinstance(model, LlamaCppModel)
+    model.read_states(1 << 20)  # every row's state
+    done = sum(1 for _ in path.open()) // SHARD * SHARD if path.exists() else 0
+    if path.exists():  # drop a partial shard's replies: its states were not saved
+        path.write_text("".join(path.open().readlines()[:done]))
+    t0 = time.perf_counter()
+    for first in range(done, len(prompts), SHARD):
+        part, rows = prompts[first:first + SHARD], list[dict]()
+        ids: list[int] = []
+        hidden, starts, prompt_lens, lengths = [], [], [], []
+        for i in range(0, len(part), batch_size):
+            batch = [tok.encode_chat(chat(p)) for p in part[i:i + batch_size]]
+            for prompt, reply, states in zip(batch, *_generate_with_states(model, batch, max_new_tokens, tok.eos_ids)):
+                keep = prompt[-window:]
+                seq = keep + [t for t in reply if t not in tok.eos_ids] + [tok.turn_end_id]
+                h = states[len(prompt) - len(keep):len(prompt) - len(keep) + len(seq)]
+                starts.append(len(ids) + window)
+                ids += [0] * window + seq
+                hidden += [torch.zeros(window, h.shape[-1], dtype=torch.float16),
+                           torch.cat([h, h.new_zeros(len(seq) - len(h), h.shape[-1])])]
+                prompt_lens.append(len(keep))
+                lengths.append(len(seq))
+                rows.append({"prompt": part[len(rows)], "reply_ids": reply, "reply": tok.decode(reply)})
+            n = first + len(rows)
+            rate = (n - done) / (time.perf_counter() - t0)
+            log(f"distil {n}/{len(prompts)}  {rate:.1f} replies/s  eta {(len(prompts) - n) / rate / 60:.1f} min")
+        torch.save({"n": len(part), "ids": torch.tensor(ids), "hidden": torch.cat(hidden),
+                    "starts": torch.tensor(starts), "prompt_lens": torch.tensor(prompt_lens),
+                    "lengths": torch.tensor(lengths)}, path.parent / f"hidden-{first:06d}.pt")
+        with path.open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    model.read_states(0)
+
+
+def _generate_with_states(model: Model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]
+                          ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """`engine.decode.generate_ar_batch`, keeping each reply's states (prompt and reply, as fed)."""
+    shared = list(os.path.commonprefix(prompts))[:min(len(p) for p in prompts) - 1]
+    root = CacheState.new(model, max(len(p) for p in prompts) + max_new_tokens)
+    if shared:
+        run(model, root, shared, False, [])
+    states = [root.fork(model) for _ in prompts]
+    pending = [p[len(shared):] for p in prompts]
+    replies: list[list[int]] = [[] for _ in prompts]
+    going = list(range(len(prompts)))
+    for _ in range(max_new_tokens):
+        lasts = [last for last, _ in run_many(model, [Forward(states[i], pending[i]) for i in going])]
+        for i, t in zip(going, torch.stack(cast(list[torch.Tensor], lasts)).argmax(-1).tolist()):
+            replies[i].append(t)
+            pending[i] = [t]
+        going = [i for i in going if replies[i][-1] not in stop_ids]
+        if not going:
+            break
+    return replies, [cast(torch.Tensor, s.hidden)[:len(s.ids)].clone() for s in states]
+
+
 def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids: set[int]) -> torch.Tensor:
     """The `size` tokens the base most often says next at `positions` (EOS always in): all a head ever
     needs to propose."""
@@ -276,6 +347,21 @@ def split(corpus: Corpus, seed: int) -> tuple[list[int], list[int]]:
     return examples[:n_held], examples[n_held:] + others
 
 
+def base_tables(base: LoadedModel) -> tuple[nn.Embedding, torch.Tensor, str]:
+    """(token embedding, LM head weight, `DraftArgs.states`) of the base a head is trained for:
+    PyTorch's model, or a GGUF on llama.cpp's kernels (tables dequantised from the file)."""
+    if isinstance(base.model, Transformer):
+        return base.model.embed_tokens, base.model.lm_head.weight, "last"
+    from engine.loading import gguf_path, gguf_token_table, ModelLoadError
+    path = gguf_path(base.name)
+    table = torch.from_numpy(np.asarray(gguf_token_table(path), dtype=np.float32))
+    try:
+        lm_head = torch.from_numpy(np.asarray(gguf_token_table(path, "output.weight"), dtype=np.float32))
+    except ModelLoadError:  # tied embeddings
+        lm_head = table
+    return nn.Embedding.from_pretrained(table), lm_head, "normed"
+
+
 def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, device: str = "cpu",
           log: Callable[[str], object] = print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
@@ -286,12 +372,13 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         vocab = saved["vocab_ids"]
     else:
         vocab = draft_vocabulary(corpus, corpus.positions(train_set), cfg.draft_vocab, base.tokenizer.eos_ids)
-    assert isinstance(base.model, Transformer)  # the head is trained on PyTorch's model
     a = base.model.args
+    embed, lm_head, states = base_tables(base)
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
-                               window=cfg.window, n_layers=cfg.n_layers, norm_eps=a.norm_eps, chain=cfg.chain), vocab)
+                               window=cfg.window, n_layers=cfg.n_layers, chain=cfg.chain, states=states,
+                               norm_eps=getattr(a, "norm_eps", DraftArgs.norm_eps)), vocab)
     with torch.no_grad():
-        head.head.weight.copy_(base.model.lm_head.weight[vocab.to(base.model.lm_head.weight.device)].float().cpu())
+        head.head.weight.copy_(lm_head[vocab.to(lm_head.device)].float().cpu())
     head.to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
     step = 0
@@ -303,7 +390,6 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     to_draft = draft_index(vocab, a.vocab_size)
     train_pos, held_pos = corpus.positions(train_set), corpus.positions(held)
     weights = torch.tensor(OFFSET_WEIGHTS[:cfg.block], device=device)
-    embed = base.model.embed_tokens
     log(f"{len(train_set)} training replies ({len(train_pos)} positions), {len(held)} held out "
         f"({len(held_pos)}); draft vocabulary {len(vocab)}; "
         f"head {sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters on {device}")

@@ -5,7 +5,7 @@
 Engines (each in its own subprocess, so peak RSS is its own and nothing is shared):
 
   ours_diffusion  engine.stream.Engine, block diffusion (the `default` model: packaged GGUF and
-                  its draft head, lossless `verify`, on PyTorch's kernels: --diffusion-quantize;
+                  its draft head, lossless `verify`, on the kernels --diffusion-quantize names;
                   --adapter merges a LoRA adapter for lossy rules)
   ours_ar         engine.stream.Engine, autoregressive, on the *base* GGUF (no adapter), i.e.
                   exactly the weights the two peers load (--quantize gguf: on llama.cpp's kernels)
@@ -108,16 +108,17 @@ class OursWorker:
             raise RuntimeError("our tokenizer rendered the prompt differently from the shared prompt ids")
         eos = set(req["eos_ids"])
         cfg = replace(self.cfg, max_new_tokens=req["max_new_tokens"])
-        events, ids, finish = [], [], None
+        events, ids, finish, forwards = [], [], None, 0
         start = time.perf_counter()
         for piece in self.engine.generate_sync(req["messages"], cfg, Conversation()):
             now = time.perf_counter()
             new = [t for t in piece.token_ids if t not in eos]
             ids += new
             events.append((now, len(new)))
-            finish = piece.finish_reason or finish
+            finish, forwards = piece.finish_reason or finish, piece.forwards
         end = time.perf_counter()
         row = timing_row(start, end, events, self.mode)
+        row["forwards"] = forwards
         row["token_ids"] = ids
         row["finish_reason"] = finish
         return row
@@ -333,6 +334,8 @@ def summarize(rows: list[dict]) -> dict:
     out = {"n": len(rows), "tok_s": tokens / seconds if seconds else float("nan"),
            "reply_tokens_mean": tokens / len(rows) if rows else float("nan"),
            "decode_tok_s_p50": percentile([r["decode_tok_s"] for r in rows], 50)}
+    if all("forwards" in r for r in rows):  # ours: tokens committed per forward of the base
+        out["tokens_per_forward"] = sum(len(r["token_ids"]) for r in rows) / max(1, sum(r["forwards"] for r in rows))
     for key in ("ttfb_ms", "first_token_ms", "first8_ms", "total_ms"):
         out[f"{key}_p50"] = percentile([r[key] for r in rows], 50)
         out[f"{key}_p95"] = percentile([r[key] for r in rows], 95)
@@ -352,6 +355,7 @@ TABLE = (("TTFB p50 (ms)", "ttfb_ms_p50", 0), ("TTFB p95 (ms)", "ttfb_ms_p95", 0
          ("first token p50 (ms)", "first_token_ms_p50", 0), (f"first {FIRST_N} tokens p50 (ms)", "first8_ms_p50", 0),
          (f"first {FIRST_N} tokens p95 (ms)", "first8_ms_p95", 0), ("request total p50 (ms)", "total_ms_p50", 0),
          ("tokens/s", "tok_s", 1), ("decode tokens/s p50", "decode_tok_s_p50", 1),
+         ("tokens per forward", "tokens_per_forward", 2),
          ("reply tokens (mean)", "reply_tokens_mean", 1), ("peak RSS (MB)", "peak_rss_mb", 0),
          ("load (s)", "load_s", 1), ("same tokens as ours_ar", "prefix_agreement_vs_ours_ar", 2))
 
@@ -384,8 +388,9 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", choices=["none", "fp16", "int8", "gguf"], default="gguf",
                    help="our engine's kernels: gguf = the GGUF as packaged on llama.cpp's (default); "
                         "none/fp16/int8 = PyTorch")
-    p.add_argument("--diffusion-quantize", choices=["none", "fp16", "int8"], default="fp16",
-                   help="ours_diffusion's kernels: verify runs on PyTorch's (default fp16)")
+    p.add_argument("--diffusion-quantize", choices=["auto", "none", "fp16", "int8", "gguf"], default="auto",
+                   help="ours_diffusion's kernels (default auto: as the voice default loads the model; gguf = "
+                        "llama.cpp's, with a head trained on their states; none/fp16/int8 = PyTorch's)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: --model's)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),
                    help="interpreter for ours_* and transformers (default: .venv)")

@@ -20,7 +20,8 @@ import torch
 
 from engine import llamacpp
 from engine.train.data import chat
-from engine.decode import CacheState, ContextOverflow, DecodeConfig, Forward, generate_ar_batch, run_many
+from engine.decode import (CacheState, ContextOverflow, DecodeConfig, Forward, drive, generate_ar_batch, plan,
+                           run_many)
 from engine.loading import ModelLoadError, load
 from engine.stream import Engine
 
@@ -115,6 +116,41 @@ def test_distilling_keeps_the_states_a_teacher_forced_read_gives(tmp_path, monke
         fed = kept.abs().sum(-1) > 0  # all but a cut-off reply's last token, never fed (no target after it)
         assert fed[:-1].all()
         assert torch.nn.functional.cosine_similarity(read[fed], kept[fed], dim=-1).min() > 0.999
+
+
+def test_a_head_loads_on_the_kernels_whose_states_it_read_and_verify_keeps_the_ar_replies(tmp_path):
+    """A head trained on ggml's states (`states="normed"`) drafts on llama.cpp, reading the GGUF's
+    token table; on PyTorch it is refused, as a PyTorch head is on llama.cpp. Whatever it drafts
+    (here an untrained head, every draft sent), verify commits the base's own greedy tokens."""
+    from engine.draft import DraftArgs, DraftHead, save_head
+    from engine.loading import shipped_drafter
+    reference = load("small", max_seq_len=512, quantize="none", drafter="")
+    a = reference.model.args
+    torch.manual_seed(0)
+    vocab = torch.arange(0, 4000)
+    head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), states="normed",
+                               chain=True), vocab)
+    save_head(tmp_path / "head.safetensors", head)
+    loaded = load("small", max_seq_len=512, quantize="gguf", drafter=str(tmp_path / "head.safetensors"))
+    assert loaded.drafter is not None and loaded.model.state_rows == head.args.window
+    ids = torch.tensor([5, 700, 3999])
+    assert torch.allclose(loaded.model.embed_tokens(ids), reference.model.embed_tokens(ids).float(), atol=1e-3)
+    with pytest.raises(ModelLoadError, match="llama.cpp"):
+        load("small", max_seq_len=512, quantize="none", drafter=str(tmp_path / "head.safetensors"))
+    with pytest.raises(ModelLoadError, match="PyTorch"):
+        load("small", max_seq_len=512, quantize="gguf", drafter=str(shipped_drafter("small")))
+    model, eos = loaded.model, loaded.tokenizer.eos_ids
+    drafted, step_of = [], model.step
+    model.step = lambda forwards: (drafted.extend(len(f.draft) for f in forwards), step_of(forwards))[1]
+    for q in ("What do bees make?", "Count from one to ten."):
+        prompt = prompt_ids(loaded, q)
+        ar = drive(model, plan(CacheState.new(model, 512), prompt, DecodeConfig(mode="ar", max_new_tokens=24),
+                               loaded.spec, eos))
+        cfg = DecodeConfig(mode="diffusion", max_new_tokens=24, draft_threshold=0.0)  # every draft sent
+        verify = list(drive(model, plan(CacheState.new(model, 512), prompt, cfg, loaded.spec, eos, loaded.drafter,
+                                        model.embed_tokens)))
+        assert [t for b in verify for t in b.token_ids] == [t for b in ar for t in b.token_ids]
+    assert max(drafted) == head.args.block  # the head's blocks went through llama_decode as rows
 
 
 def test_a_new_turn_drops_the_stale_tail_of_the_last(small):

@@ -265,24 +265,28 @@ class Engine:
         """The least that prefilling `tokens` new prompt tokens takes here (None: not measured yet)."""
         return None if self.best_token_s is None else tokens * self.best_token_s
 
-    def _affordable(self, prompt: list[int], state: CacheState | None) -> None:
-        """Refuse a prompt whose new tokens would take longer than `max_prefill_s` to prefill even
-        with the machine to itself (the fastest cost measured: contention only makes it worse)."""
+    def _affordable(self, prompt: list[int], state: CacheState | None, others: int = 0) -> None:
+        """Refuse a prompt whose new tokens would take longer than `max_prefill_s` to prefill: at the
+        fastest cost measured, times the conversations that share the model with it now (`others`
+        being served: the scheduler gives each an equal share, so a prefill that fits alone may
+        not fit beside them)."""
         new = len(prompt) - (state.cached_prefix(prompt) if state is not None else 0)
-        cost = self.prefill_s(new)
-        if self.max_prefill_s is not None and cost is not None and cost > self.max_prefill_s:
-            raise ContextOverflow(f"the prompt's {new} new tokens would take about {cost:.0f} s to read on this "
-                                  f"machine, longer than the {self.max_prefill_s:g} s a reply may wait: "
-                                  f"shorten the conversation or the message")
+        alone = self.prefill_s(new)
+        if self.max_prefill_s is None or alone is None or alone * (1 + others) <= self.max_prefill_s:
+            return
+        shared = f", shared with {others} other conversation{'s' if others > 1 else ''} now" if others else ""
+        raise ContextOverflow(f"the prompt's {new} new tokens would take about {alone * (1 + others):.0f} s to read "
+                              f"on this machine{shared}, longer than the {self.max_prefill_s:g} s a reply may wait: "
+                              f"shorten the conversation or the message")
 
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
-               constraint: Constraint | None = None, tools: list[Tool] | None = None, background: bool = False
-               ) -> tuple[Steps, _Reply]:
-        """Plan a reply on `conversation` (closing one still running there)."""
+               constraint: Constraint | None = None, tools: list[Tool] | None = None, background: bool = False,
+               others: int = 0) -> tuple[Steps, _Reply]:
+        """Plan a reply on `conversation` (closing one still running there) beside `others` being served."""
         cfg = self.resolve(cfg)
         prompt = self.prompt_ids(messages, tools)
         if not background:  # a warm has no one waiting: it may take as long as it takes
-            self._affordable(prompt, conversation.state)
+            self._affordable(prompt, conversation.state, others)
         if conversation.active is not None:
             self._close(conversation.active)
         if conversation.state is None:
@@ -402,11 +406,12 @@ class Engine:
             pass  # a probe delivers no pieces
         return request.scores
 
-    def _begin_probe(self, probe: _Probe, conversation: Conversation, start: float) -> tuple[Steps, _Reply]:
+    def _begin_probe(self, probe: _Probe, conversation: Conversation, start: float, others: int
+                     ) -> tuple[Steps, _Reply]:
         if len(probe.prompt) >= self.max_seq_len:
             raise ContextOverflow(f"a prompt of {len(probe.prompt)} tokens does not fit the context "
                                   f"of {self.max_seq_len}")
-        self._affordable(probe.prompt, conversation.state)
+        self._affordable(probe.prompt, conversation.state, others)
         probe.source = conversation.state
         probe.state = self._take_cache()
         if probe.source is not None and probe.source.ids:
@@ -503,9 +508,10 @@ class Engine:
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation
+        others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is not None:  # beside the conversation's reply, on a copy of its cache
             try:
-                request.steps, request.reply = self._begin_probe(request.probe, conversation, request.start)
+                request.steps, request.reply = self._begin_probe(request.probe, conversation, request.start, others)
             except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
                 request.deliver(err)
                 self._leave(request)
@@ -517,7 +523,7 @@ class Engine:
             conversation.active.deliver(Superseded("a newer request on this conversation took its place"))
         try:
             request.steps, request.reply = self._begin(request.messages, request.cfg, conversation, request.start,
-                                                       request.constraint, request.tools, request.warm)
+                                                       request.constraint, request.tools, request.warm, others)
         except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
             request.deliver(err)
             self._leave(request)

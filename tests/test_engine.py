@@ -653,6 +653,33 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     assert reply_ids(asyncio.run(warm_then_reply()))
 
 
+def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_the_model(smol):
+    """The estimate counts the conversations being served: the scheduler gives each an equal share,
+    so a prefill that fits `max_prefill_s` alone is refused beside another reply, and runs alone."""
+    eng = Engine(smol, max_seq_len=1024, max_prefill_s=1.0)
+    medium = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(20))}]
+    new_tokens = len(eng.prompt_ids(medium))
+
+    async def beside_another():
+        conversation = Conversation()
+        other = eng.stream(LONG, DecodeConfig(mode="ar", max_new_tokens=400), conversation=conversation)
+        await anext(other)  # the other conversation is being served
+        eng.best_token_s = 0.8 / new_tokens  # measured: alone, the prompt's prefill takes 0.8 s
+        try:
+            with pytest.raises(ContextOverflow, match="about 2 s to read on this machine, shared with 1 other"):
+                [p async for p in eng.stream(medium, DecodeConfig(mode="ar", max_new_tokens=4))]
+        finally:
+            await other.aclose()
+        for _ in range(100):  # the scheduler lets the cancelled reply go
+            if conversation.active is None:
+                break
+            await asyncio.sleep(0.05)
+        eng.best_token_s = 0.8 / new_tokens
+        return [p async for p in eng.stream(medium, DecodeConfig(mode="ar", max_new_tokens=4))]
+
+    assert reply_ids(asyncio.run(beside_another()))
+
+
 def test_a_warm_that_a_reply_overtakes_ends(smol):
     """Warming a conversation's cache, then its reply at once: the reply takes over the cache and
     the warm ends (it used to wait forever), and the reply is unchanged."""

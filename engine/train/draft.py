@@ -193,9 +193,10 @@ def distill_states(base: LoadedModel, prompts: list[str], path: Path, window: in
     model, tok = base.model, base.tokenizer
     assert isinstance(model, LlamaCppModel)
     model.read_states(1 << 20)  # every row's state
-    done = sum(1 for _ in path.open()) // SHARD * SHARD if path.exists() else 0
-    if path.exists():  # drop a partial shard's replies: its states were not saved
-        path.write_text("".join(path.open().readlines()[:done]))
+    lines = path.open().readlines() if path.exists() else []
+    done = len(prompts) if len(lines) >= len(prompts) else len(lines) // SHARD * SHARD
+    if len(lines) > done:  # drop a partial shard's replies: its states were not saved
+        path.write_text("".join(lines[:done]))
     t0 = time.perf_counter()
     for first in range(done, len(prompts), SHARD):
         part, rows = prompts[first:first + SHARD], list[dict]()

@@ -90,6 +90,9 @@ class OursWorker:
             adapter = ""
         self.engine = Engine.load(a.model, adapter=adapter,
                                   quantize=a.quantize if mode == "ar" else a.diffusion_quantize)
+        if mode == "diffusion" and a.draft_anyway:  # measure drafting where the engine decided it does not pay
+            from engine.stream import Decoding
+            self.engine.decoding = Decoding("diffusion", "--draft-anyway")
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
         from engine.evals.bench import effective_adapter
@@ -264,7 +267,7 @@ class Worker:
                 "--adapter", a.adapter, "--ar-adapter", a.ar_adapter, "--block-size", str(a.block_size),
                 "--first-block-size", str(a.first_block_size), "--threshold", str(a.threshold),
                 "--quantize", a.quantize, "--diffusion-quantize", a.diffusion_quantize,
-                "--llamacpp-extra-bufts", a.llamacpp_extra_bufts]
+                "--llamacpp-extra-bufts", a.llamacpp_extra_bufts] + (["--draft-anyway"] if a.draft_anyway else [])
         n = str(a.threads)
         env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, OPENBLAS_NUM_THREADS=n,
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error",
@@ -391,6 +394,9 @@ def main(argv=None) -> int:
     p.add_argument("--diffusion-quantize", choices=["auto", "none", "fp16", "int8", "gguf"], default="auto",
                    help="ours_diffusion's kernels (default auto: as the voice default loads the model; gguf = "
                         "llama.cpp's, with a head trained on their states; none/fp16/int8 = PyTorch's)")
+    p.add_argument("--draft-anyway", action="store_true",
+                   help="ours_diffusion drafts and verifies even where the engine decides AR for this CPU class "
+                        "(to measure what drafting gives there)")
     p.add_argument("--gguf", default="", help="GGUF file for transformers and llama.cpp (default: --model's)")
     p.add_argument("--python", default=str(MAIN_PYTHON if MAIN_PYTHON.exists() else sys.executable),
                    help="interpreter for ours_* and transformers (default: .venv)")

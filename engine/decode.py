@@ -534,7 +534,16 @@ def diffusion_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig,
 def generate_ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: int,
                       stop_ids: set[int], temperature: float = 0.0,
                       generator: torch.Generator | None = None) -> list[list[int]]:
-    """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state.
+    """Many independent AR replies at once (teacher distillation, benchmarks); no conversation state
+    (`ar_batch`)."""
+    return ar_batch(model, prompts, max_new_tokens, stop_ids, temperature, generator)[0]
+
+
+def ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+             temperature: float = 0.0, generator: torch.Generator | None = None
+             ) -> tuple[list[list[int]], list[CacheState]]:
+    """Many independent AR replies at once, and the cache state each ends with (its hidden states:
+    what a draft head is trained on).
 
     The prefix all prompts share (the system prompt) is computed once and copied into each
     reply's own cache; every step is then one batched forward (`run_many`) over the replies
@@ -559,7 +568,7 @@ def generate_ar_batch(model: Model, prompts: list[list[int]], max_new_tokens: in
         going = [i for i in going if replies[i][-1] not in stop_ids]
         if not going:
             break
-    return replies
+    return replies, states
 
 
 def decoder_steps(state: CacheState, new: list[int], cfg: DecodeConfig, spec: DiffusionSpec, stop_ids: set[int],

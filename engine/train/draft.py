@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -40,9 +39,8 @@ from torch import nn
 from engine.train.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
-from engine.decode import CacheState, DecodeConfig, Forward, run, run_many
+from engine.decode import CacheState, DecodeConfig, ar_batch, run
 from engine.model import Transformer
-from engine.runtime import Model
 
 # (hidden, embedded next tokens, valid, targets, embedded previous tokens or None): one training batch
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -204,7 +202,9 @@ def distill_states(base: LoadedModel, prompts: list[str], path: Path, window: in
         hidden, starts, prompt_lens, lengths = [], [], [], []
         for i in range(0, len(part), batch_size):
             batch = [tok.encode_chat(chat(p)) for p in part[i:i + batch_size]]
-            for prompt, reply, states in zip(batch, *_generate_with_states(model, batch, max_new_tokens, tok.eos_ids)):
+            replies, caches = ar_batch(model, batch, max_new_tokens, tok.eos_ids)
+            for prompt, reply, cache in zip(batch, replies, caches):
+                states = cast(torch.Tensor, cache.hidden)[:len(cache.ids)]  # read_states keeps them
                 keep = prompt[-window:]
                 seq = keep + [t for t in reply if t not in tok.eos_ids] + [tok.turn_end_id]
                 h = states[len(prompt) - len(keep):len(prompt) - len(keep) + len(seq)]
@@ -224,28 +224,6 @@ def distill_states(base: LoadedModel, prompts: list[str], path: Path, window: in
         with path.open("a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     model.read_states(0)
-
-
-def _generate_with_states(model: Model, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int]
-                          ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """`engine.decode.generate_ar_batch`, keeping each reply's states (prompt and reply, as fed)."""
-    shared = list(os.path.commonprefix(prompts))[:min(len(p) for p in prompts) - 1]
-    root = CacheState.new(model, max(len(p) for p in prompts) + max_new_tokens)
-    if shared:
-        run(model, root, shared, False, [])
-    states = [root.fork(model) for _ in prompts]
-    pending = [p[len(shared):] for p in prompts]
-    replies: list[list[int]] = [[] for _ in prompts]
-    going = list(range(len(prompts)))
-    for _ in range(max_new_tokens):
-        lasts = [last for last, _ in run_many(model, [Forward(states[i], pending[i]) for i in going])]
-        for i, t in zip(going, torch.stack(cast(list[torch.Tensor], lasts)).argmax(-1).tolist()):
-            replies[i].append(t)
-            pending[i] = [t]
-        going = [i for i in going if replies[i][-1] not in stop_ids]
-        if not going:
-            break
-    return replies, [cast(torch.Tensor, s.hidden)[:len(s.ids)].clone() for s in states]
 
 
 def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids: set[int]) -> torch.Tensor:

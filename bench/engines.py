@@ -93,6 +93,9 @@ class OursWorker:
         if mode == "diffusion" and a.draft_anyway:  # measure drafting where the engine decided it does not pay
             from engine.stream import Decoding
             self.engine.decoding = Decoding("diffusion", "--draft-anyway")
+            drafter, model = self.engine.loaded.drafter, self.engine.model
+            if drafter is not None and hasattr(model, "read_states"):  # llama.cpp: states for the head
+                model.read_states(drafter.args.window)
         self.cfg = DecodeConfig(mode=mode, max_new_tokens=a.max_new_tokens, block_size=a.block_size,
                                 first_block_size=a.first_block_size, threshold=a.threshold)
         from engine.evals.bench import effective_adapter

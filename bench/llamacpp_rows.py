@@ -16,7 +16,6 @@ Timings are medians over interleaved, shuffled repeats. Prints a table; `--json`
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -27,7 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "iq4_nl": 25}  # llama_ftype
 PROMPT = ("You are a helpful voice assistant. Answer in one or two short spoken sentences. "
           "The user asks: tell me something interesting about the moon and the tides, and why "
           "there are two high tides a day rather than one, in words a child would follow.")
@@ -36,22 +34,6 @@ PROMPT = ("You are a helpful voice assistant. Answer in one or two short spoken 
 def packaged_gguf(model: str) -> Path:
     from engine.loading import gguf_path  # the product's venv; pass --gguf elsewhere
     return gguf_path(model)
-
-
-def requantised(lib, src: Path, quant: str, threads: int) -> Path:
-    """`src` re-quantised to `quant` (cached beside the model cache)."""
-    from engine.common.packages import cache_dir
-    dst = cache_dir() / "requant" / f"{src.stem}.{quant}.gguf"
-    if not dst.exists():
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        params = lib.llama_model_quantize_default_params()
-        params.ftype, params.nthread, params.allow_requantize = FTYPES[quant], threads, True
-        tmp = dst.with_suffix(".part")
-        print(f"quantising {src.name} -> {dst.name} ...", file=sys.stderr)
-        if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-            raise SystemExit(f"llama_model_quantize failed for {quant}")
-        tmp.rename(dst)
-    return dst
 
 
 def time_rows(lib, path: Path, repack: bool, threads: list[int], rows: list[int], repeats: int,
@@ -102,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-1.5b", help="a packaged model name (the product's venv)")
     ap.add_argument("--gguf", type=Path, help="a GGUF file instead of --model")
-    ap.add_argument("--quants", default="packaged,q4_0,q8_0", help="packaged and/or " + ",".join(FTYPES))
+    ap.add_argument("--quants", default="packaged,q4_0,q8_0", help="packaged and/or q4_0, q8_0, q4_k_m, iq4_nl")
     ap.add_argument("--repack", default="on,off", help="ggml's weight repacking (use_extra_bufts): on, off or both")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default="1,2,3,4,5,8")
@@ -126,7 +108,9 @@ def main() -> None:
     print(f"{src.name}; llama.cpp CPU variant: {variant}; {system}")
     results = []
     for quant in a.quants.split(","):
-        path = src if quant == "packaged" else requantised(lib, src, quant, max(threads))
+        if quant != "packaged":
+            from engine.llamacpp import requantised  # the product's venv (re-quantised into its model cache)
+        path = src if quant == "packaged" else requantised(src, quant, max(threads), print)
         for repack in a.repack.split(","):
             med = time_rows(lib, path, repack == "on", threads, rows, a.repeats, a.prompt_len)
             for t in threads:

@@ -66,13 +66,39 @@ log = logging.getLogger("engine.llamacpp")
 SEQUENCES = 64  # conversations whose caches are alive at once (llama.cpp allows up to 256)
 BATCH = 512  # tokens per llama_decode call; a longer prefill is decoded in several calls
 IDLE_EVICT_S = 30.0  # a cache unused this long may be dropped when the shared cache is full
-# why `mode = "diffusion"` decodes AR on these kernels (engine.stream.decide), by CPU class, from
-# bench/llamacpp_rows.py and BENCHMARKS.md, "Drafted rows on llama.cpp's kernels" and "AMX tiles"
-NO_HEAD = ("no draft head reads ggml's hidden states (given after the final norm): prompt lookup alone "
-           "does not pay")
-DRAFT_ROWS = f"on llama.cpp's kernels a drafted row costs 0.3-0.7 of a step on 2 cores and {NO_HEAD}"
-DRAFT_ROWS_AMX = ("on llama.cpp's AMX tiles a block of 7 drafted rows costs 0.5-1.0 of a step on 2 cores (a lone "
-                  f"drafted row 0.6-1.3), but {NO_HEAD}")
+# why `mode = "diffusion"` decodes AR on these kernels (`LlamaCppModel.draft_rows`, engine.stream.decide),
+# by CPU class, from bench/llamacpp_rows.py, bench/engines.py and BENCHMARKS.md ("Drafted rows on
+# llama.cpp's kernels", "AMX tiles", "The 1.5B's draft head")
+NO_HEAD = "this model has no draft head trained on ggml's states, and prompt lookup alone does not pay"
+DRAFT_ROWS = "on llama.cpp's kernels a drafted block of 4 costs 2x a step or more on 2 cores"
+DRAFT_ROWS_AMX = "on llama.cpp's AMX tiles a drafted block of 3-4 costs 1.5-1.9x a step on 2 cores"
+# CPU variants whose rows are cheap enough for a head's accepted tokens (measured with the 1.5B's
+# head: none yet) and, elsewhere, what the head would need
+DRAFTING_PAYS: tuple[str, ...] = ()
+HEAD_TOO_DEAR = ("its draft head is accepted for 1.4-1.6 tokens a forward and takes 15-34 ms to draft, so verify "
+                 "ran at 0.86x AR's tokens/s (it would need over 2.1 tokens a forward)")
+
+FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "iq4_nl": 25}  # llama_ftype
+
+
+def requantised(src: Path, quant: str, threads: int = 2, log_to: Callable[[str], object] = log.info) -> Path:
+    """`src` re-quantised to `quant` by llama.cpp (`llama_model_quantize`), written once into the
+    model cache (`requant/`, keyed by the source's name and size)."""
+    from engine.common.packages import cache_dir
+    dst = cache_dir() / "requant" / f"{src.stem}-{src.stat().st_size}.{quant}.gguf"
+    if not dst.exists():
+        lib = bindings()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        params = lib.llama_model_quantize_default_params()
+        params.ftype, params.nthread, params.allow_requantize = FTYPES[quant], threads, True
+        tmp = dst.with_suffix(".part")
+        log_to(f"re-quantising {src.name} to {quant} for this CPU's kernels (once) ...")
+        start = time.perf_counter()
+        if lib.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not re-quantise {src} to {quant}")
+        tmp.rename(dst)
+        log_to(f"{dst.name} written in {time.perf_counter() - start:.0f} s")
+    return dst
 
 
 def available() -> str:
@@ -235,10 +261,9 @@ class LlamaCppModel:
         if not self._ctx:
             lib.llama_model_free(self._model)
             raise ValueError(f"llama.cpp could not make a context of {cparams.n_ctx} tokens for {path}")
-        self.draft_rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
-        # a draft head's inputs (`read_states`): none until one is attached
+        # a draft head's inputs (`attach_head`, `read_states`): none until one is attached
         self.embed_tokens: nn.Module | None = None
-        self.state_rows = 0
+        self.head_window = self.state_rows = 0
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)
@@ -256,13 +281,28 @@ class LlamaCppModel:
             lib.llama_free(self._ctx)
             lib.llama_model_free(self._model)
 
-    def read_states(self, rows: int, embed: nn.Module | None = None) -> None:
+    @property
+    def draft_rows(self) -> str:
+        """Why verify's drafted rows do not pay here ('' where they do): a head must read ggml's
+        states, and this CPU class's rows must be cheap enough for what it gets accepted."""
+        rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
+        if not self.head_window:
+            return f"{rows}, and {NO_HEAD}"
+        return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {HEAD_TOO_DEAR}"
+
+    def attach_head(self, window: int, embed: nn.Module) -> None:
+        """A draft head reads the states of the last `window` positions and the tokens after them
+        (`embed`); the states are read only where drafting pays here (`read_states`)."""
+        self.head_window, self.embed_tokens = window, embed
+        self.read_states(window if not self.draft_rows else 0)
+
+    def read_states(self, rows: int) -> None:
         """From now on each step also gives the hidden states of its last `rows` clean rows and of
         every drafted row (after the final norm: ggml's embeddings output), zeros for earlier rows,
-        and each cache keeps them (`CacheState.hidden`): what a draft head reads, with `embed`.
-        Only those rows: llama.cpp outputs (and runs the LM head on) every row of a call that asks
-        for embeddings, so a prefill's earlier rows go in a call of their own without."""
-        self.state_rows, self.embed_tokens = rows, embed
+        and each cache keeps them (`CacheState.hidden`): what a draft head reads. Only those rows:
+        llama.cpp outputs (and runs the LM head on) every row of a call that asks for embeddings, so
+        a prefill's earlier rows go in a call of their own without."""
+        self.state_rows = rows
         self._lib.llama_set_embeddings(self._ctx, False)
 
     # --- conversation caches ------------------------------------------------------------------

@@ -89,9 +89,15 @@ def packaged_gguf(name: str) -> Path:
 # The models a name selects, each with the draft head `engine draft` trained for it (engine/weights/).
 # `default` is the most accurate one whose voice-to-voice p50 stays within 1.0 s on a 2-core CPU
 # (BENCHMARKS.md, "Choosing the default model"); `small` is the fastest.
+# what a packaged GGUF runs as on a ggml CPU variant where another weight type's kernels pay,
+# re-quantised once from the packaged file (engine.llamacpp.requantised); elsewhere as packaged.
+# Measured (BENCHMARKS.md, "AMX tiles"): on AMX tiles Q8_0 is faster at every row count, a drafted
+# block the most (4 rows 1.3x one row, against 1.6-1.9x), and keeps the held-out answers
+GGUF_WEIGHTS = {"qwen2.5-1.5b": {"sapphirerapids": "q8_0"}}
 SHIPPED_DRAFTERS = {
     "smollm2-135m": WEIGHTS / "smollm2-drafter.safetensors",
     "qwen2.5-0.5b": WEIGHTS / "qwen2.5-0.5b-drafter.safetensors",
+    "qwen2.5-1.5b": WEIGHTS / "qwen2.5-1.5b-drafter.safetensors",  # reads llama.cpp's states (gguf)
 }
 ALIASES = {"default": "qwen2.5-0.5b", "small": "smollm2-135m"}
 MODEL_NAMES = (*ALIASES, "smollm2-135m", *PACKAGED_MODELS)
@@ -178,10 +184,10 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         if model != "smollm2-135m":
             raise ModelLoadError(f"the shipped adapter is for SmolLM2 ('small'), not {name!r}")
         adapter = DEFAULT_ADAPTER
-    lookup = drafter == ""
+    lookup, asked = drafter == "", bool(drafter)
     if drafter is None:
         drafter = shipped_drafter(model) or ""
-    states = head_states(drafter) if drafter else ""
+    states = head_states(drafter) if drafter else ""  # which kernels' states the head reads
     if quantize == "gguf":
         loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter)
         loaded.lookup = lookup
@@ -189,15 +195,17 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
             from engine.llamacpp import LlamaCppModel
             assert isinstance(loaded.model, LlamaCppModel)
             loaded.drafter = _load_head(drafter, loaded.model.args, device)
-            loaded.model.read_states(loaded.drafter.args.window, TokenTable(gguf_token_table(gguf_path(name))))
-        elif drafter and drafter != shipped_drafter(model):
+            loaded.model.attach_head(loaded.drafter.args.window, TokenTable(gguf_token_table(gguf_path(name))))
+        elif asked:
             raise ModelLoadError(f"draft head {drafter} reads PyTorch's hidden states (before the final norm): "
                                  "use quantize none|fp16|int8, or a head trained on llama.cpp's states "
                                  "(engine draft --quantize gguf)")
         return loaded  # the shipped head of a model PyTorch runs faster: AR (or prompt lookup) on llama.cpp
-    if states == "normed":
+    if states == "normed" and asked:
         raise ModelLoadError(f"draft head {drafter} reads llama.cpp's hidden states (after the final norm): "
                              "use quantize gguf")
+    if states == "normed":
+        drafter = ""  # the shipped head reads llama.cpp's states: none to read on PyTorch's kernels
     path = Path(name)
     if model == "smollm2-135m" or model in PACKAGED_MODELS or path.suffix == ".gguf":
         loaded = load_gguf(gguf_path(name), max_seq_len, dtype, device)
@@ -260,7 +268,8 @@ def gguf_path(name: str) -> Path:
 
 def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter: str | Path | None
                       ) -> LoadedModel:
-    """The GGUF as packaged, on llama.cpp's kernels (engine.llamacpp, AR only); our tokenizer."""
+    """The GGUF on llama.cpp's kernels (engine.llamacpp): as packaged, or re-quantised where this CPU
+    variant's kernels run another type faster (`GGUF_WEIGHTS`); our tokenizer."""
     from engine import llamacpp
     if device != "cpu":
         raise ModelLoadError("quantize 'gguf' runs on the CPU; on a GPU use quantize 'none' (PyTorch)")
@@ -271,8 +280,9 @@ def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adap
         raise ModelLoadError(why_not)
     path = gguf_path(name)
     tokenizer = gguf_tokenizer(path)
+    quant = GGUF_WEIGHTS.get(model, {}).get(llamacpp.cpu_variant())
     try:
-        lm = llamacpp.LlamaCppModel(path, max_seq_len)
+        lm = llamacpp.LlamaCppModel(llamacpp.requantised(path, quant) if quant else path, max_seq_len)
     except ValueError as err:
         raise ModelLoadError(str(err)) from err
     spec = DiffusionSpec(mask_id=_default_mask_id(tokenizer), block_size=4, shift=True, context="causal")

@@ -28,8 +28,10 @@ class Model(Protocol):
     or a draft tree, rather than only causal drafted rows."""
 
     args: Any
-    draft_rows: str
     mask_blocks: bool
+
+    @property
+    def draft_rows(self) -> str: ...
 
     @property
     def embed_tokens(self) -> nn.Module | None: ...

@@ -15,22 +15,19 @@ a one-row step keeps AVX-512 VNNI.
 
 Verify runs here too: a forward's drafted chain goes through the same `llama_decode` as causal
 rows after the clean token, with logits for every row; their cells stay scratch past
-`state.ids` and are dropped before the next step unless verify keeps them. But `mode =
-"diffusion"` decodes AR on these kernels (`DRAFT_ROWS`, `engine.stream.decide`), by measurement
-(BENCHMARKS.md, "Drafted rows on llama.cpp's kernels", bench/llamacpp_rows.py):
-- a drafted row costs 0.3-0.7 of a one-row step (ggml's quantised matmuls scale with the rows on
-  2 cores, repacked or not, Q4_K, Q4_0 or Q8_0; on AMX tiles 0.07-0.14 each in a block of 7), so
-  a drafter must be accepted for well over 2 tokens a forward (AMX: over 1) before verify pays;
-  prompt lookup, the only drafter that needs no hidden states, is accepted far less on spoken
-  replies;
-- no draft head reads ggml's states: ours read the base's last hidden states before the final
-  norm, and llama.cpp gives them after it (`embeddings`);
+`state.ids` and are dropped before the next step unless verify keeps them. A draft head reads
+ggml's states (`read_states`: the embeddings output, after the final norm; heads trained on them
+say `states = "normed"`). But `mode = "diffusion"` decodes AR on these kernels
+(`LlamaCppModel.draft_rows`, `engine.stream.decide`), by measurement (BENCHMARKS.md, "Drafted rows
+on llama.cpp's kernels", "The 1.5B's draft head"; bench/llamacpp_rows.py, bench/engines.py):
+- a drafted block costs 1.5-1.9x a one-row step on AMX tiles (2, 4 or 8 rows; Q8_0 the cheapest)
+  and 2x or more elsewhere on 2 cores, and the 1.5B's head (accepted for 1.4-1.6 tokens a
+  forward) takes 15-34 ms to draft: verify ran at 0.72-0.86x AR's tokens/s; prompt lookup is
+  accepted far less on spoken replies;
 - ggml's batched kernels round a drafted row a little differently from the one-row kernel (a
   lone row over 512+ cached positions takes a split-KV attention kernel, 64+ rows a tiled one),
   so greedy verify equals greedy AR on most replies, not all: measured, not promised
   (tests/test_llamacpp.py states the tolerance).
-Lossless verify with a draft head stays on the PyTorch model (`engine.model`), where rows are
-independent of their batch and hidden states are there to read: GPUs, and `quantize fp16|int8`.
 
 What a `Forward` needs and how it maps: the conversation's cache is a sequence id (`Slot`); rows
 past `state.ids` (an old turn's tail, rejected drafted rows) are removed from the sequence before

@@ -534,6 +534,7 @@ def test_healthz_and_metrics(service):
     decoding = health["decoding"]  # what runs, and why, as the engine decided at load
     assert decoding["mode"] == health["mode"] and decoding["why"]
     assert decoding["kernels"].startswith("llama.cpp, CPU variant" if on_llamacpp else "PyTorch")
+    assert decoding["kernels"].endswith(".gguf") == on_llamacpp  # the weights file that runs
 
     async def turn():  # make sure at least one turn has been timed, whatever ran before
         async with connect(service) as ws:

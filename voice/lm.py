@@ -116,9 +116,12 @@ class LocalLM:
 
     def describe(self) -> dict[str, str]:
         """What runs, for /healthz: the mode, why, and the kernels."""
-        from engine.llamacpp import cpu_variant
-        weights = self.engine.loaded.weights
-        kernels = f"llama.cpp, CPU variant {cpu_variant()}" if weights == "gguf" else f"PyTorch, {weights} weights"
+        from engine.llamacpp import LlamaCppModel, cpu_variant
+        model = self.engine.model
+        if isinstance(model, LlamaCppModel):  # which file: as packaged, or re-quantised for this CPU
+            kernels = f"llama.cpp, CPU variant {cpu_variant()}, {model.path.name}"
+        else:
+            kernels = f"PyTorch, {self.engine.loaded.weights} weights"
         return {"mode": self.engine.defaults.mode, "why": self.engine.decoding.why, "kernels": kernels}
 
     @property

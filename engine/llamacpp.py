@@ -72,8 +72,8 @@ DRAFT_ROWS_AMX = "on llama.cpp's AMX tiles a drafted block of 3-4 costs 1.5-1.9x
 # CPU variants whose rows are cheap enough for a head's accepted tokens (measured with the 1.5B's
 # head: none yet) and, elsewhere, what the head would need
 DRAFTING_PAYS: tuple[str, ...] = ()
-HEAD_TOO_DEAR = ("its draft head is accepted for 1.4-1.6 tokens a forward and takes 15-34 ms to draft, so verify "
-                 "ran at 0.86x AR's tokens/s (it would need over 2.1 tokens a forward)")
+HEAD_TOO_DEAR = ("its draft head is accepted for 1.3-1.6 tokens a forward and takes 15-34 ms to draft, so verify "
+                 "ran at 0.65-0.86x AR's tokens/s (it would need over 2.1 tokens a forward)")
 
 FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "iq4_nl": 25}  # llama_ftype
 
@@ -260,6 +260,7 @@ class LlamaCppModel:
             raise ValueError(f"llama.cpp could not make a context of {cparams.n_ctx} tokens for {path}")
         # a draft head's inputs (`attach_head`, `read_states`): none until one is attached
         self.embed_tokens: nn.Module | None = None
+        self._embed: Callable[[], nn.Module] | None = None
         self.head_window = self.state_rows = 0
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
@@ -287,10 +288,11 @@ class LlamaCppModel:
             return f"{rows}, and {NO_HEAD}"
         return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {HEAD_TOO_DEAR}"
 
-    def attach_head(self, window: int, embed: nn.Module) -> None:
+    def attach_head(self, window: int, embed: Callable[[], nn.Module]) -> None:
         """A draft head reads the states of the last `window` positions and the tokens after them
-        (`embed`); the states are read only where drafting pays here (`read_states`)."""
-        self.head_window, self.embed_tokens = window, embed
+        (`embed()` makes that token table; reading it from the GGUF takes seconds, so only once
+        states are read); the states are read only where drafting pays here (`read_states`)."""
+        self.head_window, self._embed = window, embed
         self.read_states(window if not self.draft_rows else 0)
 
     def read_states(self, rows: int) -> None:
@@ -300,6 +302,8 @@ class LlamaCppModel:
         llama.cpp outputs (and runs the LM head on) every row of a call that asks for embeddings, so
         a prefill's earlier rows go in a call of their own without."""
         self.state_rows = rows
+        if rows and self._embed is not None and self.embed_tokens is None:
+            self.embed_tokens = self._embed()
         self._lib.llama_set_embeddings(self._ctx, False)
 
     # --- conversation caches ------------------------------------------------------------------
@@ -393,6 +397,7 @@ class LlamaCppModel:
         `read_states` asks for them (else None). Drafted rows are written to the cache past
         `state.ids`: scratch, dropped before the next step unless verify keeps them."""
         rows: list[tuple[int, int, int, bool]] = []  # (forward, token, position, output)
+        outputs: list[int] = []  # per forward
         for i, f in enumerate(forwards):
             if f.parents is not None or (f.draft and not f.draft_causal):
                 raise ValueError("llama.cpp runs drafted chains as causal rows (verify); draft trees and "
@@ -400,8 +405,9 @@ class LlamaCppModel:
             start, n = len(f.state.ids), len(f.clean) + len(f.draft)
             if start + n > f.state.capacity:
                 raise ContextOverflow(f"conversation needs {start + n} tokens but the context holds {f.state.capacity}")
-            first_out = len(f.clean) - max(1, self.state_rows)
+            first_out = max(0, len(f.clean) - max(1, self.state_rows))
             rows += [(i, token, start + j, j >= first_out) for j, token in enumerate(f.clean + f.draft)]
+            outputs.append(n - first_out)
         with self._lock:
             self._make_room(forwards)
             # _make_room gave each a sequence
@@ -412,15 +418,14 @@ class LlamaCppModel:
                 slot.last_used = time.monotonic()
         out: list[tuple[Tensor, Tensor | None]] = []
         at = 0
-        for i, f in enumerate(forwards):
-            outputs = sum(1 for row in rows if row[0] == i and row[3])
+        for f, m in zip(forwards, outputs):
             n = len(f.draft) + (1 if f.clean else 0)
             states = None
             if hidden is not None:
                 states = torch.zeros(len(f.clean) + len(f.draft), self.args.dim)
-                states[len(states) - outputs:] = hidden[at:at + outputs]
-            out.append((logits[at + outputs - n:at + outputs], states))
-            at += outputs
+                states[len(states) - m:] = hidden[at:at + m]
+            out.append((logits[at + m - n:at + m], states))
+            at += m
         return out
 
     def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int]) -> tuple[Tensor, Tensor | None]:

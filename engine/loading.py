@@ -86,14 +86,14 @@ def packaged_gguf(name: str) -> Path:
         raise ModelLoadError(str(err)) from err
 
 
+# What a packaged GGUF runs as on a ggml CPU variant where another weight type's kernels pay,
+# re-quantised once from the packaged file (engine.llamacpp.requantised); elsewhere as packaged.
+# Measured (BENCHMARKS.md, "AMX tiles", "The 1.5B's draft head"): on AMX tiles Q8_0 is faster at
+# every row count (AR 1.25x) and keeps the held-out answers
+GGUF_WEIGHTS = {"qwen2.5-1.5b": {"sapphirerapids": "q8_0"}}
 # The models a name selects, each with the draft head `engine draft` trained for it (engine/weights/).
 # `default` is the most accurate one whose voice-to-voice p50 stays within 1.0 s on a 2-core CPU
 # (BENCHMARKS.md, "Choosing the default model"); `small` is the fastest.
-# what a packaged GGUF runs as on a ggml CPU variant where another weight type's kernels pay,
-# re-quantised once from the packaged file (engine.llamacpp.requantised); elsewhere as packaged.
-# Measured (BENCHMARKS.md, "AMX tiles"): on AMX tiles Q8_0 is faster at every row count, a drafted
-# block the most (4 rows 1.3x one row, against 1.6-1.9x), and keeps the held-out answers
-GGUF_WEIGHTS = {"qwen2.5-1.5b": {"sapphirerapids": "q8_0"}}
 SHIPPED_DRAFTERS = {
     "smollm2-135m": WEIGHTS / "smollm2-drafter.safetensors",
     "qwen2.5-0.5b": WEIGHTS / "qwen2.5-0.5b-drafter.safetensors",
@@ -195,17 +195,17 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
             from engine.llamacpp import LlamaCppModel
             assert isinstance(loaded.model, LlamaCppModel)
             loaded.drafter = _load_head(drafter, loaded.model.args, device)
-            loaded.model.attach_head(loaded.drafter.args.window, TokenTable(gguf_token_table(gguf_path(name))))
+            loaded.model.attach_head(loaded.drafter.args.window, lambda: TokenTable(gguf_token_table(gguf_path(name))))
         elif asked:
             raise ModelLoadError(f"draft head {drafter} reads PyTorch's hidden states (before the final norm): "
                                  "use quantize none|fp16|int8, or a head trained on llama.cpp's states "
                                  "(engine draft --quantize gguf)")
         return loaded  # the shipped head of a model PyTorch runs faster: AR (or prompt lookup) on llama.cpp
-    if states == "normed" and asked:
-        raise ModelLoadError(f"draft head {drafter} reads llama.cpp's hidden states (after the final norm): "
-                             "use quantize gguf")
-    if states == "normed":
-        drafter = ""  # the shipped head reads llama.cpp's states: none to read on PyTorch's kernels
+    if states == "normed":  # a head for llama.cpp's states: none to read on PyTorch's kernels
+        if asked:
+            raise ModelLoadError(f"draft head {drafter} reads llama.cpp's hidden states (after the final norm): "
+                                 "use quantize gguf")
+        drafter = ""
     path = Path(name)
     if model == "smollm2-135m" or model in PACKAGED_MODELS or path.suffix == ".gguf":
         loaded = load_gguf(gguf_path(name), max_seq_len, dtype, device)

@@ -135,8 +135,6 @@ def test_a_head_loads_on_the_kernels_whose_states_it_read_and_verify_keeps_the_a
     pays = llamacpp.cpu_variant() in llamacpp.DRAFTING_PAYS  # decided once, by this CPU class's row costs
     assert loaded.drafter is not None and loaded.model.head_window == head.args.window
     assert loaded.model.state_rows == (head.args.window if pays else 0)  # states only where the head drafts
-    ids = torch.tensor([5, 700, 3999])
-    assert torch.allclose(loaded.model.embed_tokens(ids), reference.model.embed_tokens(ids).float(), atol=1e-3)
     with pytest.raises(ModelLoadError, match="llama.cpp"):
         load("small", max_seq_len=512, quantize="none", drafter=str(tmp_path / "head.safetensors"))
     with pytest.raises(ModelLoadError, match="PyTorch"):
@@ -145,6 +143,8 @@ def test_a_head_loads_on_the_kernels_whose_states_it_read_and_verify_keeps_the_a
     assert (loaded.model.draft_rows == "") == pays and "no draft head" not in loaded.model.draft_rows
     model, eos = loaded.model, loaded.tokenizer.eos_ids
     model.read_states(head.args.window)  # drafting here even where it does not pay: the replies must hold
+    ids = torch.tensor([5, 700, 3999])  # the token table it reads with the states: the GGUF's embedding
+    assert torch.allclose(model.embed_tokens(ids), reference.model.embed_tokens(ids).float(), atol=1e-3)
     drafted, step_of = [], model.step
     model.step = lambda forwards: (drafted.extend(len(f.draft) for f in forwards), step_of(forwards))[1]
     for q in ("What do bees make?", "Count from one to ten."):

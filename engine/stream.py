@@ -4,7 +4,7 @@ One scheduler thread owns the model. Every round it advances each active request
 next forward (a denoising step, or an AR token) and runs up to `max_batch` of them as one
 batched pass, so concurrent conversations share block-denoising steps instead of queueing
 behind each other (continuous batching at block-step granularity). Each round the requests of
-the highest priority go first (`priority()`, asked per round: a reply that has not delivered a
+the highest priority go first (`priority(text)`, asked per round: a reply that has not delivered a
 piece yet is WAITED); the others sit out, each forward at most `max_defer_s`, so they are
 delayed, never starved; a BACKGROUND request sits out even alone. What deserves which priority
 is the caller's policy (voice/lm.py has the voice service's). Within a priority the least
@@ -44,7 +44,7 @@ from engine.loading import LoadedModel, load
 
 log = logging.getLogger("engine.stream")
 
-# Request priorities (`priority()`): the highest present runs; the others sit out for a while.
+# Request priorities (`priority(text)`): the highest present runs; the others sit out for a while.
 BACKGROUND, NORMAL, WAITED = 0, 1, 2
 
 # A prompt is prefilled in chunks of about this much model time, so a conversation's long prompt
@@ -144,7 +144,8 @@ class _Request:
     cfg: DecodeConfig
     conversation: Conversation
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
-    priority: Callable[[], int] | None = None  # asked each round once the first piece is out (default NORMAL)
+    # asked each round once the first piece is out, with the text decoded so far (default NORMAL)
+    priority: Callable[[str], int] | None = None
     constraint: Constraint | None = None
     tools: list[Tool] | None = None
     warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
@@ -166,7 +167,7 @@ class _Request:
         assert self.reply is not None  # only admitted requests are ranked
         if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
             return WAITED
-        return NORMAL if self.priority is None else self.priority()
+        return NORMAL if self.priority is None else self.priority(self.reply.text)
 
 
 @dataclass(frozen=True)
@@ -353,14 +354,15 @@ class Engine:
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                     conversation: Conversation | None = None, priority: Callable[[], int] | None = None,
+                     conversation: Conversation | None = None, priority: Callable[[str], int] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
                      probe: _Probe | None = None, **overrides: Any) -> AsyncGenerator[Piece, None]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
-        piece the request is WAITED, then `priority()` (NORMAL if None). Without a `conversation`
-        the request is a one-off on a pooled cache. `constraint` (engine.grammar): the reply stays
-        inside its grammar (JSON, tool calls); `tools` (engine.tools) are rendered into the prompt;
-        `warm`: a prefill ahead of time (`warm()`), never urgent."""
+        piece the request is WAITED, then `priority(text)` (NORMAL if None), `text` being what is
+        decoded so far: the caller's next piece may already decide its priority before it arrives.
+        Without a `conversation` the request is a one-off on a pooled cache. `constraint`
+        (engine.grammar): the reply stays inside its grammar (JSON, tool calls); `tools`
+        (engine.tools) are rendered into the prompt; `warm`: a prefill ahead of time (`warm()`), never urgent."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 

@@ -531,7 +531,7 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
         async def newcomer():
             pieces = []
             async for piece in engine.stream(newcomer_chat, newcomer_cfg,
-                                             priority=lambda: WAITED if len(pieces) < wanted else NORMAL):
+                                             priority=lambda text: WAITED if len(pieces) < wanted else NORMAL):
                 events.append("newcomer")
                 pieces.append(piece)
             return pieces
@@ -561,7 +561,7 @@ def test_a_background_reply_sits_out_but_is_never_starved(smol):
 
     async def main():
         arrivals = []
-        async for piece in engine.stream(FIRST, cfg, priority=lambda: BACKGROUND):
+        async for piece in engine.stream(FIRST, cfg, priority=lambda text: BACKGROUND):
             arrivals.append((time.monotonic(), piece))
         return arrivals
 
@@ -611,7 +611,7 @@ def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
 
     async def ask(name, messages):
         pieces = []
-        async for piece in eng.stream(messages, cfg, priority=lambda: WAITED):  # both someone waits for
+        async for piece in eng.stream(messages, cfg, priority=lambda text: WAITED):  # both someone waits for
             events.append(name)
             pieces.append(piece)
         return reply_ids(pieces)

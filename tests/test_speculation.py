@@ -11,7 +11,7 @@ import time
 import pytest
 
 from fakes import FakeLM, FakeSynth, FakeWhisper, fake_stages, make_config, speech
-from voice.events import ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
+from voice.events import LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
 from voice.session import Session
 
 FRAME = 640  # 20 ms of 16 kHz PCM16
@@ -101,6 +101,13 @@ def test_the_reply_waits_for_the_end_of_the_turn(speculative):
     final = next(i for i, e in enumerate(seen) if isinstance(e, Transcript) and e.final)
     assert kinds.index(SpeechStopped) < final < kinds.index(ReplyText) < kinds.index(TtsAudio)
     assert not next(e for e in seen if isinstance(e, ReplyDone)).interrupted
+    # the latency report's timeline says when the work happened, released or not yet
+    report = next(e for e in seen if isinstance(e, LatencyReport))
+    work = report.marks_ms["work"]
+    order = ["reply_start", "lm_first_block", "first_phrase", "tts_asked", "tts_first_audio"]
+    assert [work[name] for name in order] == sorted(work[name] for name in order)
+    assert (work["reply_start"] < report.marks_ms["eos_detected"]) == speculative
+    assert work["tts_first_audio"] <= report.marks_ms["tts_first_audio"]
 
 
 def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
@@ -218,3 +225,43 @@ def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
     partials = [e.text for e in seen if isinstance(e, Transcript) and not e.final]
     read = [messages[-1]["content"] for messages, _ in stages.lm.prepared[1:]]  # after the session's start
     assert partials and read[:len(partials)] == partials
+
+
+def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded_it():
+    """The engine asks a reply's urgency with the text it has decoded, before that text reaches the
+    reply: urgent until it holds the first phrase, then not (its next forwards would share the
+    cores with that phrase's synthesis), urgent again once the audio sent runs low."""
+    stages = stages_for(True)
+    stages.lm.blocks = ["There ", "are ", "10 ", "close ", "things."]
+    stages.lm.delay_s = 0.3  # the last block comes after the first phrase is on the wire
+    answers: list[tuple[bool, bool]] = []
+    chat = stages.lm.chat
+    played: list = []
+
+    def chat_asking_urgency():
+        made = chat()
+        inner = made.reply
+
+        async def reply(messages, mode=None, urgent=None, tools=None):
+            async for block in inner(messages, mode, urgent, tools):
+                answers.append((urgent("There are 10"), urgent("There are 10 close")))
+                yield block
+        made.reply = reply
+        return made
+    stages.lm.chat = chat_asking_urgency
+
+    async def scenario():
+        s = Session(stages, 16000, 16000)
+        seen: list = []
+        reader = drain(s, seen)
+        await push(s, speech("001.wav"))
+        await push(s, silence(1000), realtime=True)
+        await until_reply_done(seen)
+        played.extend(e for e in seen if isinstance(e, TtsAudio))
+        reader.cancel()
+        await s.close()
+
+    asyncio.run(scenario())
+    assert answers[0] == (True, False)  # nothing spoken yet: only the text that holds a phrase yields
+    assert answers[-1] == (True, True)  # the first phrase's audio (about a second) runs low: urgent again
+    assert played and played[0].text == "There are 10"

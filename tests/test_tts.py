@@ -239,7 +239,8 @@ def test_held_jobs_go_as_soon_as_the_last_waiting_session_has_its_audio():
 
 
 def test_a_local_reply_is_waited_for_while_urgent_and_yields_while_anyone_waits():
-    """The voice service's policy for the engine's per-request priority (voice/lm.py)."""
+    """The voice service's policy for the engine's per-request priority (voice/lm.py): asked with
+    the text decoded so far; a tool call being written is no text to speak."""
     from types import SimpleNamespace
 
     from engine.stream import BACKGROUND, NORMAL, WAITED
@@ -247,12 +248,25 @@ def test_a_local_reply_is_waited_for_while_urgent_and_yields_while_anyone_waits(
     scheduler = Scheduler()
     chat = LocalChat(SimpleNamespace(scheduler=scheduler))
     urgent = threading.Event()
-    priority = chat.priority(urgent.is_set)
-    assert priority() == NORMAL
+    asked: list[str] = []
+    priority = chat.priority(lambda text: asked.append(text) or urgent.is_set())
+    assert priority("Sure") == NORMAL
     scheduler.start_waiting("another session")
-    assert priority() == BACKGROUND
+    assert priority("Sure") == BACKGROUND
     urgent.set()
-    assert priority() == WAITED
+    assert priority("Sure") == WAITED
     scheduler.stop_waiting("another session")
     urgent.clear()
-    assert priority() == NORMAL and chat.priority(None)() == NORMAL
+    assert priority("Sure") == NORMAL and chat.priority(None)("Sure") == NORMAL
+    assert asked == ["Sure"] * 4
+    chat.priority(lambda text: asked.append(text) or False, tools=True)('<tool_call>\n{"name": "x", ')
+    assert asked[-1] == ""
+
+
+def test_a_splitter_tells_whether_text_would_give_a_phrase_without_changing():
+    splitter = PhraseSplitter(min_chars=12, first_words=3)
+    assert not splitter.would_phrase("There are")
+    assert not splitter.would_phrase("There are 10")  # the third word may go on ("100")
+    assert splitter.would_phrase("There are 10 close")
+    assert splitter.push("There are") == [] and splitter.would_phrase("There are 10 close")
+    assert splitter.push(" 10 close") == ["There are 10"]

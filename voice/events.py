@@ -165,6 +165,16 @@ class Announcement(Event):
 
 
 @dataclass
+class Work(Event):
+    """When a reply's work happened, whether the user was waiting yet or not: a speculative reply
+    decodes and synthesises during the hangover, before its events are released. Not sent; the
+    latency report's timeline (`marks_ms["work"]`)."""
+
+    marks: dict = field(default_factory=dict)  # name -> time.monotonic()
+    type = "work"
+
+
+@dataclass
 class LatencyReport(Event):
     stages_ms: dict = field(default_factory=dict)
     marks_ms: dict = field(default_factory=dict)  # since end of user speech

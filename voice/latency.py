@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from voice.config import BudgetConfig
 from voice.events import (AudioSent, Event, LatencyReport, ReplyDone, ReplyText, SpeechStopped, ToolCall, ToolResult,
-                          Transcript, TtsAudio)
+                          Transcript, TtsAudio, Work)
 
 log = logging.getLogger("voice.latency")
 
@@ -61,6 +61,7 @@ class Metrics:
 class _Turn:
     marks: dict[str, float] = field(default_factory=dict)
     blocks: list[float] = field(default_factory=list)
+    work: dict[str, float] = field(default_factory=dict)
 
 
 def observe_stages(metrics: Metrics, budgets: BudgetConfig, stages: dict[str, float], session_id: str,
@@ -88,7 +89,7 @@ class LatencyTracker:
 
     def observe(self, ev: Event) -> None:
         if not isinstance(ev, (SpeechStopped, Transcript, ReplyText, ToolCall, ToolResult, TtsAudio, AudioSent,
-                               ReplyDone)):
+                               ReplyDone, Work)):
             return
         if ev.turn not in self.turns and len(self.turns) >= 64:  # turns that never got a reply: forget the oldest
             self.turns.pop(next(iter(self.turns)))
@@ -109,6 +110,8 @@ class LatencyTracker:
             turn.marks["tool_result"] = max(ev.t, turn.marks.get("tool_result", ev.t))
         elif isinstance(ev, TtsAudio):
             first("tts_first_audio", ev.t)
+        elif isinstance(ev, Work):
+            turn.work = ev.marks
         elif isinstance(ev, AudioSent):
             first("first_audio_sent", ev.t)
         elif isinstance(ev, ReplyDone):
@@ -124,8 +127,10 @@ class LatencyTracker:
         marks = turn.marks
         stages = {name: (marks[b] - marks[a]) * 1000 for name, (a, b) in STAGES.items() if a in marks and b in marks}
         origin = marks.get("speech_end", min(marks.values()))
-        rel: dict[str, float | list[float]] = {name: round((t - origin) * 1000, 1) for name, t in marks.items()}
-        rel["lm_blocks"] = [round((t - origin) * 1000, 1) for t in turn.blocks]
+        since = lambda t: round((t - origin) * 1000, 1)  # noqa: E731
+        rel: dict[str, float | list[float] | dict[str, float]] = {name: since(t) for name, t in marks.items()}
+        rel["lm_blocks"] = [since(t) for t in turn.blocks]
+        rel["work"] = {name: since(t) for name, t in turn.work.items()}
         over = observe_stages(self.metrics, self.budgets, stages, self.session_id, turn_no)
         self.emit(LatencyReport(turn_no, now, {k: round(v, 1) for k, v in stages.items()}, rel, over,
                                 round(stages["voice_to_voice"], 1) if "voice_to_voice" in stages else None))

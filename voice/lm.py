@@ -3,9 +3,10 @@
 `reply(messages)` yields committed text blocks as they are final; closing the iterator
 (barge-in) cancels generation. With `tools` (OpenAI function declarations) a reply is either
 text or tool calls, never both (a local engine's grammar says so): calls come as one last
-`Committed` with `calls`; `urgent()` says while the user still waits in silence for more
-of it. For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each session gets
-its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
+`Committed` with `calls`; `urgent(text)` says while the user still waits in silence for more
+of it, given the text decoded so far (a local engine asks before that text reaches the caller).
+For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each
+session gets its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
 A remote endpoint that can't be reached is retried with backoff before the first block
 (`lm.retries`, `lm.retry_backoff_s`); its health (last success or failure, and a periodic
@@ -55,7 +56,7 @@ class Chat(Protocol):
     """One conversation with the LM: `LocalChat` (its cache kept between turns), `RemoteChat`;
     tests' FakeChat."""
 
-    def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+    def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
               tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         """The reply's blocks as they come (an async generator); the last one carries any tool calls."""
         ...
@@ -159,14 +160,20 @@ class LocalChat:
         from engine.stream import Conversation
         self.lm, self.conversation = lm, Conversation()
 
-    def priority(self, urgent: Callable[[], bool] | None) -> Callable[[], int]:
+    def priority(self, urgent: Callable[[str], bool] | None, tools: bool = False) -> Callable[[str], int]:
         """A reply the user waits for in silence goes first; the others yield while anyone on the
-        host waits (for speech recognition or synthesis too), and run normally otherwise."""
+        host waits (for speech recognition or synthesis too), and run normally otherwise. `urgent`
+        is asked with the text to be spoken so far: none while the reply writes a tool call."""
         from engine.stream import BACKGROUND, NORMAL, WAITED
+        from engine.tools import starts_a_call
         busy = self.lm.scheduler.busy
-        return lambda: WAITED if urgent is not None and urgent() else BACKGROUND if busy() else NORMAL
 
-    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+        def level(text: str) -> int:
+            spoken = "" if tools and starts_a_call(text) else text
+            return WAITED if urgent is not None and urgent(spoken) else BACKGROUND if busy() else NORMAL
+        return level
+
+    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         from engine.tools import calls_in, starts_a_call
         overrides: dict[str, Any] = {"mode": mode} if mode else {}
@@ -177,7 +184,8 @@ class LocalChat:
             constraint.gate_first(starts, self.lm.tool_call_log_odds)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
-                                                 tools=declared, priority=self.priority(urgent), **overrides):
+                                                 tools=declared, priority=self.priority(urgent, bool(tools)),
+                                                 **overrides):
             text += piece.text
             calling = bool(tools) and starts_a_call(text)  # calls are never spoken
             if piece.text and not calling:
@@ -302,7 +310,7 @@ class RemoteChat:
     def close(self) -> None:
         """Nothing to give back: the endpoint keeps its own caches."""
 
-    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[], bool] | None = None,
+    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
         from openai import omit  # what the SDK sends for an argument not given
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from voice.asr import has_words
 from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
-                          TtsAudio)
+                          TtsAudio, Work)
 from voice.faults import StageFailure, blocks_within, synthesis_within
 from voice.lm import Chat
 from voice.playback import Playback
@@ -54,6 +54,12 @@ class Reply:
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    # When its work happened (time.monotonic()), released or not yet: the latency report's timeline.
+    work: dict[str, float] = field(default_factory=lambda: {"reply_start": time.monotonic()})
+
+    def did(self, name: str) -> None:
+        """Mark the first time the reply did `name` (see `Work`)."""
+        self.work.setdefault(name, time.monotonic())
 
 
 def cancel(task: asyncio.Task) -> None:
@@ -181,8 +187,11 @@ class ReplyRunner:
                       speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
         """One LM reply, each block under its timeout; the tool calls it makes instead of text, if any."""
         limit = self.config.limits.max_reply_chars
-        stream = self.chat.reply(messages, self.lm_mode, urgent=lambda: (
-            not reply.phrased or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
+        # Urgent until the first phrase is decoded (the LM knows before we do: then its next forward
+        # would share the cores with that phrase's synthesis), and again once the audio runs low.
+        stream = self.chat.reply(messages, self.lm_mode, urgent=lambda text: (
+            not (reply.phrased or splitter.would_phrase(text))
+            or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
         calls: list[dict] = []
         try:
             async with aclosing(blocks_within(stream, self.config.faults)) as blocks:
@@ -190,6 +199,7 @@ class ReplyRunner:
                     if speaker.done() and not speaker.cancelled() and (tts_error := speaker.exception()) is not None:
                         raise tts_error  # TTS failed: no point in generating more
                     calls += block.calls
+                    reply.did("lm_first_block")
                     if block.text:
                         self._say(reply, block.text, splitter.push(block.text), phrases)
                         await reply.released.wait()
@@ -212,6 +222,7 @@ class ReplyRunner:
         for phrase in complete:
             phrases.put_nowait(phrase)
             reply.phrased = True
+            reply.did("first_phrase")
 
     async def _use_tools(self, reply: Reply, calls: list[dict], phrases: asyncio.Queue) -> list[ToolRun]:
         """Run the calls (all at once); if the user would wait longer than `tools.filler_ms` for them,
@@ -290,8 +301,10 @@ class ReplyRunner:
             if self.requests and not paced:  # a text-only reply: its first phrase is its first output
                 self.sink.first_audio()
                 continue
+            reply.did("tts_asked")
             pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
                 not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+            reply.did("tts_first_audio")
             self.sink.first_audio()
             await reply.released.wait()
             if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate,
@@ -358,6 +371,7 @@ class Floor:
         heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
         if user_text and not reply.superseded:  # (a superseded turn's words are in the next one's)
             s.history.add(user_text, heard)
+        s.emit(Work(reply.turn, now, reply.work), wire=False)
         with s.outbox.holding() as held:
             s.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
         if not await s.call_log.reply_done(reply, status, user_text, heard, held):

@@ -82,6 +82,11 @@ class PhraseSplitter:
         self._spoke = self._spoke or bool(phrases)
         return phrases
 
+    def would_phrase(self, text: str) -> bool:
+        """Would `text`, pushed into a new splitter like this one, give a phrase? (Asked from any
+        thread: it reads nothing of this splitter's state but its settings.)"""
+        return bool(PhraseSplitter(self.min_chars, self.first_words, self.max_chars).push(text))
+
     def flush(self) -> str:
         """The rest of the text (at most max_chars); the splitter is then empty."""
         rest, self._pending = self._pending.strip(), ""

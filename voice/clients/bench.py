@@ -67,6 +67,7 @@ class Turn:
     reply: str = ""
     v2v_ms: float | None = None
     stages_ms: dict = field(default_factory=dict)
+    work_ms: dict = field(default_factory=dict)  # when the reply's work happened, since the end of speech (server's)
     over_budget: list = field(default_factory=list)
     audio_bytes: int = 0
     gap_ms: float = 0.0  # silence in the middle of the reply: its next audio came after the last had played
@@ -116,6 +117,7 @@ async def run_turn(ws: ClientConnection, path: Path, reference: str, rate: int, 
                 turn.reply = ev.text
             elif isinstance(ev, LatencyReport):
                 turn.stages_ms, turn.over_budget = ev.stages_ms, ev.over_budget
+                turn.work_ms = ev.marks_ms.get("work") or {}
                 done.set()
             elif isinstance(ev, Error):
                 turn.error = f"{ev.code}: {ev.message}"
@@ -183,6 +185,8 @@ def summarise(turns: list[Turn]) -> dict:
     v2v = [t.v2v_ms for t in turns if t.v2v_ms is not None]
     gaps = [t.gap_ms for t in turns if t.v2v_ms is not None]
     stages = sorted({k for t in turns for k in t.stages_ms})
+    work = sorted({k for t in turns for k in t.work_ms}, key=lambda k: pct([t.work_ms[k] for t in turns
+                                                                          if k in t.work_ms], 50) or 0.0)
     refs = [normalise(t.reference) for t in turns if t.reference]
     hyps = [normalise(t.transcript) for t in turns if t.reference]
     return {
@@ -192,6 +196,8 @@ def summarise(turns: list[Turn]) -> dict:
         "v2v_ms_mean": statistics.fmean(v2v) if v2v else None,
         "gap_ms_p95": pct(gaps, 95), "gap_ms_max": max(gaps, default=None),
         "stages_ms_p50": {s: pct([t.stages_ms[s] for t in turns if s in t.stages_ms], 50) for s in stages},
+        "stages_ms_p95": {s: pct([t.stages_ms[s] for t in turns if s in t.stages_ms], 95) for s in stages},
+        "work_ms_p50": {w: pct([t.work_ms[w] for t in turns if w in t.work_ms], 50) for w in work},
         "wer": jiwer.wer(refs, hyps) if refs else None,
         "budget_violations": sum(1 for t in turns if t.over_budget),
         "errors": sum(1 for t in turns if t.error),
@@ -205,7 +211,10 @@ def print_table(summary: dict) -> None:
     print(f"voice-to-voice  p50 {f(summary['v2v_ms_p50'])} ms   p95 {f(summary['v2v_ms_p95'])} ms")
     print(f"mid-reply silence  p95 {f(summary['gap_ms_p95'])} ms   max {f(summary['gap_ms_max'])} ms")
     for stage, v in summary["stages_ms_p50"].items():
-        print(f"  {stage:16s} p50 {f(v)} ms")
+        print(f"  {stage:16s} p50 {f(v)} ms   p95 {f(summary['stages_ms_p95'][stage])} ms")
+    if summary["work_ms_p50"]:
+        print("the reply's work, p50 ms after the end of speech (speculative work starts before the turn is over):")
+        print("  " + "  ".join(f"{name} {f(v)}" for name, v in summary["work_ms_p50"].items()))
 
 
 def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, lm_mode: str | None = None,

@@ -244,7 +244,7 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
 
         async def reply(messages, mode=None, urgent=None, tools=None):
             async for block in inner(messages, mode, urgent, tools):
-                answers.append((urgent("There are 10"), urgent("There are 10 close")))
+                answers.append((urgent("There"), urgent("There are 10")))
                 yield block
         made.reply = reply
         return made
@@ -264,4 +264,4 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
     asyncio.run(scenario())
     assert answers[0] == (True, False)  # nothing spoken yet: only the text that holds a phrase yields
     assert answers[-1] == (True, True)  # the first phrase's audio (about a second) runs low: urgent again
-    assert played and played[0].text == "There are 10"
+    assert played and played[0].text == "There are"  # tts.first_words = 2

@@ -9,7 +9,7 @@ import pytest
 
 from voice.asr import StreamingTranscriber, Whisper
 from voice.config import AsrConfig, TtsConfig
-from voice.audio import resample, rms_dbfs
+from voice.audio import resample, rms_dbfs, trim_silence
 from voice.scheduler import MAX_DEFER_S, Scheduler
 from voice.limits import trim_heap
 from voice.tts import PhraseSplitter, Synthesizer, load_voice
@@ -101,6 +101,36 @@ def test_concurrent_sessions_each_get_their_audio(synthesizer):
 
     short, long = asyncio.run(both())
     assert 0 < len(short) < len(long)
+
+
+def test_trimming_keeps_the_speech_and_cuts_the_silence_around_it_without_a_click():
+    rate = 16000
+    tone = 0.5 * np.sin(2 * np.pi * 220 * np.arange(int(0.3 * rate)) / rate).astype(np.float32)
+    quiet = np.full(int(0.2 * rate), 1e-4, dtype=np.float32)  # room noise 74 dB under the tone
+    clip = np.concatenate([quiet, tone, quiet])
+    both = trim_silence(clip, rate, lead_ms=10, tail_ms=30)
+    assert abs(len(both) - int(0.34 * rate)) <= 2
+    assert abs(both[0]) < 1e-6 and abs(both[-1]) < 1e-6  # faded edges
+    start = int(0.01 * rate)  # the tone's first sample over the threshold may be a sample or two in
+    assert any(np.array_equal(both[start + d + 80:start + d + len(tone) - 80], tone[80:-80]) for d in range(-3, 4))
+    lead_only = trim_silence(clip, rate, lead_ms=10, tail_ms=None)
+    assert abs(len(lead_only) - (len(clip) - int(0.19 * rate))) <= 2
+    np.testing.assert_array_equal(lead_only[-len(quiet):], quiet)
+    np.testing.assert_array_equal(trim_silence(quiet, rate, 10, 30), quiet)
+
+
+def _trailing_silence_ms(audio: np.ndarray, rate: int) -> float:
+    loud = np.flatnonzero(np.abs(audio) > np.abs(audio).max() / 100)
+    return (len(audio) - 1 - loud[-1]) * 1000 / rate
+
+
+def test_a_phrase_cut_between_words_ends_with_a_word_s_gap_and_a_sentence_keeps_its_pause(synthesizer):
+    """Piper ends every phrase with 120-200 ms of silence: at a cut the splitter made between words
+    that is a pause in mid-sentence that a listener hears."""
+    cut = speak(synthesizer, "There are", 16000)
+    sentence = speak(synthesizer, "There are three.", 16000)
+    assert _trailing_silence_ms(cut, 16000) <= 40
+    assert _trailing_silence_ms(sentence, 16000) >= 80
 
 
 def test_round_trip_through_asr_is_intelligible(synthesizer, transcribe):

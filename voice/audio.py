@@ -52,6 +52,25 @@ class StreamResampler:
         return self.stream.resample_chunk(audio) if self.stream is not None else audio
 
 
+def trim_silence(x: np.ndarray, rate: int, lead_ms: float, tail_ms: float | None,
+                 below_peak_db: float = 40.0) -> np.ndarray:
+    """Float audio with its leading silence cut to `lead_ms` and, unless `tail_ms` is None, its
+    trailing silence to `tail_ms` (silence: quieter than `below_peak_db` under the clip's peak);
+    the cut edges fade over 5 ms, so nothing clicks."""
+    loud = np.flatnonzero(np.abs(x) > np.abs(x).max(initial=0.0) * 10 ** (-below_peak_db / 20))
+    if not loud.size:
+        return x
+    start = max(int(loud[0] - lead_ms * rate / 1000), 0)
+    end = len(x) if tail_ms is None else min(int(loud[-1] + 1 + tail_ms * rate / 1000), len(x))
+    out = np.array(x[start:end], dtype=np.float32)
+    fade = min(int(0.005 * rate), len(out))
+    if start > 0:
+        out[:fade] *= np.linspace(0.0, 1.0, fade, dtype=np.float32)
+    if end < len(x):
+        out[len(out) - fade:] *= np.linspace(1.0, 0.0, fade, dtype=np.float32)
+    return out
+
+
 def rms_dbfs(x: np.ndarray) -> float:
     """RMS level of float audio relative to full scale; -inf for empty or digital silence."""
     if x.size == 0:

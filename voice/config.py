@@ -89,7 +89,7 @@ class AsrConfig:
     language: str = "en"  # "" = let Whisper detect it
     partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
     cpu_threads: int = 0  # 0 = CTranslate2's default
-    early_final_ms: int = 200  # silence after which the final is decoded speculatively (0: off)
+    early_final_ms: int = 100  # silence after which the final is decoded speculatively (0: off)
     min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
     initial_prompt: str = ""  # text Whisper reads as what came before every utterance (primes vocabulary)
     # end-of-turn re-decode when the fast final looks unsure (None: never): its average token log-probability
@@ -176,7 +176,7 @@ class TtsConfig:
     voice: str = ""  # "" = the packaged en_US joe voice; else a .onnx path (config beside it)
     length_scale: float = 1.0  # > 1 speaks slower
     min_chars: int = 12  # shorter phrases wait for more text unless flushed
-    first_words: int = 3  # the reply's first phrase may end after this many words (0: wait for punctuation)
+    first_words: int = 2  # the reply's first phrase may end after this many words (0: wait for punctuation)
     max_phrase_chars: int = 250  # a longer phrase (no punctuation) is cut at a word: Piper's time and memory grow
 
     def __post_init__(self) -> None:

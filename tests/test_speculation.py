@@ -265,3 +265,17 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
     assert answers[0] == (True, False)  # nothing spoken yet: only the text that holds a phrase yields
     assert answers[-1] == (True, True)  # the first phrase's audio (about a second) runs low: urgent again
     assert played and played[0].text == "There are"  # tts.first_words = 2
+
+
+def test_a_reply_about_to_fall_silent_speaks_the_words_it_has():
+    """A long clause decoded slower than the first phrase plays: once its audio is about to run out
+    the reply speaks the complete words it has instead of waiting for punctuation; nothing is lost."""
+    stages = stages_for(True)
+    stages.lm.blocks = ["There ", "are ", "many ", "kinds ", "of ", "queens ", "in ", "old ", "card ", "games ",
+                        "played ", "today."]
+    stages.lm.delay_s = 0.12  # "There are" (0.54 s of FakeSynth audio) is out before "in" is decoded
+    seen = asyncio.run(one_turn(stages, "001.wav"))
+    played = [e.text for e in seen if isinstance(e, TtsAudio)]
+    assert played[0] == "There are"
+    assert len(played) >= 3 and len(played[1].split()) >= 3 and not played[1].endswith(".")
+    assert " ".join(played) == "There are many kinds of queens in old card games played today."

@@ -300,3 +300,13 @@ def test_a_splitter_tells_whether_text_would_give_a_phrase_without_changing():
     assert splitter.would_phrase("There are 10 close")
     assert splitter.push("There are") == [] and splitter.would_phrase("There are 10 close")
     assert splitter.push(" 10 close") == ["There are 10"]
+
+
+def test_a_splitter_gives_its_complete_words_on_request_and_keeps_the_rest():
+    splitter = PhraseSplitter(min_chars=12, first_words=2)
+    assert splitter.push("There are ") == ["There are"]
+    assert splitter.push("of clothes is a") == []
+    assert splitter.words(4) == []  # "a" may go on ("again")
+    assert splitter.words(3) == ["of clothes is"]
+    assert splitter.push(" queen.") == []  # "a queen." is under min_chars
+    assert splitter.flush() == "a queen."

@@ -34,6 +34,11 @@ from voice.tts import PhraseSplitter, SpeechSynthesizer
 if TYPE_CHECKING:
     from voice.session import Session
 
+# A reply whose audio is about to run out (less than this left to play, nothing being synthesised)
+# speaks the words it has, at least this many, without waiting for the phrase's punctuation: a cut
+# between words (its silence trimmed, voice/tts.py) is heard less than a pause mid-sentence.
+DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
+
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
 
@@ -48,6 +53,7 @@ class Reply:
     failure: StageFailure | None = None
     blocks: int = 0  # text blocks so far (LM blocks and the tool filler)
     phrased: bool = False  # a phrase went to synthesis
+    unvoiced: int = 0  # phrases given to the speaker whose audio is not handed over yet
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
@@ -179,9 +185,8 @@ class ReplyRunner:
             log.warning("session=%s turn=%d the LM's tool call was incomplete; answering without tools",
                         self.name, reply.turn)
             await self._blocks(reply, messages, splitter, phrases, speaker, None)
-        rest = splitter.flush()
-        if rest:
-            phrases.put_nowait(rest)
+        if rest := splitter.flush():
+            self._give(reply, rest, phrases)
 
     async def _blocks(self, reply: Reply, messages: list[dict], splitter: PhraseSplitter, phrases: asyncio.Queue,
                       speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
@@ -201,7 +206,11 @@ class ReplyRunner:
                     calls += block.calls
                     reply.did("lm_first_block")
                     if block.text:
-                        self._say(reply, block.text, splitter.push(block.text), phrases)
+                        complete = splitter.push(block.text)
+                        if not complete and reply.phrased and not reply.unvoiced \
+                                and reply.playback.runs_dry(time.monotonic(), DRY_CUT_S):
+                            complete = splitter.words(DRY_CUT_WORDS)
+                        self._say(reply, block.text, complete, phrases)
                         await reply.released.wait()
                         self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
                                                  block.steps))
@@ -220,9 +229,15 @@ class ReplyRunner:
         reply.blocks += 1
         reply.text += text
         for phrase in complete:
-            phrases.put_nowait(phrase)
-            reply.phrased = True
-            reply.did("first_phrase")
+            ReplyRunner._give(reply, phrase, phrases)
+
+    @staticmethod
+    def _give(reply: Reply, phrase: str, phrases: asyncio.Queue) -> None:
+        """Hand a phrase to the speaker."""
+        phrases.put_nowait(phrase)
+        reply.unvoiced += 1
+        reply.phrased = True
+        reply.did("first_phrase")
 
     async def _use_tools(self, reply: Reply, calls: list[dict], phrases: asyncio.Queue) -> list[ToolRun]:
         """Run the calls (all at once); if the user would wait longer than `tools.filler_ms` for them,
@@ -284,7 +299,7 @@ class ReplyRunner:
                 self._say(reply, text, splitter.push(text), phrases)
                 if text:
                     self.sink.emit(ReplyText(reply.turn, time.monotonic(), text, reply.blocks))
-            phrases.put_nowait(splitter.flush())
+            self._give(reply, splitter.flush(), phrases)
             phrases.put_nowait(None)
             await speaker
             reply.finished = True
@@ -294,24 +309,30 @@ class ReplyRunner:
             speaker.cancel()
 
     async def _speak(self, reply: Reply, phrases: asyncio.Queue, paced: bool = False) -> None:
-        playback = reply.playback
         while (phrase := await phrases.get()) is not None:
-            if not phrase.strip():
-                continue
-            if self.requests and not paced:  # a text-only reply: its first phrase is its first output
-                self.sink.first_audio()
-                continue
-            reply.did("tts_asked")
-            pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
-                not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
-            reply.did("tts_first_audio")
+            try:
+                await self._voice(reply, phrase, paced)
+            finally:
+                reply.unvoiced -= 1
+
+    async def _voice(self, reply: Reply, phrase: str, paced: bool) -> None:
+        """One phrase: synthesised and handed to the transport."""
+        if not phrase.strip():
+            return
+        if self.requests and not paced:  # a text-only reply: its first phrase is its first output
             self.sink.first_audio()
-            await reply.released.wait()
-            if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate,
-                                                    phrase)):
-                playback.handed_over()
-                if paced:
-                    await playback.on_wire()
+            return
+        playback = reply.playback
+        reply.did("tts_asked")
+        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
+            not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+        reply.did("tts_first_audio")
+        self.sink.first_audio()
+        await reply.released.wait()
+        if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
+            playback.handed_over()
+            if paced:
+                await playback.on_wire()
 
     async def announce(self, reply: Reply, text: str) -> None:
         """Speak `text` as it is (no LM), until the client has played it."""

@@ -22,8 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-# How long a background job may be held back. A reply's first phrase is at least three words,
-# about a second of audio, so holding its later phrases this long costs no gap.
+# How long a background job may be held back. A reply's first phrase is at least two words,
+# about half a second of audio, so holding its later phrases this long costs no gap.
 MAX_DEFER_S = 0.3
 # A playing reply's work is urgent again once less audio than this is left to play: the LM
 # needs several forwards for the next phrase's text, synthesis one call for its audio.

@@ -89,6 +89,16 @@ class PhraseSplitter:
         thread: it reads nothing of this splitter's state but its settings.)"""
         return bool(PhraseSplitter(self.min_chars, self.first_words, self.max_chars).push(text))
 
+    def words(self, at_least: int) -> list[str]:
+        """The pending text's complete words as a phrase, if there are `at_least` of them (a reply
+        about to fall silent says them instead of waiting for punctuation); the rest stays."""
+        words = list(re.finditer(r"\S+(?=\s)", self._pending))
+        if len(words) < at_least:
+            return []
+        phrase, self._pending = self._pending[:words[-1].end()].strip(), self._pending[words[-1].end():]
+        self._spoke = True
+        return self._bounded(phrase)
+
     def flush(self) -> str:
         """The rest of the text (at most max_chars); the splitter is then empty."""
         rest, self._pending = self._pending.strip(), ""

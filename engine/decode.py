@@ -384,7 +384,11 @@ def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) 
         probs = logits.softmax(-1)
         confidence, token = probs.max(-1)
         return token, confidence
-    probs = (logits / temperature).softmax(-1)
+    if temperature < torch.finfo(logits.dtype).tiny:  # 0 in the logits' dtype (5e-324): the limit, one-hot
+        token = logits.argmax(-1)
+        return token, torch.ones(token.shape, dtype=logits.dtype)
+    # shifted so that the largest logit is 0: a small temperature gives -inf for the others, not inf / inf
+    probs = ((logits - logits.amax(-1, keepdim=True)) / temperature).softmax(-1)
     token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return token, probs.gather(-1, token[:, None]).squeeze(-1)
 

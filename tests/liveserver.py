@@ -12,6 +12,8 @@ import urllib.request
 
 import uvicorn
 
+from voice.server import WEBSOCKETS
+
 
 class Served:
     """`app` under uvicorn on a free loopback port, in a thread: the one way tests serve an app.
@@ -22,7 +24,7 @@ class Served:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))  # handed to uvicorn still bound: no race for the port
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, ws="websockets", log_level="warning",
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, ws=WEBSOCKETS, log_level="warning",
                                 **options)
         self.server = server_cls(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

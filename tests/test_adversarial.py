@@ -513,3 +513,31 @@ def test_resuming_again_and_again_cannot_grow_an_utterance_past_max_utterance_s(
 def asyncio_run(coro):
     import asyncio
     return asyncio.run(coro)
+
+
+# --- the third adversarial pass (bench/hostile_pass.py) --------------------------------------------
+
+def test_a_websocket_upgrade_with_a_non_ascii_header_is_not_a_500():
+    """uvicorn's legacy websockets protocol re-encoded the headers as latin-1 and answered 500."""
+    from fakes import fake_stages, make_config
+    from liveserver import Served
+    from voice.server import build_app
+    config = make_config()
+    with Served(build_app(config, fake_stages(config))) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as conn:
+            conn.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                         + "X-Junk: \u00e9\r\nOrigin: http://\u202eevil\r\n\r\n".encode())
+            status = conn.recv(200).split(b"\r\n")[0]
+    assert status == b"HTTP/1.1 101 Switching Protocols", status
+
+
+def test_a_tiny_temperature_samples_the_likeliest_token_instead_of_failing():
+    """A temperature of 5e-324 (valid: 0 to 2) divided the logits into inf and nan: a 500."""
+    import torch
+
+    from engine.decode import pick
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, -1.0, 5.0]])
+    for temperature in (5e-324, 1e-40, 1e-30):  # under float32's range, denormal, and small
+        token, probability = pick(logits, temperature, torch.Generator().manual_seed(0))
+        assert token.tolist() == [1, 2] and probability.tolist() == [1.0, 1.0], temperature

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from voice.lm import RemoteLM
 
 log = logging.getLogger("voice.server")
+# uvicorn's websocket protocol on the `websockets` library's sans-I/O core: its legacy one ("websockets")
+# answered 500 to an upgrade with a non-ASCII header byte (it re-encodes the headers as latin-1).
+WEBSOCKETS = "websockets-sansio"
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 
 
@@ -272,7 +275,7 @@ def serve(config: Config) -> None:
         log.info("browser tokens are signed with a random per-process secret (set $%s to share one)",
                  config.auth.token_secret_env)
     app = build_app(config, auth=auth)
-    uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", ws="websockets",
+    uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", ws=WEBSOCKETS,
                         ws_max_size=max(config.session.max_frame_bytes * 2, 1 << 20),
                         timeout_graceful_shutdown=5, http=guarded_http())  # head and body read deadlines
     install_redaction(auth)  # again: uvicorn.Config has just replaced its loggers' handlers

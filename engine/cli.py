@@ -98,7 +98,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from engine.api.server import serve
-    serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter, a.device)
+    try:
+        serve(a.model, a.adapter, a.host, a.port, decode_config(a), a.quantize, a.drafter, a.device)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then raised it again
+        return 130
     return 0
 
 

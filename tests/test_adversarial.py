@@ -541,3 +541,33 @@ def test_a_tiny_temperature_samples_the_likeliest_token_instead_of_failing():
     for temperature in (5e-324, 1e-40, 1e-30):  # under float32's range, denormal, and small
         token, probability = pick(logits, temperature, torch.Generator().manual_seed(0))
         assert token.tolist() == [1, 2] and probability.tolist() == [1.0, 1.0], temperature
+
+
+def test_ctrl_c_stops_engine_serve_without_a_traceback():
+    """uvicorn shuts down gracefully on SIGINT and then raises it again: the CLI printed a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    engine = Path(sys.executable).parent / "engine"
+    proc = subprocess.Popen([str(engine), "serve", "--model", "small", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "engine serve did not start"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]

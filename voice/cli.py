@@ -32,6 +32,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"voice serve: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then raised it again
+        return 130
     return 0
 
 

@@ -283,3 +283,16 @@ def test_the_initial_prompt_primes_the_decoder_without_entering_the_transcript()
     whisper = Whisper(AsrConfig(initial_prompt="Playing cards: spades, hearts, clubs."))
     text = whisper.transcribe_final(behind_silence("005.wav", 0.2)).lower()
     assert "spades" in text and "playing cards" not in text
+
+
+def test_a_knock_is_no_speech_and_a_short_word_is_heard(model):
+    """Whisper's own no-speech rule (voice/asr.py's NO_SPEECH_THRESHOLD, LOG_PROB_THRESHOLD) on the
+    window path: tiny.en wrote "Yeah." for a knock on the desk, which then talked over a reply in the
+    real browser (tests/test_web.py); a short spoken word still comes through."""
+    t = np.arange(1280)
+    silence = np.zeros(3200, np.float32)
+    for hz in (100, 180, 300):  # 180 Hz: "Yeah." before
+        knock = (np.sin(2 * np.pi * hz * t / 16000) * np.exp(-t / 300) * 0.37).astype(np.float32)
+        clip = np.concatenate([silence, knock, silence])
+        assert model.transcribe(clip) == model.transcribe_final(clip) == "", hz
+    assert "forward" in model.transcribe(behind_silence("goforward.wav", 0.2)).lower()

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 SAMPLE_RATE = 16000
 log = logging.getLogger("voice.asr")
+# Whisper's own rule for a window that holds no speech, which faster-whisper's long-form path applies too
+# (its `no_speech_threshold`, `log_prob_threshold`): both likelier than this no speech and less sure of its
+# words. A knock transcribed "Yeah." (tiny.en): no speech 0.93, log-prob -2.2; "Stop." or "No." said by
+# espeak-ng voices: 0.11-0.20, -0.2 to -0.9.
+NO_SPEECH_THRESHOLD, LOG_PROB_THRESHOLD = 0.6, -1.0
 
 
 class Transcriber(Protocol):
@@ -171,8 +176,10 @@ class Whisper:
             return_no_speech_prob=True,
         )[0]
         # CTranslate2's score is the sequence's log-probability divided by its length (length_penalty 1)
-        return Decoded(tokenizer.decode(result.sequences_ids[0]).strip(), float(result.scores[0]),
-                       float(result.no_speech_prob), encoded)
+        log_prob, no_speech = float(result.scores[0]), float(result.no_speech_prob)
+        silent = no_speech > NO_SPEECH_THRESHOLD and log_prob < LOG_PROB_THRESHOLD
+        return Decoded("" if silent else tokenizer.decode(result.sequences_ids[0]).strip(), log_prob, no_speech,
+                       encoded)
 
     def _transcribe_long(self, audio: np.ndarray, prefix: str) -> str:
         """faster-whisper's long-form loop, with timestamps: they tell it where a window's text stopped.
@@ -193,12 +200,15 @@ class Whisper:
             without_timestamps=False,
             prefix=prefix or None,
             initial_prompt=self.config.initial_prompt.strip() or None,
+            no_speech_threshold=NO_SPEECH_THRESHOLD,
+            log_prob_threshold=LOG_PROB_THRESHOLD,
         )
         return "".join(segment.text for segment in segments).strip()
 
 
 class Decoded(NamedTuple):
-    """One window's decode: its text, average token log-probability, no-speech probability, encoding."""
+    """One window's decode: its text ("" where Whisper's rule says no speech), average token
+    log-probability, no-speech probability, encoding."""
 
     text: str
     log_prob: float

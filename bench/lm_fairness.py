@@ -57,28 +57,34 @@ async def flood(base_url: str, chars: int, outcome: dict) -> None:
                 return
 
 
-async def short_turns(ws_url: str) -> list[float | None]:
+async def short_turns(ws_url: str, stages: list[dict]) -> list[float | None]:
+    """Voice-to-voice of each short turn; each turn's stages and work timeline go to `stages`."""
     from voice.clients.bench import read_references, run_session
     turns = await run_session(ws_url, FILES, read_references(SPEECH), 16000, None, log=lambda line: print(" ", line))
+    for t in turns:
+        stages.append({"file": t.file, "stages_ms": t.stages_ms, "work_ms": t.work_ms})
+        print("   ", t.file, " ".join(f"{k} {v:.0f}" for k, v in t.stages_ms.items()), "| work",
+              " ".join(f"{k} {v:.0f}" for k, v in t.work_ms.items()))
     return [t.v2v_ms for t in turns]
 
 
 async def main_async(base: str, chars: int) -> dict:
     ws_url = base.replace("http", "ws", 1) + "/ws"
     print("alone:")
-    alone = await short_turns(ws_url)
+    stages: dict[str, list[dict]] = {"alone": [], "beside": []}
+    alone = await short_turns(ws_url, stages["alone"])
     outcome: dict = {}
     print(f"beside a Realtime conversation asking about {chars} characters:")
     flooding = asyncio.create_task(flood(base, chars, outcome))
     while not outcome.get("asked") and not flooding.done():
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)  # its prefill is under way
-    beside = await short_turns(ws_url)
+    beside = await short_turns(ws_url, stages["beside"])
     try:
         await asyncio.wait_for(flooding, 60)
     except asyncio.TimeoutError:
         outcome["timeout"] = "no response.done within 60 s of the short turns"
-    return {"alone_v2v_ms": alone, "beside_v2v_ms": beside, "flood": outcome}
+    return {"alone_v2v_ms": alone, "beside_v2v_ms": beside, "flood": outcome, "stages": stages}
 
 
 def main() -> int:

@@ -9,9 +9,9 @@ piece yet is WAITED); the others sit out, each forward at most `max_defer_s`, so
 delayed, never starved; a BACKGROUND request sits out even alone. What deserves which priority
 is the caller's policy (voice/lm.py has the voice service's). Within a priority the least
 served requests go first (each is charged its rows' share of the model time of the batches it
-was in), and a prompt is prefilled in chunks of about `SLICE_S` of model time: a conversation
-that sends a long prompt cannot hold the model from the others' steps, and a newcomer goes
-ahead of it. A prompt whose new tokens would take longer than `max_prefill_s` to read is
+was in), and a prompt is prefilled in chunks of about `SLICE_S` of model time, one chunk a
+round: a conversation that sends a long prompt cannot hold the model from the others' steps,
+and a newcomer goes ahead of it. A prompt whose new tokens would take longer than `max_prefill_s` to read is
 refused before any forward. Each conversation keeps its own KV cache, so a new turn only
 prefills what is new. Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
@@ -52,10 +52,21 @@ BACKGROUND, NORMAL, WAITED = 0, 1, 2
 SLICE_S = 0.25
 MIN_PREFILL_CHUNK = 16  # tokens: smaller chunks lose more throughput than they give back in latency
 FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token costs here
-# A request alone prefills this many slices a forward: small chunks cost throughput (the 1.5B on
-# two Zen 3 cores: 48 tokens/s in chunks of 16, 62 in chunks of 64, 65 in chunks of 512), and a
-# newcomer waits for at most one such chunk; then the chunks shrink to one slice.
+# A request alone prefills this many slices in its first forward, so a short prompt goes at once:
+# small chunks cost throughput (the 1.5B on two Zen 3 cores: 48 tokens/s in chunks of 16, 62 in
+# chunks of 64, 65 in chunks of 512). A long prompt's later chunks are one slice, alone or not: a
+# reply that arrives meanwhile would wait for the whole chunk (four slices of a 1,500-character
+# message took 1.35 s on two Zen 5 cores beside speech recognition).
 ALONE_SLICES = 4
+# A prompt's chunk that sits out behind a less served request of its priority (a newcomer's reply)
+# rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
+# round it joins a slice longer, a step hardly at all.
+PREFILL_DEFER = 4
+
+
+def _chunk(request: "_Request") -> bool:
+    """Is the request's next forward a stretch of its prompt (several rows written at once)?"""
+    return request.forward is not None and len(request.forward.clean) > 1
 
 
 class Superseded(Exception):
@@ -258,9 +269,16 @@ class Engine:
         return max(MIN_PREFILL_CHUNK, int(SLICE_S / self.token_s))
 
     def _chunking(self, background: bool = False) -> Callable[[], int]:
-        """A request's prefill chunk, asked before each: `ALONE_SLICES` times the shared one while
-        it has the model to itself, unless it is BACKGROUND (someone may come and wait any moment)."""
-        return lambda: self.prefill_chunk * (1 if background or self._sharing else ALONE_SLICES)
+        """A request's prefill chunk, asked before each: the first `ALONE_SLICES` times the shared
+        one while it has the model to itself (unless it is BACKGROUND: someone may come and wait any
+        moment), every other one slice."""
+        first = True
+
+        def chunk() -> int:
+            nonlocal first
+            alone, first = first and not (background or self._sharing or self.token_s is None), False
+            return self.prefill_chunk * (ALONE_SLICES if alone else 1)
+        return chunk
 
     def prefill_s(self, tokens: int) -> float | None:
         """The least that prefilling `tokens` new prompt tokens takes here (None: not measured yet)."""
@@ -500,13 +518,23 @@ class Engine:
     def _this_round(self, ready: list[_Request]) -> list[_Request]:
         """The least served requests of the highest priority present (unless that is BACKGROUND):
         a newcomer goes ahead of a conversation that has had the model for a while (a long
-        prompt's prefill); and those that have sat out `max_defer_s`."""
+        prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
+        newcomer of its priority, `PREFILL_DEFER` times that)."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
-        return [request for request, level in zip(ready, levels)
-                if (level == top > BACKGROUND and request.used_s <= least + SLICE_S)
-                or now - request.ready_since >= self.max_defer_s]
+
+        def due(request: _Request, level: int) -> bool:
+            if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
+                return True
+            behind = level == top > BACKGROUND and _chunk(request)
+            return now - request.ready_since >= self.max_defer_s * (PREFILL_DEFER if behind else 1)
+        chosen = [request for request, level in zip(ready, levels) if due(request, level)]
+        # One prompt chunk a round, the one that has waited longest (a newcomer's, or one deferred
+        # long enough): a round is then at most a slice longer than its steps, and a reply that
+        # arrives meanwhile waits for at most that.
+        chunks = sorted((r for r in chosen if _chunk(r)), key=lambda r: r.ready_since)
+        return [r for r in chosen if not _chunk(r)] + chunks[:1]
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation

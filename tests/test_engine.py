@@ -577,8 +577,9 @@ SHORT = [{"role": "user", "content": "Name a fruit."}]
 
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypatch):
-    """A long prompt written in chunks (64 tokens a forward here: alone, 4 slices of 16), so
-    others' steps could run between them, decodes exactly what one whole-prompt forward does."""
+    """A long prompt written in chunks (alone, a first chunk of 4 slices of 16, then a slice a
+    forward, so a reply that arrives meanwhile waits for one slice at most), so others' steps could
+    run between them, decodes exactly what one whole-prompt forward does."""
     whole, chunked = Engine(smol, max_seq_len=512), Engine(smol, max_seq_len=512)
     chunked.token_s = engine.stream.SLICE_S / 16  # as if a prompt token cost that much here
     cfg = DecodeConfig(mode=mode, max_new_tokens=8)
@@ -592,11 +593,38 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
 
     monkeypatch.setattr(engine.decode, "run_many", counting)
     got = list(chunked.generate_sync(LONG, cfg))
-    alone = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: bigger chunks
+    first = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: a bigger first chunk
     assert chunked.prefill_chunk == 16 and got[0].prompt_tokens > 250
     assert reply_ids(got) == reply_ids(expected)
-    chunks = (got[0].prompt_tokens - 1) // alone
-    assert written[:chunks] == [alone] * chunks and written[chunks] < alone  # the prompt, a chunk a forward
+    chunks = (got[0].prompt_tokens - 1 - first) // 16
+    assert written[:chunks + 1] == [first] + [16] * chunks and written[chunks + 1] <= 16  # a chunk a forward
+
+
+def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
+    """Two long prompts at once: each forward writes at most one of them (a round is at most a
+    slice longer than its steps: before, both chunks went in one forward, and a reply arriving
+    meanwhile waited for both), and both replies are unchanged."""
+    eng = Engine(smol, max_seq_len=512)
+    eng.token_s = engine.stream.SLICE_S / 16
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    other = [{"role": "user", "content": "Count these: " + ", ".join(f"thing {i}" for i in range(50))}]
+    expected = [reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, other)]
+    chunks_a_forward: list[int] = []
+    run_many = engine.decode.run_many
+
+    def counting(model, forwards):
+        chunks_a_forward.append(sum(len(f.clean) > 1 for f in forwards))
+        return run_many(model, forwards)
+
+    monkeypatch.setattr(engine.stream, "run_many", counting)
+
+    async def main():
+        async def ask(messages):
+            return reply_ids([p async for p in eng.stream(messages, cfg, priority=lambda text: WAITED)])
+        return await asyncio.gather(ask(LONG), ask(other))
+
+    assert asyncio.run(main()) == expected
+    assert max(chunks_a_forward) == 1 and len(chunks_a_forward) > 20
 
 
 def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):

@@ -52,11 +52,11 @@ BACKGROUND, NORMAL, WAITED = 0, 1, 2
 SLICE_S = 0.25
 MIN_PREFILL_CHUNK = 16  # tokens: smaller chunks lose more throughput than they give back in latency
 FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token costs here
-# A request alone prefills this many slices in its first forward, so a short prompt goes at once:
-# small chunks cost throughput (the 1.5B on two Zen 3 cores: 48 tokens/s in chunks of 16, 62 in
-# chunks of 64, 65 in chunks of 512). A long prompt's later chunks are one slice, alone or not: a
-# reply that arrives meanwhile would wait for the whole chunk (four slices of a 1,500-character
-# message took 1.35 s on two Zen 5 cores beside speech recognition).
+# A request alone prefills this many slices a forward: small chunks cost throughput (the 1.5B on
+# two Zen 3 cores: 48 tokens/s in chunks of 16, 62 in chunks of 64, 65 in chunks of 512), but a
+# reply that arrives meanwhile waits for the whole chunk (four slices of a 1,500-character message
+# took 1.35 s on two Zen 5 cores beside speech recognition): so only while nobody else may come
+# (`Engine.may_share`).
 ALONE_SLICES = 4
 # A prompt's chunk that sits out behind a less served request of its priority (a newcomer's reply)
 # rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
@@ -223,8 +223,11 @@ class Engine:
         self.max_batch, self.max_defer_s, self.max_prefill_s = max_batch, max_defer_s, max_prefill_s
         self.token_s: float | None = None  # model time per prompt token lately, measured on prefill forwards
         self.best_token_s: float | None = None  # ... and the least it took (the machine to itself)
+        self.best_slice_token_s: float | None = None  # ... the least in chunks of about a slice
         self.forwards = 0  # batched forwards run so far
         self._sharing = False  # more than one request is active (the scheduler's view)
+        # May another request come and wait any moment? (The voice service: anyone may start talking.)
+        self.may_share = False
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
@@ -269,32 +272,31 @@ class Engine:
         return max(MIN_PREFILL_CHUNK, int(SLICE_S / self.token_s))
 
     def _chunking(self, background: bool = False) -> Callable[[], int]:
-        """A request's prefill chunk, asked before each: the first `ALONE_SLICES` times the shared
-        one while it has the model to itself (unless it is BACKGROUND: someone may come and wait any
-        moment), every other one slice."""
-        first = True
+        """A request's prefill chunk, asked before each: `ALONE_SLICES` times the shared one while
+        it has the model to itself and nobody else may come (`may_share`), unless it is BACKGROUND
+        (someone may come and wait any moment) or a token's cost is not measured yet."""
+        return lambda: self.prefill_chunk * (1 if background or self._sharing or self.token_s is None
+                                             or self.may_share else ALONE_SLICES)
 
-        def chunk() -> int:
-            nonlocal first
-            alone, first = first and not (background or self._sharing or self.token_s is None), False
-            return self.prefill_chunk * (ALONE_SLICES if alone else 1)
-        return chunk
-
-    def prefill_s(self, tokens: int) -> float | None:
-        """The least that prefilling `tokens` new prompt tokens takes here (None: not measured yet)."""
-        return None if self.best_token_s is None else tokens * self.best_token_s
+    def prefill_s(self, tokens: int, sliced: bool = False) -> float | None:
+        """The least that prefilling `tokens` new prompt tokens takes here, in big chunks or a slice
+        at a time (`sliced`: ~1.4x the cost a token on two Zen 5 cores); None: not measured yet."""
+        best = self.best_slice_token_s if sliced and self.best_slice_token_s is not None else self.best_token_s
+        return None if best is None else tokens * best
 
     def _affordable(self, prompt: list[int], state: CacheState | None, others: int = 0) -> None:
         """Refuse a prompt whose new tokens would take longer than `max_prefill_s` to prefill: at the
-        fastest cost measured, times the conversations that share the model with it now (`others`
-        being served: the scheduler gives each an equal share, so a prefill that fits alone may
-        not fit beside them)."""
+        fastest cost measured for the chunks it will be read in, times its share of the model: the
+        conversations served now (`others`: the scheduler gives each an equal share, so a prefill
+        that fits alone may not fit beside them), and at least half while others may come."""
         new = len(prompt) - (state.cached_prefix(prompt) if state is not None else 0)
-        alone = self.prefill_s(new)
-        if self.max_prefill_s is None or alone is None or alone * (1 + others) <= self.max_prefill_s:
+        alone = self.prefill_s(new, sliced=bool(others) or self.may_share)
+        shares = max(1 + others, 2 if self.may_share else 1)
+        if self.max_prefill_s is None or alone is None or alone * shares <= self.max_prefill_s:
             return
-        shared = f", shared with {others} other conversation{'s' if others > 1 else ''} now" if others else ""
-        raise ContextOverflow(f"the prompt's {new} new tokens would take about {alone * (1 + others):.0f} s to read "
+        shared = (f", shared with {others} other conversation{'s' if others > 1 else ''} now" if others
+                  else ", half of it kept for the other sessions" if self.may_share else "")
+        raise ContextOverflow(f"the prompt's {new} new tokens would take about {alone * shares:.0f} s to read "
                               f"on this machine{shared}, longer than the {self.max_prefill_s:g} s a reply may wait: "
                               f"shorten the conversation or the message")
 
@@ -493,6 +495,8 @@ class Engine:
         self.forwards += 1
         if tokens >= MIN_PREFILL_CHUNK and self.forwards > 1:
             sample = took / tokens
+            if tokens <= 2 * self.prefill_chunk:  # a slice's worth: the rate of a prompt read beside others
+                self.best_slice_token_s = min(sample, self.best_slice_token_s or sample)
             self.token_s = sample if self.token_s is None else 0.7 * self.token_s + 0.3 * sample
             self.best_token_s = min(sample, self.best_token_s or sample)
 

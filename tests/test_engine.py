@@ -577,9 +577,9 @@ SHORT = [{"role": "user", "content": "Name a fruit."}]
 
 @pytest.mark.parametrize("mode", ["ar", "diffusion"])
 def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypatch):
-    """A long prompt written in chunks (alone, a first chunk of 4 slices of 16, then a slice a
-    forward, so a reply that arrives meanwhile waits for one slice at most), so others' steps could
-    run between them, decodes exactly what one whole-prompt forward does."""
+    """A long prompt written in chunks (64 tokens a forward here: alone, 4 slices of 16; a slice
+    while others may come), so others' steps could run between them, decodes exactly what one
+    whole-prompt forward does."""
     whole, chunked = Engine(smol, max_seq_len=512), Engine(smol, max_seq_len=512)
     chunked.token_s = engine.stream.SLICE_S / 16  # as if a prompt token cost that much here
     cfg = DecodeConfig(mode=mode, max_new_tokens=8)
@@ -593,11 +593,16 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
 
     monkeypatch.setattr(engine.decode, "run_many", counting)
     got = list(chunked.generate_sync(LONG, cfg))
-    first = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: a bigger first chunk
+    alone = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: bigger chunks
     assert chunked.prefill_chunk == 16 and got[0].prompt_tokens > 250
     assert reply_ids(got) == reply_ids(expected)
-    chunks = (got[0].prompt_tokens - 1 - first) // 16
-    assert written[:chunks + 1] == [first] + [16] * chunks and written[chunks + 1] <= 16  # a chunk a forward
+    chunks = (got[0].prompt_tokens - 1) // alone
+    assert written[:chunks] == [alone] * chunks and written[chunks] < alone  # the prompt, a chunk a forward
+    written.clear()
+    chunked.may_share = True  # others may come (the voice service): a slice a forward
+    assert reply_ids(list(chunked.generate_sync(LONG, cfg))) == reply_ids(expected)
+    chunks = (got[0].prompt_tokens - 1) // 16
+    assert written[:chunks] == [16] * chunks and written[chunks] <= 16
 
 
 def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
@@ -692,7 +697,7 @@ def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_t
         conversation = Conversation()
         other = eng.stream(LONG, DecodeConfig(mode="ar", max_new_tokens=400), conversation=conversation)
         await anext(other)  # the other conversation is being served
-        eng.best_token_s = 0.8 / new_tokens  # measured: alone, the prompt's prefill takes 0.8 s
+        eng.best_token_s = eng.best_slice_token_s = 0.8 / new_tokens  # measured: alone, the prefill takes 0.8 s
         try:
             with pytest.raises(ContextOverflow, match="about 2 s to read on this machine, shared with 1 other"):
                 [p async for p in eng.stream(medium, DecodeConfig(mode="ar", max_new_tokens=4))]
@@ -724,3 +729,18 @@ def test_a_warm_that_a_reply_overtakes_ends(smol):
         return pieces
 
     assert reply_ids(asyncio.run(main())) == expected
+
+
+def test_a_prompt_that_fits_alone_is_refused_while_other_sessions_may_come(smol):
+    """While another session may speak (`may_share`), a long prompt is read a slice at a time and
+    half the time a reply may wait is kept for the others: the estimate uses the slice-sized rate
+    and that share, so a prompt that fits alone is refused with a clear error, and runs alone."""
+    eng = Engine(smol, max_seq_len=1024, max_prefill_s=1.0)
+    new_tokens = len(eng.prompt_ids(LONG))
+    eng.best_token_s, eng.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens  # alone: 0.5 s, sliced: 0.7 s
+    eng.may_share = True
+    with pytest.raises(ContextOverflow, match="about 1 s to read on this machine, half of it kept for the other"):
+        list(eng.generate_sync(LONG, DecodeConfig(mode="ar", max_new_tokens=4)))
+    eng.may_share = False
+    eng.best_token_s, eng.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens
+    assert reply_ids(eng.generate_sync(LONG, DecodeConfig(mode="ar", max_new_tokens=4)))

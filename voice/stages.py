@@ -54,6 +54,9 @@ class Stages:
         if isinstance(lm, LocalLM):
             # a prompt this machine cannot read before the first block's timeout is refused up front
             lm.engine.max_prefill_s = config.faults.lm_first_block_timeout_s
+            # anyone may start talking: a long prompt is read a slice at a time, and one that would
+            # take more than half the time a reply may wait is refused (the rest is for the others)
+            lm.engine.may_share = True
             if stages.tools:
                 lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
         weights = lm.engine.loaded.weights if isinstance(lm, LocalLM) else "remote"

@@ -605,6 +605,27 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
     assert written[:chunks] == [16] * chunks and written[chunks] <= 16
 
 
+def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
+    """The round's choice (`Engine._this_round`): beside a newcomer of the same priority, a well
+    served request's one-row step rejoins after `max_defer_s`, its prompt chunk only after
+    `PREFILL_DEFER` times that (a chunk makes the newcomer's round a slice longer), and of two
+    chunks due, only the one waiting longest runs."""
+    from types import SimpleNamespace
+    eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
+    now = time.monotonic()
+
+    def request(used_s: float, rows: int, waited_s: float) -> SimpleNamespace:
+        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s,
+                               forward=SimpleNamespace(clean=[1] * rows, draft=[]))
+
+    newcomer, step, chunk = request(0.0, 1, 0.0), request(5.0, 1, 0.5), request(5.0, 16, 0.5)
+    assert eng._this_round([newcomer, step, chunk]) == [newcomer, step]
+    chunk.ready_since = now - 0.3 * engine.stream.PREFILL_DEFER - 0.01
+    assert eng._this_round([newcomer, step, chunk]) == [newcomer, step, chunk]
+    newcomers_chunk = request(0.0, 12, 0.0)  # its prompt's tail: the older chunk goes first
+    assert eng._this_round([newcomers_chunk, step, chunk]) == [step, chunk]
+
+
 def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
     """Two long prompts at once: each forward writes at most one of them (a round is at most a
     slice longer than its steps: before, both chunks went in one forward, and a reply arriving

@@ -60,7 +60,9 @@ FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token co
 ALONE_SLICES = 4
 # A prompt's chunk that sits out behind a less served request of its priority (a newcomer's reply)
 # rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
-# round it joins a slice longer, a step hardly at all.
+# round it joins a slice longer, a step hardly at all. So does a long prompt's chunk (its request
+# has had more than `ALONE_SLICES` slices) while other work that someone waits for shares the
+# cores (`Engine.yield_to`: the voice service's speech recognition and synthesis).
 PREFILL_DEFER = 4
 
 
@@ -228,6 +230,8 @@ class Engine:
         self._sharing = False  # more than one request is active (the scheduler's view)
         # May another request come and wait any moment? (The voice service: anyone may start talking.)
         self.may_share = False
+        # Is work someone waits for running beside the engine on the same cores now?
+        self.yield_to: Callable[[], bool] = lambda: False
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
@@ -523,16 +527,20 @@ class Engine:
         """The least served requests of the highest priority present (unless that is BACKGROUND):
         a newcomer goes ahead of a conversation that has had the model for a while (a long
         prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
-        newcomer of its priority, `PREFILL_DEFER` times that)."""
+        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that)."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
+        yielding = self.yield_to()
 
         def due(request: _Request, level: int) -> bool:
+            waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
+            if yielding and _chunk(request) and request.used_s > ALONE_SLICES * SLICE_S and waited < patient:
+                return False
             if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
                 return True
             behind = level == top > BACKGROUND and _chunk(request)
-            return now - request.ready_since >= self.max_defer_s * (PREFILL_DEFER if behind else 1)
+            return waited >= (patient if behind else self.max_defer_s)
         chosen = [request for request, level in zip(ready, levels) if due(request, level)]
         # One prompt chunk a round, the one that has waited longest (a newcomer's, or one deferred
         # long enough): a round is then at most a slice longer than its steps, and a reply that

@@ -609,7 +609,8 @@ def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
     """The round's choice (`Engine._this_round`): beside a newcomer of the same priority, a well
     served request's one-row step rejoins after `max_defer_s`, its prompt chunk only after
     `PREFILL_DEFER` times that (a chunk makes the newcomer's round a slice longer), and of two
-    chunks due, only the one waiting longest runs."""
+    chunks due, only the one waiting longest runs; while work someone waits for runs beside the
+    engine (`yield_to`), a long prompt's chunk waits as long."""
     from types import SimpleNamespace
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
     now = time.monotonic()
@@ -624,6 +625,12 @@ def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
     assert eng._this_round([newcomer, step, chunk]) == [newcomer, step, chunk]
     newcomers_chunk = request(0.0, 12, 0.0)  # its prompt's tail: the older chunk goes first
     assert eng._this_round([newcomers_chunk, step, chunk]) == [step, chunk]
+    eng.yield_to = lambda: True  # a final transcript or a first phrase is being made beside the engine
+    long_chunk = request(5.0, 16, 0.5)  # a long prompt's, alone at its level: it waits too
+    assert eng._this_round([long_chunk, step]) == [step]
+    assert eng._this_round([newcomers_chunk, long_chunk]) == [newcomers_chunk]  # a short prompt does not
+    long_chunk.ready_since = now - 0.3 * engine.stream.PREFILL_DEFER - 0.01
+    assert eng._this_round([long_chunk]) == [long_chunk]  # never for longer than that
 
 
 def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):

@@ -231,6 +231,28 @@ def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
     assert order == ["first", "running out", "later0", "later1", "later2"]
 
 
+def test_a_stage_says_when_it_runs_a_job_someone_waits_for():
+    """`Scheduler.stage_waited` (what the engine yields a long prompt's chunks to): true while an
+    urgent job runs, not while a best-effort one does, and false again when it is done."""
+    scheduler = Scheduler()
+    worker = scheduler.worker("asr")
+    gate, started = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        gate.wait()
+
+    for urgent, waited in ((never, False), (always, True)):
+        started.clear()
+        gate.clear()
+        done = worker.submit(job, urgent=urgent)
+        assert started.wait(10)
+        assert scheduler.stage_waited() is waited
+        gate.set()
+        done.result(timeout=10)
+        assert not scheduler.stage_waited()
+
+
 def test_later_phrases_wait_briefly_while_someone_waits_in_silence():
     """While a user waits for their first audio, other replies' later phrases hold back (not forever)."""
     scheduler = Scheduler()

@@ -42,6 +42,7 @@ class _Job:
     future: Future
     fn: Callable
     args: tuple = field(default=())
+    waited: bool = False  # picked as urgent: someone waits for it while it runs
 
 
 class Scheduler:
@@ -73,6 +74,10 @@ class Scheduler:
         """Has any stage's worker (speech recognition, synthesis) a job running or queued?"""
         return any(worker.busy for worker in self._workers)
 
+    def stage_waited(self) -> bool:
+        """Is a stage running a job someone waits for now (a final transcript, a first phrase)?"""
+        return any(worker.waited for worker in self._workers)
+
     def hold_s(self, since: float) -> float:
         """How much longer a job nobody waits for, ready since `since`, should be held (0: run it)."""
         if not self.busy():
@@ -98,11 +103,17 @@ class Worker:
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = 0
+        self._urgent_running = 0  # of those, picked as urgent
 
     @property
     def busy(self) -> bool:
         """A job is running or queued."""
         return bool(self._running or self._jobs)
+
+    @property
+    def waited(self) -> bool:
+        """A job someone waits for is running."""
+        return bool(self._urgent_running)
 
     def submit(self, fn: Callable, *args: Any, urgent: Callable[[], bool] = always) -> Future:
         future: Future = Future()
@@ -126,12 +137,15 @@ class Worker:
                     self._ready.wait()
                     continue
                 job = next((job for job in self._jobs if job.urgent()), None)
+                waited = job is not None
                 hold = 0.0 if job else self.scheduler.hold_s(self._jobs[0].since)
                 if job is None and hold == 0.0:
                     job = self._jobs[0]
                 if job is not None:
                     self._jobs.remove(job)
+                    job.waited = waited
                     self._running += 1
+                    self._urgent_running += waited
                     return job
                 self._ready.wait(hold)
 
@@ -140,12 +154,14 @@ class Worker:
             job = self._next()
             if not job.future.set_running_or_notify_cancel():  # cancelled between pick and start
                 self._running -= 1
+                self._urgent_running -= job.waited
                 continue
             try:
                 result, error = job.fn(*job.args), None
             except BaseException as err:  # noqa: BLE001 - handed to whoever awaits the future
                 result, error = None, err
             self._running -= 1  # before the result: its awaiter may look at `busy` at once
+            self._urgent_running -= job.waited
             if error is None:
                 job.future.set_result(result)
             else:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine.decode import COMMIT_RULES, DecodeConfig
 from engine.loading import DEFAULT_QUANTIZE, QUANTIZE
+from engine.train.data import VOICE_SYSTEM_PROMPT
 
 
 def add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -119,7 +120,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
                          "(answer accuracy)")
     if a.answers:
         run_answers(a.model, a.adapter, Path(a.answers), Path(a.json) if a.json else None, decode_config(a), a.limit,
-                    quantize=a.quantize, modes=tuple(a.modes.split(",")), drafter=a.drafter)
+                    quantize=a.quantize, modes=tuple(a.modes.split(",")), drafter=a.drafter,
+                    system=a.system_prompt)
     else:
         run_eval(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
                  quantize=a.quantize)
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="answer accuracy instead: JSONL of {\"prompt\", \"answer\": regex} (e.g. "
                                 "engine/prompts/answers_heldout.jsonl); each question is asked in every --modes")
             p.add_argument("--modes", default="ar,diffusion", help="with --answers: decoding modes to compare")
+            p.add_argument("--system-prompt", default=VOICE_SYSTEM_PROMPT,
+                           help="with --answers: the system prompt each question is asked under (default: the "
+                                "voice service's [lm] system_prompt)")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
         # bench measures what ships (auto); eval compares the diffusion decoders with an fp32 teacher

@@ -107,7 +107,6 @@ class _Reply:
 
     def __init__(self, engine: "Engine", prompt: list[int], state: CacheState, start: float):
         self.engine, self.start = engine, start
-        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.prefilled = len(prompt) - state.cached_prefix(prompt)
         self.ids: list[int] = []
@@ -235,7 +234,6 @@ class Engine:
         self.yield_to: Callable[[], bool] = lambda: False
         self._inbox: queue.Queue[_Request] = queue.Queue()
         self._scheduler: threading.Thread | None = None
-        self._held: list[_Request] = []  # admitted once another request's forward is theirs too (`_shares`)
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
         self.pool_size = max_batch if pool_size is None else pool_size
         self._pool: list[CacheState] = []  # idle, cleared caches (any thread may take or give back)
@@ -470,7 +468,7 @@ class Engine:
     def _schedule(self) -> None:
         active: list[_Request] = []
         while True:
-            self._admit_new(active, timeout=0 if active or self._held else None)
+            self._admit_new(active, timeout=0 if active else None)
             self._sharing = len(active) > 1  # (before `_ready` plans the next forwards and their chunks)
             batch_from = self._this_round(self._ready(active))
             if not batch_from:  # everyone sits out this round: look for newcomers meanwhile
@@ -508,9 +506,6 @@ class Engine:
 
     def _admit_new(self, active: list[_Request], timeout: float | None) -> None:
         """Admit whatever is in the inbox, first waiting up to `timeout` s for it (None: forever)."""
-        held, self._held = self._held, []
-        for request in held:
-            self._admit(request, active)
         try:
             request = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
             while True:
@@ -555,12 +550,6 @@ class Engine:
 
     def _admit(self, request: _Request, active: list[_Request]) -> None:
         conversation = request.conversation
-        if request.cancelled:  # (while held)
-            self._leave(request)
-            return
-        if self._shares(request, active):
-            self._held.append(request)
-            return
         others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is not None:  # beside the conversation's reply, on a copy of its cache
             try:
@@ -583,25 +572,6 @@ class Engine:
             return
         conversation.active = request
         active.append(request)
-
-    def _shares(self, request: _Request, active: list[_Request]) -> bool:
-        """Does `request` wait for another on its conversation that writes the same words first? A
-        probe (is the user's turn over after these words?) and the reply to those words prefill the
-        same tokens: on two cores the second prefill would take the reply's time. So a probe waits
-        until the reply running there has written its prompt (it then reads one row), and a reply
-        waits for the probe running there to end (it then continues from the probe's cache)."""
-        conversation = request.conversation
-        if request.probe is not None:
-            reply = conversation.active
-            prompt = request.probe.prompt
-            return (isinstance(reply, _Request) and reply in active and not reply.warm and reply.reply is not None
-                    and reply.reply.prompt[:len(prompt)] == prompt and conversation.state is not None
-                    and len(conversation.state.ids) < len(prompt))
-        probes = [r.probe.prompt for r in active if r.probe is not None and r.conversation is conversation]
-        if request.warm or not probes:
-            return False
-        prompt = self.prompt_ids(request.messages, request.tools)
-        return any(prompt[:len(probe)] == probe for probe in probes)
 
     def _advance(self, request: _Request) -> Forward | None:
         """Run the request's decoder up to its next forward, handing out blocks on the way."""

@@ -143,53 +143,6 @@ def test_the_lms_end_of_turn_probability_is_higher_after_a_whole_question_than_a
     chat.close()
 
 
-@pytest.mark.parametrize("probe_first", [False, True])
-def test_the_probe_and_the_reply_to_the_same_words_prefill_them_once(probe_first):
-    """The end-of-turn probe and the speculative reply start together on the same transcript: one
-    of them reads the user's words, the other continues from its cache (not a second prefill
-    beside it on two cores)."""
-    from voice.config import LmConfig
-    from voice.lm import LocalLM
-    lm = LocalLM(LmConfig())
-    engine = lm.engine
-    messages = [{"role": "system", "content": LmConfig().system_prompt}]
-    text = "How many legs does a spider have?"
-    asked = [*messages, {"role": "user", "content": text}]
-    rows: list[int] = []
-    step = engine.model.step
-
-    def counted(forwards):
-        rows.append(sum(len(f.clean) + len(f.draft) for f in forwards))
-        return step(forwards)
-
-    async def reply() -> str:
-        return "".join([piece.text async for piece in engine.stream(asked, conversation=chat.conversation,
-                                                                    max_new_tokens=4)])
-
-    async def both() -> tuple[float | None, str]:
-        probe = chat.end_of_turn_probability(messages, text)
-        if probe_first:
-            return tuple(await asyncio.gather(probe, reply()))  # type: ignore[return-value]
-        said, p = await asyncio.gather(reply(), probe)
-        return p, said
-
-    chat = lm.chat()
-    alone = asyncio.run(chat.end_of_turn_probability(messages, text))
-    chat.close()
-    chat = lm.chat()
-    engine.model.step = counted  # type: ignore[method-assign]
-    try:
-        shared, said = asyncio.run(both())
-    finally:
-        engine.model.step = step  # type: ignore[method-assign]
-        chat.close()
-    assert alone is not None and shared is not None and abs(shared - alone) < 0.02, (alone, shared)
-    assert said.strip(), said
-    prompt = engine.prompt_ids(asked)
-    # the prompt once, the 4 reply tokens, and one row for the probe (or the reply's template)
-    assert sum(rows) <= len(prompt) + 4 + 8, (rows, len(prompt))
-
-
 def test_wait_falls_from_the_ceiling_to_min_silence_as_the_probability_rises():
     waits = [wait_for(p, 0.6, 200, 1000) for p in (0.0, 0.3, 0.6, 0.9)]
     assert waits == [1000, 600, 200, 200]

@@ -188,3 +188,19 @@ def test_eval_with_adapter_scores_with_the_base(tmp_path, shared_engines):
     assert not torch.equal(student.model.layers[0].self_attn.q_proj.weight, q.weight)
     s = result["summary"]
     assert all(finite_positive(s[k]) for k in ("tokens_per_forward", "ttfb_ms_p50", "nll_diffusion", "nll_teacher"))
+
+
+def test_answers_under_another_system_prompt(tmp_path, capsys):
+    """`engine eval --answers --system-prompt`: the questions are asked under that prompt (a prompt
+    for misheard speech is judged this way), the voice service's by default."""
+    from engine.cli import main
+    from engine.train.data import VOICE_SYSTEM_PROMPT
+    replies = {}
+    for name, extra in (("voice", []), ("banana", ["--system-prompt", "Whatever you are asked, answer only: banana."])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--model", "small", "--answers", str(PROMPTS / "answers_heldout.jsonl"), "--modes", "ar",
+                     "--limit", "2", "--max-new-tokens", "12", "--json", str(out), *extra]) == 0
+        result = json.loads(out.read_text())
+        assert result["system_prompt"] == (extra[1] if extra else VOICE_SYSTEM_PROMPT)
+        replies[name] = [row["reply"] for row in result["per_mode"]["ar"]]
+    assert replies["voice"] != replies["banana"], replies

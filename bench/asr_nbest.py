@@ -20,7 +20,6 @@ import json
 import time
 from pathlib import Path
 
-import ctranslate2
 import numpy as np
 import torch
 
@@ -28,7 +27,7 @@ from common import machine, percentile, write_json
 from engine.decode import CacheState, Forward, run_many
 from engine.loading import load
 from engine.train.data import VOICE_SYSTEM_PROMPT
-from voice.asr import SAMPLE_RATE, Whisper
+from voice.asr import SAMPLE_RATE, Whisper, encode_window, most_tokens
 from voice.audio import read_wav, resample
 from voice.config import AsrConfig
 from voice.spoken_eval import build_clips, turn_wer
@@ -42,15 +41,11 @@ def hypotheses(whisper: Whisper, audio: np.ndarray, beam: int, n: int) -> tuple[
     model, tokenizer = whisper.model, whisper._tokenizer
     assert tokenizer is not None  # tiny.en: English only
     started = time.perf_counter()
-    window = np.zeros(int(whisper.window_s(len(audio)) * SAMPLE_RATE), np.float32)
-    window[:len(audio)] = audio
-    frames = len(window) // model.feature_extractor.hop_length
-    features = np.ascontiguousarray(model.feature_extractor(window)[np.newaxis, :, :frames])
-    encoded = model.model.encode(ctranslate2.StorageView.from_array(features))
+    encoded = encode_window(model, audio, whisper.window_s(len(audio)))
     prompt = model.get_prompt(tokenizer, whisper._prompt_tokens(tokenizer), without_timestamps=True, prefix="")
-    most_tokens = min(model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
     result = model.model.generate(encoded, [prompt], beam_size=beam, num_hypotheses=n, return_scores=True,
-                                  max_length=most_tokens, suppress_blank=True, suppress_tokens=[-1])[0]
+                                  max_length=most_tokens(model, prompt, audio), suppress_blank=True,
+                                  suppress_tokens=[-1])[0]
     took = (time.perf_counter() - started) * 1000
     # CTranslate2's score is the log-probability divided by the length (length_penalty 1)
     return [(tokenizer.decode(ids).strip(), float(score) * len(ids))

@@ -190,7 +190,7 @@ def test_eval_with_adapter_scores_with_the_base(tmp_path, shared_engines):
     assert all(finite_positive(s[k]) for k in ("tokens_per_forward", "ttfb_ms_p50", "nll_diffusion", "nll_teacher"))
 
 
-def test_answers_under_another_system_prompt(tmp_path, capsys):
+def test_answers_under_another_system_prompt(tmp_path):
     """`engine eval --answers --system-prompt`: the questions are asked under that prompt (a prompt
     for misheard speech is judged this way), the voice service's by default."""
     from engine.cli import main

@@ -157,19 +157,13 @@ class Whisper:
         tokenizer = self._redecode_tokenizer if redecode else self._tokenizer
         assert tokenizer is not None  # `transcribe` comes here only for a known language
         if encoded is None:
-            window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
-            window[: len(audio)] = audio
-            frames = len(window) // model.feature_extractor.hop_length
-            features = np.ascontiguousarray(model.feature_extractor(window)[np.newaxis, :, :frames])
-            encoded = model.model.encode(ctranslate2.StorageView.from_array(features))
+            encoded = encode_window(model, audio, seconds)
         prompt = model.get_prompt(tokenizer, self._prompt_tokens(tokenizer), without_timestamps=True, prefix=prefix)
-        # A runaway loop stops at a generous speaking rate (Whisper's own cap is 448 tokens).
-        most_tokens = min(model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
         result = model.model.generate(
             encoded,
             [prompt],
             beam_size=self.config.redecode_beam_size if redecode else self.config.beam_size,
-            max_length=most_tokens,
+            max_length=most_tokens(model, prompt, audio),
             suppress_blank=True,
             suppress_tokens=[-1],
             return_scores=True,
@@ -204,6 +198,20 @@ class Whisper:
             log_prob_threshold=LOG_PROB_THRESHOLD,
         )
         return "".join(segment.text for segment in segments).strip()
+
+
+def encode_window(model: WhisperModel, audio: np.ndarray, seconds: float) -> "StorageView":
+    """Whisper's encoding of `audio` (16 kHz float) zero-padded to a window of `seconds`."""
+    window = np.zeros(int(seconds * SAMPLE_RATE), dtype=np.float32)
+    window[: len(audio)] = audio
+    frames = len(window) // model.feature_extractor.hop_length
+    features = np.ascontiguousarray(model.feature_extractor(window)[np.newaxis, :, :frames])
+    return model.model.encode(ctranslate2.StorageView.from_array(features))
+
+
+def most_tokens(model: WhisperModel, prompt: list[int], audio: np.ndarray) -> int:
+    """A decode's length bound: a runaway loop stops at a generous speaking rate (Whisper's own cap is 448)."""
+    return min(model.max_length, len(prompt) + 10 + int(8 * len(audio) / SAMPLE_RATE))
 
 
 class Decoded(NamedTuple):

@@ -348,9 +348,11 @@ class Forward:
 
 
 @torch.inference_mode()
-def run_many(model: Model, forwards: list[Forward]) -> list[tuple[Tensor | None, Tensor | None]]:
-    """Run several sequences' forwards as one batched pass (`Model.step`)."""
-    return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, model.step(forwards))]
+def run_many(model: Model, forwards: list[Forward], interruptible: bool = False
+             ) -> list[tuple[Tensor | None, Tensor | None]]:
+    """Run several sequences' forwards as one batched pass (`Model.step`); an `interruptible` one
+    that `Model.interrupt()` stops raises `Interrupted` and commits nothing."""
+    return [f.commit(logits, hidden) for f, (logits, hidden) in zip(forwards, model.step(forwards, interruptible))]
 
 
 def run(model: Model, state: CacheState, clean: list[int], clean_is_block: bool,

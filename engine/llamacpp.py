@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from engine.runtime import ContextOverflow
+from engine.runtime import ContextOverflow, Interrupted
 
 if TYPE_CHECKING:
     from engine.decode import CacheState, Forward
@@ -110,6 +110,20 @@ def available() -> str:
 _lib = None
 _log_callback = None
 _variant = ""
+# ggml asks its abort callback after every node of a forward's graph (~900 a step of the 1.5B), on a
+# compute thread: a Python callback would take the GIL each time and wait for whoever holds it. The C
+# library's strlen reads the flag instead, without Python: over a 2-byte buffer it returns 0 (go on)
+# or 1 (stop), which is what a C `bool (*)(void *)` returns in the same register.
+_STOP_CHECK: Any = None
+# what llama.cpp logs (as errors) for a step its abort callback stopped: GGML_STATUS_ABORTED is 1
+ABORTED_LINES = ("failed with error 1", "compute status: 1", "failed to decode, ret = 2")
+
+
+def _stop_check() -> Any:
+    global _STOP_CHECK
+    if _STOP_CHECK is None:
+        _STOP_CHECK = ctypes.cast(ctypes.CDLL(None).strlen, bindings().ggml_abort_callback)
+    return _STOP_CHECK
 
 
 def bindings() -> Any:  # llama_cpp.llama_cpp, a ctypes module (untyped)
@@ -124,9 +138,11 @@ def bindings() -> Any:  # llama_cpp.llama_cpp, a ctypes module (untyped)
 
         @lib.llama_log_callback
         def forward_log(level: int, text: bytes, _user: object) -> None:
-            if level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
-                log.log(logging.WARNING if level == 3 else logging.ERROR, "%s",
-                        text.decode("utf-8", "replace").rstrip())
+            line = text.decode("utf-8", "replace").rstrip()
+            if line.endswith(ABORTED_LINES) or "removing memory module entries" in line:
+                log.debug("%s", line)  # a step stopped by `interrupt()`, its rows undone: as asked
+            elif level in (3, 4):  # GGML_LOG_LEVEL_WARN, _ERROR
+                log.log(logging.WARNING if level == 3 else logging.ERROR, "%s", line)
 
         _log_callback = forward_log  # a ctypes callback must outlive every call into the library
         lib.llama_log_set(forward_log, ctypes.c_void_p(0))
@@ -268,6 +284,12 @@ class LlamaCppModel:
         self._free_seqs = list(range(SEQUENCES - 1, -1, -1))
         self._slots: set[Slot] = set()
         self._lock = threading.Lock()  # slots are given back from any thread (garbage collection)
+        # `interrupt()`: [0] = 1 stops the llama_decode running now, if it was begun interruptible
+        self._stop = ctypes.create_string_buffer(2)
+        self._stop_lock = threading.Lock()
+        self._interruptible = False
+        lib.llama_set_abort_callback(self._ctx, _stop_check(), ctypes.cast(self._stop, ctypes.c_void_p))
+        self.interrupted = 0  # steps stopped so far
         self._lib = lib
         log.info("llama.cpp: %s in %.1f s, KV cache of %d tokens; %s", self.path.name,
                  time.perf_counter() - start, self.kv_tokens, system_info())
@@ -390,12 +412,14 @@ class LlamaCppModel:
     # --- the forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
+    def step(self, forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
         """Each forward's clean tokens, then its drafted tokens as causal rows (verify), through
         llama_decode (batched; a long prefill in several calls); per forward: the logits of its last
         clean row and of every drafted row [rows, vocab], and its rows' hidden states where
         `read_states` asks for them (else None). Drafted rows are written to the cache past
-        `state.ids`: scratch, dropped before the next step unless verify keeps them."""
+        `state.ids`: scratch, dropped before the next step unless verify keeps them.
+        `interruptible`: a step of one llama_decode call that `interrupt()` stops raises
+        `Interrupted`; llama.cpp then removes the rows it wrote, so the caches are as before."""
         rows: list[tuple[int, int, int, bool]] = []  # (forward, token, position, output)
         outputs: list[int] = []  # per forward
         for i, f in enumerate(forwards):
@@ -411,7 +435,8 @@ class LlamaCppModel:
         with self._lock:
             self._make_room(forwards)
             # _make_room gave each a sequence
-            logits, hidden = self._decode(rows, [cast(int, _slot_of(f.state).seq) for f in forwards])
+            logits, hidden = self._decode(rows, [cast(int, _slot_of(f.state).seq) for f in forwards],
+                                          interruptible and len(rows) <= BATCH)
             for f in forwards:
                 slot = _slot_of(f.state)
                 slot.cells = len(f.state.ids) + len(f.clean) + len(f.draft)
@@ -428,13 +453,19 @@ class LlamaCppModel:
             at += m
         return out
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int]) -> tuple[Tensor, Tensor | None]:
+    def interrupt(self) -> None:
+        with self._stop_lock:
+            if self._interruptible:
+                self._stop[0] = b"\x01"
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]], seqs: list[int], interruptible: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
         """llama_decode over `rows`: the output rows' logits, in order, and their hidden states where
         `read_states` asks for them (rows that need none go first, in calls without embeddings)."""
         threads = self.threads()
         self._lib.llama_set_n_threads(self._ctx, threads, threads)
         if not self.state_rows:
-            return self._decode_calls(rows, seqs, False)
+            return self._decode_calls(rows, seqs, False, interruptible)
         self._decode_calls([row for row in rows if not row[3]], seqs, False)
         self._lib.llama_set_embeddings(self._ctx, True)
         try:
@@ -442,9 +473,9 @@ class LlamaCppModel:
         finally:
             self._lib.llama_set_embeddings(self._ctx, False)
 
-    def _decode_calls(self, rows: list[tuple[int, int, int, bool]], seqs: list[int], states: bool
-                      ) -> tuple[Tensor, Tensor | None]:
-        """llama_decode over `rows` in calls of at most BATCH."""
+    def _decode_calls(self, rows: list[tuple[int, int, int, bool]], seqs: list[int], states: bool,
+                      interruptible: bool = False) -> tuple[Tensor, Tensor | None]:
+        """llama_decode over `rows` in calls of at most BATCH (`interruptible`: one call)."""
         lib, batch, vocab, dim = self._lib, self._batch, self.args.vocab_size, self.args.dim
         logits, hidden = [torch.empty(0, vocab)], [torch.empty(0, dim)]
         for start in range(0, len(rows), BATCH):
@@ -454,7 +485,16 @@ class LlamaCppModel:
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = seqs[i]
             batch.n_tokens = len(chunk)
-            status = lib.llama_decode(self._ctx, batch)
+            with self._stop_lock:
+                self._stop[0], self._interruptible = b"\x00", interruptible
+            try:
+                status = lib.llama_decode(self._ctx, batch)
+            finally:
+                with self._stop_lock:
+                    self._stop[0], self._interruptible = b"\x00", False
+            if status == 2:  # GGML_STATUS_ABORTED: llama.cpp removed what the call wrote
+                self.interrupted += 1
+                raise Interrupted(f"a step of {len(chunk)} rows was interrupted")
             if status != 0:
                 raise RuntimeError(f"llama_decode failed ({status}) on {len(chunk)} tokens")
             outputs = sum(row[3] for row in chunk)

@@ -215,9 +215,13 @@ class Transformer(nn.Module):
             theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
         dst.hidden[:n] = src.hidden[:n]
 
-    def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
-        """The forwards' segments in one pass (`forward_segments`): (logits, hidden states) each."""
+    def step(self, forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
+        """The forwards' segments in one pass (`forward_segments`): (logits, hidden states) each.
+        A PyTorch forward is not stopped halfway (`interrupt` does nothing)."""
         return self(segments=[f.segment() for f in forwards])
+
+    def interrupt(self) -> None:
+        pass
 
     def new_caches(self, batch: int = 1, max_seq_len: int | None = None) -> list[KVCache]:
         """A fresh preallocated cache per layer (one set per conversation in `engine.stream`)."""

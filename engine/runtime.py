@@ -18,6 +18,10 @@ class ContextOverflow(ValueError):
     """The conversation no longer fits in the preallocated cache."""
 
 
+class Interrupted(Exception):
+    """A step begun `interruptible` was stopped by `Model.interrupt()`; nothing of it was kept."""
+
+
 class Model(Protocol):
     """What the decoders need of a model.
 
@@ -44,8 +48,14 @@ class Model(Protocol):
         """`dst`'s cache starts with `src`'s first `n` positions."""
         ...
 
-    def step(self, forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
+    def step(self, forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
         """One batched pass over several conversations' forwards: per forward, the logits of its
         last clean row and of its drafted rows, and its rows' last hidden states (None where the
-        kernels keep none). Rows past each `state.ids` are scratch: a step may overwrite them."""
+        kernels keep none). Rows past each `state.ids` are scratch: a step may overwrite them.
+        `interruptible`: `interrupt()` may stop it (it raises `Interrupted`)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Stop the step running now if it was begun `interruptible` (from any thread); kernels
+        that cannot stop a step finish it."""
         ...

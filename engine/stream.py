@@ -39,6 +39,7 @@ from typing import Any, cast
 from engine.decode import (Block, CacheState, ContextOverflow, DecodeConfig, Forward, Steps, drive, plan,
                            prefill_steps, run_many)
 from engine.grammar import Constraint, Grammars
+from engine.runtime import Interrupted
 from engine.tools import Tool, for_template
 from engine.loading import LoadedModel, load
 
@@ -69,6 +70,12 @@ PREFILL_DEFER = 4
 def _chunk(request: "_Request") -> bool:
     """Is the request's next forward a stretch of its prompt (several rows written at once)?"""
     return request.forward is not None and len(request.forward.clean) > 1
+
+
+def _long_prompt(request: "_Request") -> bool:
+    """Is the request's next forward a chunk of a long prompt (one that has had more than
+    `ALONE_SLICES` slices already)? Such a chunk gives way to work someone waits for."""
+    return _chunk(request) and request.used_s > ALONE_SLICES * SLICE_S
 
 
 class Superseded(Exception):
@@ -227,6 +234,7 @@ class Engine:
         self.best_token_s: float | None = None  # ... and the least it took (the machine to itself)
         self.best_slice_token_s: float | None = None  # ... the least in chunks of about a slice
         self.forwards = 0  # batched forwards run so far
+        self.interrupted = 0  # forwards stopped by `interrupt_long_prompts` (read again later)
         self._sharing = False  # more than one request is active (the scheduler's view)
         # May another request come and wait any moment? (The voice service: anyone may start talking.)
         self.may_share = False
@@ -401,6 +409,8 @@ class Engine:
                            probe)
         self._ensure_scheduler()
         self._inbox.put(request)
+        if not warm:
+            self.interrupt_long_prompts()
         try:
             while (item := await pieces.get()) is not None:
                 if isinstance(item, BaseException):
@@ -460,6 +470,13 @@ class Engine:
                     if len(self._pool) < self.pool_size:
                         self._pool.append(state)
 
+    def interrupt_long_prompts(self) -> None:
+        """Someone waits now (a new request; the voice service's speech recognition or synthesis
+        for a silent user): a forward of long prompts' chunks only, running now, stops (on kernels
+        that can stop one) and its chunks are read again after the others' turn, so nobody waits
+        for a chunk already under way."""
+        self.model.interrupt()
+
     def _ensure_scheduler(self) -> None:
         if self._scheduler is None:
             self._scheduler = threading.Thread(target=self._schedule, name="engine-scheduler", daemon=True)
@@ -478,14 +495,21 @@ class Engine:
                 batch = batch_from[i:i + self.max_batch]
                 self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
                 forwards = cast("list[Forward]", [request.forward for request in batch])  # `_ready` planned them
-                results: Sequence[object]
+                results: Sequence[object] | None
                 began = time.perf_counter()
                 try:
-                    results = run_many(self.model, forwards)
+                    results = run_many(self.model, forwards, interruptible=all(map(_long_prompt, batch)))
+                except Interrupted:
+                    results = None
                 except Exception as err:  # one bad batch fails its requests, not the scheduler
                     log.exception("batched forward failed")
                     results = [err] * len(batch)
                 took = time.perf_counter() - began
+                if results is None:  # the same forwards, planned still, sit out as if deferred
+                    self.interrupted += 1
+                    for request in batch:
+                        request.ready_since, request.used_s = time.monotonic(), request.used_s + took / len(batch)
+                    continue
                 self._measure(forwards, took)
                 rows = [len(f.clean) + len(f.draft) for f in forwards]
                 for request, result, n in zip(batch, results, rows):  # each is charged its rows' share
@@ -535,7 +559,7 @@ class Engine:
 
         def due(request: _Request, level: int) -> bool:
             waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
-            if yielding and _chunk(request) and request.used_s > ALONE_SLICES * SLICE_S and waited < patient:
+            if yielding and _long_prompt(request) and waited < patient:
                 return False
             if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
                 return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from decoding import generate, generate_ar, generate_diffusion
 from engine.decode import CacheState, ContextOverflow, DecodeConfig, DiffusionSpec, generate_ar_batch, run
 from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
+from engine.runtime import Interrupted
 import engine.decode
 import engine.stream
 from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine
@@ -647,9 +649,9 @@ def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
     chunks_a_forward: list[int] = []
     run_many = engine.decode.run_many
 
-    def counting(model, forwards):
+    def counting(model, forwards, interruptible=False):
         chunks_a_forward.append(sum(len(f.clean) > 1 for f in forwards))
-        return run_many(model, forwards)
+        return run_many(model, forwards, interruptible)
 
     monkeypatch.setattr(engine.stream, "run_many", counting)
 
@@ -687,6 +689,70 @@ def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
     got_long, got_short = asyncio.run(main())
     assert (got_long, got_short) == (expected_long, expected_short)
     assert events.index("long") > max(i for i, e in enumerate(events) if e == "short")
+
+
+class StoppableModel:
+    """The PyTorch model behind `Model.interrupt`'s contract, as llama.cpp's kernels keep it: a step
+    begun interruptible runs only if nobody interrupts it within `hold_s` (its time on the cores),
+    else it raises `Interrupted` and writes nothing."""
+
+    def __init__(self, model, hold_s: float) -> None:
+        self.model, self.hold_s = model, hold_s
+        self.stopped, self.began = threading.Event(), threading.Event()
+        self.interrupted = 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def step(self, forwards, interruptible=False):
+        if interruptible:
+            self.stopped.clear()
+            self.began.set()
+            if self.stopped.wait(self.hold_s):
+                self.interrupted += 1
+                raise Interrupted("stopped")
+        return self.model.step(forwards)
+
+    def interrupt(self) -> None:
+        self.stopped.set()
+
+
+def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
+    """A request someone waits for arrives while a long prompt's chunk is being read: the chunk
+    stops (`Engine.interrupt_long_prompts`) instead of holding the newcomer for its length, the
+    newcomer's first piece comes first, the chunk is read again after, and both replies are the
+    ones each gives alone. Before, the newcomer waited for the whole chunk (here 5 s)."""
+    monkeypatch.setattr(engine.stream, "SLICE_S", 0.01)  # a prompt is long after its first chunk's 0.04 s
+    eng = Engine(smol, max_seq_len=512, max_defer_s=0.05)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    expected = [reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, SHORT)]
+    model = StoppableModel(smol.model, hold_s=5.0)
+    monkeypatch.setattr(eng, "model", model)
+    eng.may_share = True
+    eng.token_s = engine.stream.SLICE_S / 64  # chunks of 64 rows (the short prompt in one), as set, not measured
+    monkeypatch.setattr(eng, "_measure", lambda forwards, took: None)
+    firsts: dict[str, float] = {}
+
+    async def ask(name, messages):
+        pieces = []
+        async for piece in eng.stream(messages, cfg, priority=lambda text: WAITED):
+            firsts.setdefault(name, time.monotonic())
+            pieces.append(piece)
+        return reply_ids(pieces)
+
+    async def main():
+        reading = asyncio.create_task(ask("long", LONG))
+        await asyncio.to_thread(model.began.wait)  # the long prompt's second chunk is under way
+        asked = time.monotonic()
+        short = await ask("short", SHORT)
+        model.hold_s = 0.0  # from now on chunks run at once
+        model.interrupt()
+        return [await reading, short], firsts["short"] - asked
+
+    replies, short_waited_s = asyncio.run(main())
+    assert replies == expected
+    assert model.interrupted >= 1 and eng.interrupted == model.interrupted
+    assert short_waited_s < 2.5 and firsts["short"] < firsts["long"]
 
 
 def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):

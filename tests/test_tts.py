@@ -233,10 +233,13 @@ def test_urgent_jobs_go_ahead_of_queued_ones_and_cancelled_ones_never_run():
 
 def test_a_stage_says_when_it_runs_a_job_someone_waits_for():
     """`Scheduler.stage_waited` (what the engine yields a long prompt's chunks to): true while an
-    urgent job runs, not while a best-effort one does, and false again when it is done."""
+    urgent job runs, not while a best-effort one does, and false again when it is done; and
+    `on_waited_job` is told as such a job starts (the engine stops a long prompt's chunk under way)."""
     scheduler = Scheduler()
     worker = scheduler.worker("asr")
     gate, started = threading.Event(), threading.Event()
+    told: list[bool] = []
+    scheduler.on_waited_job.append(lambda: told.append(started.is_set()))
 
     def job() -> None:
         started.set()
@@ -251,6 +254,7 @@ def test_a_stage_says_when_it_runs_a_job_someone_waits_for():
         gate.set()
         done.result(timeout=10)
         assert not scheduler.stage_waited()
+    assert told == [False]  # once, for the urgent job, before it ran
 
 
 def test_later_phrases_wait_briefly_while_someone_waits_in_silence():

@@ -109,6 +109,7 @@ class LocalLM:
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
         self.engine.yield_to = self.scheduler.stage_waited  # a long prompt's chunk waits for a final, a first phrase
+        self.scheduler.on_waited_job.append(self.engine.interrupt_long_prompts)  # ... and one under way stops
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
 
     @property

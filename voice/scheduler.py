@@ -51,6 +51,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._waiting: set[object] = set()
         self._workers: list[Worker] = []
+        # told (on the stage's thread) when a stage starts a job someone waits for: the LM stops a
+        # long prompt's chunk under way rather than share the cores with it (Engine.interrupt_long_prompts)
+        self.on_waited_job: list[Callable[[], None]] = []
 
     def start_waiting(self, who: object) -> None:
         """`who` (a session) waits in silence for its reply's first audio."""
@@ -146,6 +149,8 @@ class Worker:
                     job.waited = waited
                     self._running += 1
                     self._urgent_running += waited
+                    for tell in self.scheduler.on_waited_job if waited else ():
+                        tell()
                     return job
                 self._ready.wait(hold)
 

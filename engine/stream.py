@@ -507,6 +507,8 @@ class Engine:
                 took = time.perf_counter() - began
                 if results is None:  # the same forwards, planned still, sit out as if deferred
                     self.interrupted += 1
+                    log.debug("a forward of %d rows of long prompts stopped after %.0f ms: someone waits",
+                              sum(len(f.clean) for f in forwards), 1000 * took)
                     for request in batch:
                         request.ready_since, request.used_s = time.monotonic(), request.used_s + took / len(batch)
                     continue

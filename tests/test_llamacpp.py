@@ -258,10 +258,12 @@ def test_an_interrupted_step_leaves_the_cache_as_it_was(small):
     never = CacheState.new(small.model, 512)  # the same two steps, never interrupted
     step(small.model, never, head)
     expected = step(small.model, never, rest)
+    # The rows land elsewhere in the shared cache than where they were never stopped, and ggml's
+    # attention sums in blocks of cells: probabilities move by up to ~0.04 for that alone (measured
+    # with no interruption: rows written, removed and written again; AMX and AVX2 kernels). Rows left
+    # behind are caught above (the sequence's last position) and by llama.cpp (positions out of order).
     assert int(again.argmax()) == int(expected.argmax())
-    # where the rows sit in the shared cache moves the logits a little (0.016 in probability here
-    # with no interruption at all), rows left behind would move them far more
-    assert torch.allclose(again.softmax(-1), expected.softmax(-1), atol=3e-2)
+    assert torch.allclose(again.softmax(-1), expected.softmax(-1), atol=0.1)
 
 
 def test_threads_are_asked_for_every_step(small):

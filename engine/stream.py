@@ -14,11 +14,11 @@ round: a conversation that sends a long prompt cannot hold the model from the ot
 and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under way when it comes:
 a forward of long prompts' chunks only stops when someone starts waiting (`interrupt_long_prompts`:
 a new request, or the voice service's speech recognition or synthesis for a silent user), on
-kernels that can stop one (llama.cpp), and is read again after the others' turn. A prompt whose new tokens would take longer than `max_prefill_s` to read is
-refused before any forward. Each conversation keeps its own KV cache, so a new turn only
-prefills what is new. Cancelling a stream (barge-in)
-drops the request at the next round; the cache invariant in `engine.decode` keeps the
-conversation consistent.
+kernels that can stop one (llama.cpp), and is read again after the others' turn. A prompt
+whose new tokens would take longer than `max_prefill_s` to read is refused before any forward.
+Each conversation keeps its own KV cache, so a new turn only prefills what is new. Cancelling a
+stream (barge-in) drops the request at the next round; the cache invariant in `engine.decode`
+keeps the conversation consistent.
 
 A request made without a conversation (a one-off) runs on a cache borrowed from the engine's
 pool and gives it back, cleared, when it finishes or is cancelled, and so does a conversation

@@ -39,6 +39,7 @@ a unified cache shares cells instead of copying.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -110,20 +111,20 @@ def available() -> str:
 _lib = None
 _log_callback = None
 _variant = ""
-# ggml asks its abort callback after every node of a forward's graph (~900 a step of the 1.5B), on a
-# compute thread: a Python callback would take the GIL each time and wait for whoever holds it. The C
-# library's strlen reads the flag instead, without Python: over a 2-byte buffer it returns 0 (go on)
-# or 1 (stop), which is what a C `bool (*)(void *)` returns in the same register.
-_STOP_CHECK: Any = None
+
+
+@functools.cache
+def _stop_check() -> Any:
+    """llama.cpp's abort callback for `LlamaCppModel.interrupt`. ggml asks it after every node of a
+    forward's graph (~900 a step of the 1.5B), on a compute thread: a Python callback would take the
+    GIL each time and wait for whoever holds it. The C library's strlen reads the flag instead: over a
+    2-byte buffer it returns 0 (go on) or 1 (stop), which is what a C `bool (*)(void *)` returns in
+    the same register."""
+    return ctypes.cast(ctypes.CDLL(None).strlen, bindings().ggml_abort_callback)
+
+
 # what llama.cpp logs (as errors) for a step its abort callback stopped: GGML_STATUS_ABORTED is 1
 ABORTED_LINES = ("failed with error 1", "compute status: 1", "failed to decode, ret = 2")
-
-
-def _stop_check() -> Any:
-    global _STOP_CHECK
-    if _STOP_CHECK is None:
-        _STOP_CHECK = ctypes.cast(ctypes.CDLL(None).strlen, bindings().ggml_abort_callback)
-    return _STOP_CHECK
 
 
 def bindings() -> Any:  # llama_cpp.llama_cpp, a ctypes module (untyped)
@@ -289,7 +290,6 @@ class LlamaCppModel:
         self._stop_lock = threading.Lock()
         self._interruptible = False
         lib.llama_set_abort_callback(self._ctx, _stop_check(), ctypes.cast(self._stop, ctypes.c_void_p))
-        self.interrupted = 0  # steps stopped so far
         self._lib = lib
         log.info("llama.cpp: %s in %.1f s, KV cache of %d tokens; %s", self.path.name,
                  time.perf_counter() - start, self.kv_tokens, system_info())
@@ -493,7 +493,6 @@ class LlamaCppModel:
                 with self._stop_lock:
                     self._stop[0], self._interruptible = b"\x00", False
             if status == 2:  # GGML_STATUS_ABORTED: llama.cpp removed what the call wrote
-                self.interrupted += 1
                 raise Interrupted(f"a step of {len(chunk)} rows was interrupted")
             if status != 0:
                 raise RuntimeError(f"llama_decode failed ({status}) on {len(chunk)} tokens")

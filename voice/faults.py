@@ -50,8 +50,9 @@ async def transcript_within(transcript: Awaitable[str], faults: FaultsConfig) ->
     """The final transcript, stripped, within `asr_timeout_s`."""
     timeout = faults.asr_timeout_s
     try:
-        return (await asyncio.wait_for(transcript, timeout)).strip()
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):  # not wait_for: on 3.11 it can swallow a barge-in's cancel
+            return (await transcript).strip()
+    except TimeoutError:
         raise StageFailure("asr_timeout", f"speech recognition took longer than {timeout:g} s", "asr",
                            "timeout") from None
     except Exception as err:
@@ -67,10 +68,11 @@ async def blocks_within(blocks: AsyncIterator[Committed], faults: FaultsConfig) 
         while True:
             timeout = faults.lm_first_block_timeout_s if count == 0 else faults.lm_block_timeout_s
             try:
-                block = await asyncio.wait_for(anext(blocks), timeout)
+                async with asyncio.timeout(timeout):
+                    block = await anext(blocks)
             except StopAsyncIteration:
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 which = "first block" if count == 0 else f"block {count + 1}"
                 raise StageFailure("reply_timeout", f"the language model took longer than {timeout:g} s for its "
                                                     f"{which}", "lm", "timeout") from None
@@ -88,8 +90,9 @@ async def blocks_within(blocks: AsyncIterator[Committed], faults: FaultsConfig) 
         close = getattr(blocks, "aclose", None)
         if close is not None:
             try:
-                await asyncio.wait_for(close(), 5.0)
-            except (Exception, asyncio.TimeoutError) as err:  # noqa: BLE001 - the reply is done: log it, go on
+                async with asyncio.timeout(5.0):
+                    await close()
+            except Exception as err:  # noqa: BLE001 - the reply is done: log it, go on
                 log.warning("closing the LM stream failed: %r", err)
 
 
@@ -98,8 +101,9 @@ async def synthesis_within(synthesizer: SpeechSynthesizer, phrase: str, rate: in
     """One phrase's PCM16 at `rate`, within `tts_timeout_s`."""
     timeout = faults.tts_timeout_s
     try:
-        return await asyncio.wait_for(synthesizer.synthesize(phrase, rate, urgent=urgent), timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):
+            return await synthesizer.synthesize(phrase, rate, urgent=urgent)
+    except TimeoutError:
         raise StageFailure("reply_timeout", f"speech synthesis took longer than {timeout:g} s", "tts",
                            "timeout") from None
     except Exception as err:

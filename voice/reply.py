@@ -336,7 +336,8 @@ class ReplyRunner:
 
     async def announce(self, reply: Reply, text: str) -> None:
         """Speak `text` as it is (no LM), until the client has played it."""
-        pcm = await asyncio.wait_for(self.synthesizer.synthesize(text, self.out_rate), self.config.faults.tts_timeout_s)
+        async with asyncio.timeout(self.config.faults.tts_timeout_s):  # (wait_for could swallow a barge-in)
+            pcm = await self.synthesizer.synthesize(text, self.out_rate)
         reply.text = text
         if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, text),
                                        track=False):

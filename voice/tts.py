@@ -38,9 +38,8 @@ def load_voice(config: TtsConfig) -> PiperVoice:
     options = onnxruntime.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = onnxruntime.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
-    voice = PiperVoice(session=session, config=PiperConfig.from_dict(json.loads(config_path.read_text("utf-8"))))
-    voice.session = ShrinkingSession(session)
-    return voice
+    return PiperVoice(session=ShrinkingSession(session),
+                      config=PiperConfig.from_dict(json.loads(config_path.read_text("utf-8"))))
 
 
 class ShrinkingSession:

@@ -53,6 +53,9 @@ def test_describe_lists_the_three_programs(server):
     assert info.asr[0].models[0].name == "tiny.en" and info.asr[0].models[0].languages == ["en"]
     assert info.tts[0].voices[0].name == "en_US-joe-medium" and info.tts[0].supports_synthesize_streaming
     assert info.handle[0].name == "diffusion-voice-assistant" and info.handle[0].models[0].name == "qwen2.5-1.5b"
+    # Home Assistant is told how the LM decodes as the engine decided it, not a fixed claim
+    said = {"ar": "autoregressive decoding", "diffusion": "drafted blocks verified losslessly"}[server.lm.mode]
+    assert info.handle[0].description == f"a conversational assistant (qwen2.5-1.5b, {said})"
     assert talk(server, Ping(text="hi").event(), until="pong")[-1].data == Pong(text="hi").event().data
 
 

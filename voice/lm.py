@@ -87,7 +87,8 @@ class LanguageModel(Protocol):
 
 
 class LocalLM:
-    """The in-process diffusion engine, shared by all sessions."""
+    """The in-process engine (llama.cpp's kernels or PyTorch), shared by all sessions; how it decodes (drafted
+    blocks or AR) it decides at load, per model and CPU (`describe`)."""
 
     def __init__(self, config: LmConfig, scheduler: Scheduler | None = None):
         import torch

@@ -1,4 +1,5 @@
-"""One ASGI app: /ws (native protocol), /twilio (Twilio Media Streams), /token, /healthz, /metrics, the web page at /.
+"""One ASGI app: /ws (native protocol), /v1/realtime (OpenAI's Realtime API), /twilio (Twilio Media Streams),
+/token, /healthz, /metrics, the web page at /.
 
 With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app; so
 does the Wyoming server for Home Assistant with `[wyoming] port` (voice/transports/wyoming.py).

@@ -102,6 +102,7 @@ def info(stages: Stages) -> Info:
     ours = version("diffusion-voice")
     voice = voice_name(cfg.tts)
     language = cfg.asr.language or "en"
+    decodes = "drafted blocks verified losslessly" if stages.lm.mode == "diffusion" else "autoregressive decoding"
     return Info(
         asr=[AsrProgram(name="diffusion-voice-asr", attribution=ATTRIBUTION, installed=True, version=ours,
                         description=f"faster-whisper {cfg.asr.model}: encoder window sized to the audio, "
@@ -115,7 +116,7 @@ def info(stages: Stages) -> Info:
                                          description=f"Piper {voice}", languages=[voice.split("-")[0]])],
                         supports_synthesize_streaming=True)],
         handle=[HandleProgram(name="diffusion-voice-assistant", attribution=ATTRIBUTION, installed=True,
-                              version=ours, description="a conversational assistant on a block-diffusion LM",
+                              version=ours, description=f"a conversational assistant ({cfg.lm.model}, {decodes})",
                               models=[HandleModel(name=cfg.lm.model, attribution=ATTRIBUTION, installed=True,
                                                   version=None, description=f"LM {cfg.lm.model}",
                                                   languages=[language])],

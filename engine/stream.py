@@ -15,7 +15,8 @@ and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under wa
 a forward of long prompts' chunks only stops when someone starts waiting (`interrupt_long_prompts`:
 a new request, or the voice service's speech recognition or synthesis for a silent user), on
 kernels that can stop one (llama.cpp), and is read again after the others' turn. A prompt
-whose new tokens would take longer than `max_prefill_s` to read is refused before any forward.
+whose new tokens would take longer than `max_prefill_s` to read is refused before any forward,
+and again later, as the load changes, if it can no longer be read within that (`_refuse_late`).
 Each conversation keeps its own KV cache, so a new turn only prefills what is new. Cancelling a
 stream (barge-in) drops the request at the next round; the cache invariant in `engine.decode`
 keeps the conversation consistent.
@@ -315,6 +316,36 @@ class Engine:
                               f"on this machine{shared}, longer than the {self.max_prefill_s:g} s a reply may wait: "
                               f"shorten the conversation or the message")
 
+    def _refuse_late(self, active: list[_Request]) -> None:
+        """Each round, a reply still reading its prompt that can no longer deliver within
+        `max_prefill_s` of its start is refused (`ContextOverflow`), not left to run into its
+        caller's timeout: its tokens left at the recent cost a token (`token_s`: what the machine
+        gives now, beside whatever else runs on it) or the fastest, whichever is more, times the
+        conversations sharing the model now. Newest first, each refusal leaving the others a
+        larger share: those that came first keep their place (three Realtime clients sending
+        2,000 characters at once all timed out at 20 s)."""
+        best = self.best_slice_token_s or self.best_token_s
+        if self.max_prefill_s is None or best is None:
+            return
+        token_s = max(best, self.token_s or best)
+        shares = sum(1 for r in active if not r.warm and not r.cancelled)
+        now = time.perf_counter()
+        for request in sorted(active, key=lambda r: r.start, reverse=True):
+            reply, state = request.reply, request.conversation.state
+            if request.warm or request.probe is not None or request.cancelled or reply is None or \
+                    reply.first is not None or state is None:
+                continue
+            left = reply.prefilled - (len(state.ids) - (reply.prompt_tokens - reply.prefilled))
+            waited, needs = now - request.start, left * token_s * shares
+            if left <= 0 or waited + needs <= self.max_prefill_s:
+                continue
+            request.deliver(ContextOverflow(
+                f"the prompt's {left} tokens still to read would take about {needs:.0f} s more on this machine now"
+                f"{f', shared with {shares - 1} other conversation(s)' if shares > 1 else ''}: past the "
+                f"{self.max_prefill_s:g} s a reply may wait: shorten the conversation or the message, or retry"))
+            request.cancelled = True  # `_ready` closes its steps and lets its conversation go
+            shares -= 1
+
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None, background: bool = False,
                others: int = 0) -> tuple[Steps, _Reply]:
@@ -489,6 +520,7 @@ class Engine:
         active: list[_Request] = []
         while True:
             self._admit_new(active, timeout=0 if active else None)
+            self._refuse_late(active)
             self._sharing = len(active) > 1  # (before `_ready` plans the next forwards and their chunks)
             batch_from = self._this_round(self._ready(active))
             if not batch_from:  # everyone sits out this round: look for newcomers meanwhile

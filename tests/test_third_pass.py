@@ -194,3 +194,46 @@ def test_a_reply_of_deeply_nested_json_is_no_tool_call_and_no_recursion_error():
     assert calls_in(deep) == [] and calls_in(f"<tool_call>{deep}</tool_call>") == []
     assert calls_written("[" * 1000 + "]" * 1000) == []
     assert calls_in('{"name": "f", "arguments": {"x": [1]}}')[0]["function"]["arguments"] == '{"x": [1]}'
+
+
+# --- refuse, don't time out -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol():
+    from engine.loading import load, packaged_smollm2_gguf
+    return load(str(packaged_smollm2_gguf()), max_seq_len=1024)
+
+
+def test_replies_that_can_no_longer_be_read_in_time_are_refused_newest_first(smol):
+    """Affordability was checked at admission only, at the fastest cost ever measured: three
+    Realtime clients sending 2,000 characters at once were all admitted, then all ran into the
+    20 s timeout (and /healthz said "degraded"). Now it is checked again every round at the cost a
+    token has now, times the conversations sharing the model: here the machine turned out three
+    times slower than its best, so the two newest are refused (a client's error, no timeout) and
+    the first is answered."""
+    import asyncio
+
+    from engine.decode import ContextOverflow, DecodeConfig
+    from engine.stream import Engine
+    eng = Engine(smol, max_seq_len=1024, max_prefill_s=6.0)
+    prompts = [[{"role": "user", "content": f"Summarise list {n}: " + ", ".join(f"item {n}.{i}" for i in range(60))}]
+               for n in range(3)]
+    new = len(eng.prompt_ids(prompts[0]))
+    list(eng.generate_sync([{"role": "user", "content": "Hi."}], DecodeConfig(mode="ar", max_new_tokens=2)))  # paged in
+    eng.best_token_s = eng.best_slice_token_s = 1.5 / new  # at best each takes 1.5 s: three fit 6 s at admission
+    eng.token_s = 4.5 / new  # ... but lately a token costs three times that
+
+    async def reply(messages):
+        try:
+            return [p async for p in eng.stream(messages, DecodeConfig(mode="ar", max_new_tokens=4))]
+        except ContextOverflow as err:
+            return err
+
+    async def main():
+        first = asyncio.create_task(reply(prompts[0]))
+        await asyncio.sleep(0.05)  # admitted first
+        return await asyncio.gather(first, reply(prompts[1]), reply(prompts[2]))
+
+    answered, *refused = asyncio.run(main())
+    assert isinstance(answered, list) and answered[-1].done, answered
+    assert all(isinstance(r, ContextOverflow) and "still to read" in str(r) for r in refused), refused

@@ -67,7 +67,10 @@ ALONE_SLICES = 4
 # rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
 # round it joins a slice longer, a step hardly at all. So does a long prompt's chunk (its request
 # has had more than `ALONE_SLICES` slices) while other work that someone waits for shares the
-# cores (`Engine.yield_to`: the voice service's speech recognition and synthesis).
+# cores (`Engine.yield_to`: the voice service's speech recognition and synthesis). Chunks that sit
+# out together share that wait: each rejoins after it times their number, so beside six long
+# prompts a newcomer's steps are joined by about one chunk per `PREFILL_DEFER * max_defer_s`, not
+# one every round (`engine serve`: an 8-token request beside six ~1,700-token prompts).
 PREFILL_DEFER = 4
 
 
@@ -589,11 +592,15 @@ class Engine:
         """The least served requests of the highest priority present (unless that is BACKGROUND):
         a newcomer goes ahead of a conversation that has had the model for a while (a long
         prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
-        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that)."""
+        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
+        and as many times again as such chunks sit out together: with six long prompts one of them
+        was due every round, and each of a newcomer's steps took a slice longer)."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
         yielding = self.yield_to()
+        behind_chunks = sum(1 for r, level in zip(ready, levels)
+                            if level == top > BACKGROUND and _chunk(r) and r.used_s > least + SLICE_S)
 
         def due(request: _Request, level: int) -> bool:
             waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
@@ -602,7 +609,7 @@ class Engine:
             if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
                 return True
             behind = level == top > BACKGROUND and _chunk(request)
-            return waited >= (patient if behind else self.max_defer_s)
+            return waited >= (patient * max(1, behind_chunks) if behind else self.max_defer_s)
         chosen = [request for request, level in zip(ready, levels) if due(request, level)]
         # One prompt chunk a round, the one that has waited longest (a newcomer's, or one deferred
         # long enough): a round is then at most a slice longer than its steps, and a reply that

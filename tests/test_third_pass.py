@@ -9,6 +9,8 @@ before its fix. `engine serve` is its real app around the stand-in engines of te
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fakes import EncodingEngine
@@ -237,3 +239,48 @@ def test_replies_that_can_no_longer_be_read_in_time_are_refused_newest_first(smo
     answered, *refused = asyncio.run(main())
     assert isinstance(answered, list) and answered[-1].done, answered
     assert all(isinstance(r, ContextOverflow) and "still to read" in str(r) for r in refused), refused
+
+
+# --- engine serve: a short request beside long prompts ---------------------------------------------
+
+def test_long_prompts_chunks_sitting_out_together_share_their_wait(smol):
+    """Six long prompts' chunks, each sitting out behind a newcomer for longer than `PREFILL_DEFER`
+    times `max_defer_s`: before, one of them was due every round, so each of the newcomer's steps
+    took a slice longer (115 s for 8 tokens on the 1.5B). Now each waits that times their number."""
+    from types import SimpleNamespace
+
+    import engine.stream
+    from engine.stream import WAITED, Engine
+    eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
+    patient, now = 0.3 * engine.stream.PREFILL_DEFER, time.monotonic()
+
+    def request(used_s: float, rows: int, waited_s: float) -> SimpleNamespace:
+        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s,
+                               forward=SimpleNamespace(clean=[1] * rows, draft=[]))
+
+    newcomer = request(0.0, 1, 0.0)
+    longs = [request(20.0 + i, 64, patient + 0.1 * (i + 1)) for i in range(6)]
+    assert eng._this_round([newcomer, *longs]) == [newcomer]
+    longs[2].ready_since = now - 6 * patient - 0.01
+    assert eng._this_round([newcomer, *longs]) == [newcomer, longs[2]]
+    assert eng._this_round([newcomer, longs[0]]) == [newcomer, longs[0]]  # one alone: as before
+    assert len(eng._this_round(longs)) == 1  # no newcomer: one of them goes on every round
+
+
+def test_engine_serve_keeps_every_request_waited_for():
+    """An HTTP client waits for its whole reply: engine serve's requests stay WAITED after their
+    first piece (before, NORMAL: a short request sat out behind long prompts still being read)."""
+    from engine.api.server import build_app
+    from engine.decode import DecodeConfig
+    from engine.stream import WAITED
+    asked = []
+
+    class Recording(EncodingEngine):
+        async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
+            asked.append(priority)
+            async for piece in super().stream(messages, cfg, conversation, constraint, tools):
+                yield piece
+
+    with serving(build_app(Recording(), DecodeConfig(max_new_tokens=8))) as port:
+        still_answers(port)
+    assert len(asked) == 1 and asked[0] is not None and asked[0]("Hello there.") == WAITED

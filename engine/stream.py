@@ -255,6 +255,12 @@ class Engine:
         self._pool_lock = threading.Lock()
         self._leave_lock = threading.Lock()  # a request leaving vs its conversation being abandoned
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)
+        # llama.cpp: one KV cache of this many tokens shared by every conversation (None: each its own)
+        self.kv_tokens: int | None = getattr(self.model, "kv_tokens", None)
+        # Idle caches someone keeps (engine serve's conversations kept for continuations): asked, from
+        # the scheduler thread, to keep at most this many tokens when a request needs the room.
+        self.release_idle: Callable[[int], None] = lambda tokens: None
+        self._queued: list[_Request] = []  # waiting for room in the shared KV cache, first come first served
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
@@ -522,7 +528,7 @@ class Engine:
     def _schedule(self) -> None:
         active: list[_Request] = []
         while True:
-            self._admit_new(active, timeout=0 if active else None)
+            self._admit_new(active, timeout=0 if active or self._queued else None)
             self._refuse_late(active)
             self._sharing = len(active) > 1  # (before `_ready` plans the next forwards and their chunks)
             batch_from = self._this_round(self._ready(active))
@@ -570,7 +576,14 @@ class Engine:
             self.best_token_s = min(sample, self.best_token_s or sample)
 
     def _admit_new(self, active: list[_Request], timeout: float | None) -> None:
-        """Admit whatever is in the inbox, first waiting up to `timeout` s for it (None: forever)."""
+        """Admit the queued requests there is room for now, then whatever is in the inbox, first
+        waiting up to `timeout` s for it (None: forever)."""
+        while self._queued and (self._queued[0].cancelled or self._room_for(self._queued[0], active)):
+            request = self._queued.pop(0)
+            if not request.cancelled:  # (one whose caller left was never admitted: nothing to let go)
+                self._admit(request, active, queued=True)
+        if timeout is None and (active or self._queued):
+            timeout = 0
         try:
             request = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
             while True:
@@ -617,8 +630,33 @@ class Engine:
         chunks = sorted((r for r in chosen if _chunk(r)), key=lambda r: r.ready_since)
         return [r for r in chosen if not _chunk(r)] + chunks[:1]
 
-    def _admit(self, request: _Request, active: list[_Request]) -> None:
+    def _room_for(self, request: _Request, active: list[_Request]) -> bool:
+        """Is there room in the shared KV cache (llama.cpp's) for the request's whole prompt and
+        reply beside those of the requests running, if idle caches kept for later give theirs up?
+        Always while nothing runs: one request always fits (the cache holds several contexts)."""
+        if self.kv_tokens is None or request.warm or request.probe is not None or not active:
+            return True
+        running = sum(r.reply.prompt_tokens + r.cfg.max_new_tokens for r in active
+                      if r.reply is not None and r.probe is None and r.conversation is not request.conversation)
+        try:
+            prompt = self.prompt_ids(request.messages, request.tools)
+        except Exception:  # noqa: BLE001 - `_begin` meets it again and hands it to the request
+            return True
+        left = self.kv_tokens - running - len(prompt) - request.cfg.max_new_tokens
+        if left < 0:
+            return False
+        self.release_idle(left)
+        return True
+
+    def _admit(self, request: _Request, active: list[_Request], queued: bool = False) -> None:
+        """Start the request beside `active`; or, on a shared KV cache without room for it now, queue
+        it until there is (a request failing with "the LM's cache is full" after minutes of work, as
+        two of six ~1,700-token prompts did on the 1.5B, is worse than one that waits its turn)."""
         conversation = request.conversation
+        if not queued and not request.warm and request.probe is None and \
+                (self._queued or not self._room_for(request, active)):
+            self._queued.append(request)
+            return
         others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is not None:  # beside the conversation's reply, on a copy of its cache
             try:

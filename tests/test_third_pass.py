@@ -284,3 +284,56 @@ def test_engine_serve_keeps_every_request_waited_for():
     with serving(build_app(Recording(), DecodeConfig(max_new_tokens=8))) as port:
         still_answers(port)
     assert len(asked) == 1 and asked[0] is not None and asked[0]("Hello there.") == WAITED
+
+
+def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):
+    """llama.cpp's KV cache is shared: six ~1,700-token prompts on the 1.5B (8,192 tokens) were all
+    started, and two failed with "the LM's cache is full" after 112 s of work. Now a request whose
+    prompt and reply do not fit beside those running waits until they do (first come, first
+    served), and idle caches kept for continuations give theirs up for it."""
+    import asyncio
+
+    from engine.decode import DecodeConfig
+    from engine.stream import Engine
+    eng = Engine(smol, max_seq_len=512)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    prompts = [[{"role": "user", "content": f"Name {n} fruits."}] for n in (2, 3, 4)]
+    need = max(len(eng.prompt_ids(p)) for p in prompts) + cfg.max_new_tokens
+    eng.kv_tokens = 2 * need + need // 2  # room for two at a time
+    released: list[int] = []
+    eng.release_idle = released.append
+    events: list[tuple[str, int]] = []
+
+    async def reply(n: int):
+        async for _ in eng.stream(prompts[n], cfg):
+            events.append(("piece", n))
+        events.append(("done", n))
+
+    async def main():
+        await asyncio.gather(*(reply(n) for n in range(3)))
+
+    asyncio.run(main())
+    third_starts = events.index(("piece", 2))
+    assert ("done", 0) in events[:third_starts] or ("done", 1) in events[:third_starts], events
+    assert sorted(n for kind, n in events if kind == "done") == [0, 1, 2]
+    assert released and all(0 <= tokens <= eng.kv_tokens for tokens in released)
+    assert not eng._queued
+
+
+def test_kept_conversations_give_up_their_caches_least_recently_used_first():
+    from engine.api.server import PrefixCaches
+    from engine.decode import CacheState
+    from engine.stream import Conversation
+    abandoned: list = []
+
+    class Engine:
+        abandon = abandoned.append
+
+    caches = PrefixCaches(Engine(), 8)
+    kept = [Conversation(state=CacheState([], ids=[0] * 100)) for _ in range(3)]
+    for n, conversation in enumerate(kept):
+        caches.keep([{"role": "user", "content": f"question {n}"}], "answer", conversation, False)
+    caches.release(150)
+    assert abandoned == kept[:2]
+    caches.release(100)
+    assert abandoned == kept[:2]

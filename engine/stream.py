@@ -624,10 +624,15 @@ class Engine:
             behind = level == top > BACKGROUND and _chunk(request)
             return waited >= (patient * max(1, behind_chunks) if behind else self.max_defer_s)
         chosen = [request for request, level in zip(ready, levels) if due(request, level)]
-        # One prompt chunk a round, the one that has waited longest (a newcomer's, or one deferred
-        # long enough): a round is then at most a slice longer than its steps, and a reply that
-        # arrives meanwhile waits for at most that.
-        chunks = sorted((r for r in chosen if _chunk(r)), key=lambda r: r.ready_since)
+        # One prompt chunk a round: a round is then at most a slice longer than its steps, and a
+        # reply that arrives meanwhile waits for at most that. First one deferred long enough (the
+        # one that has waited longest), else the least served's: a newcomer's prompt goes ahead of
+        # long prompts that have had less than a slice each so far (six sent 2 s before an 8-token
+        # request each went first, a chunk of seconds on a loaded machine).
+        def order(r: _Request) -> tuple[bool, float, float]:
+            front = r.used_s <= least + SLICE_S
+            return front, r.used_s if front else 0.0, r.ready_since
+        chunks = sorted((r for r in chosen if _chunk(r)), key=order)
         return [r for r in chosen if not _chunk(r)] + chunks[:1]
 
     def _room_for(self, request: _Request, active: list[_Request]) -> bool:

@@ -264,6 +264,10 @@ def test_long_prompts_chunks_sitting_out_together_share_their_wait(smol):
     longs[2].ready_since = now - 6 * patient - 0.01
     assert eng._this_round([newcomer, *longs]) == [newcomer, longs[2]]
     assert eng._this_round([newcomer, longs[0]]) == [newcomer, longs[0]]  # one alone: as before
+    # long prompts that have had less than a slice each so far: the newcomer's prompt goes first
+    fresh = [request(0.1 + 0.02 * i, 64, 0.5 + 0.1 * i) for i in range(6)]
+    newcomers_prompt = request(0.0, 32, 0.0)
+    assert eng._this_round([newcomers_prompt, *fresh]) == [newcomers_prompt]
     assert len(eng._this_round(longs)) == 1  # no newcomer: one of them goes on every round
 
 

@@ -38,6 +38,7 @@ from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter, tree_dep
 from engine.grammar import Constraint
 from engine.model import KVCache, Segment, visibility_mask
 from engine.runtime import ContextOverflow, Model
+from engine.sampling import tempered
 
 if TYPE_CHECKING:
     from engine.llamacpp import Slot
@@ -177,7 +178,7 @@ def verify_rule(target: Tensor, proposal: Proposal, temperature: float,
         if temperature <= 0:
             token = int(row.argmax())
         else:
-            p = (row / temperature).softmax(-1)
+            p = tempered(row, temperature)
             token = int(torch.multinomial(p, 1, generator=generator))  # the base's own next token
             if j < len(drafted):
                 d = drafted[j]
@@ -386,11 +387,7 @@ def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) 
         probs = logits.softmax(-1)
         confidence, token = probs.max(-1)
         return token, confidence
-    if temperature < torch.finfo(logits.dtype).tiny:  # 0 in the logits' dtype (5e-324): the limit, one-hot
-        token = logits.argmax(-1)
-        return token, torch.ones(token.shape, dtype=logits.dtype)
-    # shifted so that the largest logit is 0: a small temperature gives -inf for the others, not inf / inf
-    probs = ((logits - logits.amax(-1, keepdim=True)) / temperature).softmax(-1)
+    probs = tempered(logits, temperature)
     token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return token, probs.gather(-1, token[:, None]).squeeze(-1)
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model import RMSNorm
+from engine.sampling import tempered
 
 
 @dataclass
@@ -334,7 +335,7 @@ class DraftHead(nn.Module):
         if temperature <= 0:
             confidence, best = logits.softmax(-1).max(-1)
             return Proposal(self.vocab_ids[best].tolist(), None, confidence.tolist())
-        q = (logits / temperature).softmax(-1).cpu()  # sampled with the decoder's CPU generator
+        q = tempered(logits, temperature).cpu()  # sampled with the decoder's CPU generator
         vocab = self.vocab_ids.cpu()
         picks = torch.multinomial(q, 1, generator=generator).squeeze(-1)
         full = torch.zeros(len(q), self.args.vocab_size)

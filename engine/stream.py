@@ -15,7 +15,8 @@ and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under wa
 a forward of long prompts' chunks only stops when someone starts waiting (`interrupt_long_prompts`:
 a new request, or the voice service's speech recognition or synthesis for a silent user), on
 kernels that can stop one (llama.cpp), and is read again after the others' turn. A prompt
-whose new tokens would take longer than `max_prefill_s` to read is refused before any forward.
+whose new tokens would take longer than `max_prefill_s` to read is refused before any forward,
+and again later, as the load changes, if it can no longer be read within that (`_refuse_late`).
 Each conversation keeps its own KV cache, so a new turn only prefills what is new. Cancelling a
 stream (barge-in) drops the request at the next round; the cache invariant in `engine.decode`
 keeps the conversation consistent.
@@ -66,7 +67,10 @@ ALONE_SLICES = 4
 # rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
 # round it joins a slice longer, a step hardly at all. So does a long prompt's chunk (its request
 # has had more than `ALONE_SLICES` slices) while other work that someone waits for shares the
-# cores (`Engine.yield_to`: the voice service's speech recognition and synthesis).
+# cores (`Engine.yield_to`: the voice service's speech recognition and synthesis). Chunks that sit
+# out together share that wait: each rejoins after it times their number, so beside six long
+# prompts a newcomer's steps are joined by about one chunk per `PREFILL_DEFER * max_defer_s`, not
+# one every round (`engine serve`: an 8-token request beside six ~1,700-token prompts).
 PREFILL_DEFER = 4
 
 
@@ -251,6 +255,12 @@ class Engine:
         self._pool_lock = threading.Lock()
         self._leave_lock = threading.Lock()  # a request leaving vs its conversation being abandoned
         self.grammars = Grammars(self.tokenizer, self.model.args.vocab_size)
+        # llama.cpp: one KV cache of this many tokens shared by every conversation (None: each its own)
+        self.kv_tokens: int | None = getattr(self.model, "kv_tokens", None)
+        # Idle caches someone keeps (engine serve's conversations kept for continuations): asked, from
+        # the scheduler thread, to keep at most this many tokens when a request needs the room.
+        self.release_idle: Callable[[int], None] = lambda tokens: None
+        self._queued: list[_Request] = []  # waiting for room in the shared KV cache, first come first served
 
     @classmethod
     def load(cls, name: str = "default", adapter: str | None = None, max_seq_len: int = 2048,
@@ -314,6 +324,36 @@ class Engine:
         raise ContextOverflow(f"the prompt's {new} new tokens would take about {alone * shares:.0f} s to read "
                               f"on this machine{shared}, longer than the {self.max_prefill_s:g} s a reply may wait: "
                               f"shorten the conversation or the message")
+
+    def _refuse_late(self, active: list[_Request]) -> None:
+        """Each round, a reply still reading its prompt that can no longer deliver within
+        `max_prefill_s` of its start is refused (`ContextOverflow`), not left to run into its
+        caller's timeout: its tokens left at the recent cost a token (`token_s`: what the machine
+        gives now, beside whatever else runs on it) or the fastest, whichever is more, times the
+        conversations sharing the model now. Newest first, each refusal leaving the others a
+        larger share: those that came first keep their place (three Realtime clients sending
+        2,000 characters at once all timed out at 20 s)."""
+        best = self.best_slice_token_s or self.best_token_s
+        if self.max_prefill_s is None or best is None:
+            return
+        token_s = max(best, self.token_s or best)
+        shares = sum(1 for r in active if not r.warm and not r.cancelled)
+        now = time.perf_counter()
+        for request in sorted(active, key=lambda r: r.start, reverse=True):
+            reply, state = request.reply, request.conversation.state
+            if request.warm or request.probe is not None or request.cancelled or reply is None or \
+                    reply.first is not None or state is None:
+                continue
+            left = reply.prefilled - (len(state.ids) - (reply.prompt_tokens - reply.prefilled))
+            waited, needs = now - request.start, left * token_s * shares
+            if left <= 0 or waited + needs <= self.max_prefill_s:
+                continue
+            request.deliver(ContextOverflow(
+                f"the prompt's {left} tokens still to read would take about {needs:.0f} s more on this machine now"
+                f"{f', shared with {shares - 1} other conversation(s)' if shares > 1 else ''}: past the "
+                f"{self.max_prefill_s:g} s a reply may wait: shorten the conversation or the message, or retry"))
+            request.cancelled = True  # `_ready` closes its steps and lets its conversation go
+            shares -= 1
 
     def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None, background: bool = False,
@@ -488,7 +528,8 @@ class Engine:
     def _schedule(self) -> None:
         active: list[_Request] = []
         while True:
-            self._admit_new(active, timeout=0 if active else None)
+            self._admit_new(active, timeout=0 if active or self._queued else None)
+            self._refuse_late(active)
             self._sharing = len(active) > 1  # (before `_ready` plans the next forwards and their chunks)
             batch_from = self._this_round(self._ready(active))
             if not batch_from:  # everyone sits out this round: look for newcomers meanwhile
@@ -535,7 +576,14 @@ class Engine:
             self.best_token_s = min(sample, self.best_token_s or sample)
 
     def _admit_new(self, active: list[_Request], timeout: float | None) -> None:
-        """Admit whatever is in the inbox, first waiting up to `timeout` s for it (None: forever)."""
+        """Admit the queued requests there is room for now, then whatever is in the inbox, first
+        waiting up to `timeout` s for it (None: forever)."""
+        while self._queued and (self._queued[0].cancelled or self._room_for(self._queued[0], active)):
+            request = self._queued.pop(0)
+            if not request.cancelled:  # (one whose caller left was never admitted: nothing to let go)
+                self._admit(request, active, queued=True)
+        if timeout is None and (active or self._queued):
+            timeout = 0
         try:
             request = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
             while True:
@@ -557,11 +605,15 @@ class Engine:
         """The least served requests of the highest priority present (unless that is BACKGROUND):
         a newcomer goes ahead of a conversation that has had the model for a while (a long
         prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
-        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that)."""
+        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
+        and as many times again as such chunks sit out together: with six long prompts one of them
+        was due every round, and each of a newcomer's steps took a slice longer)."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
         yielding = self.yield_to()
+        behind_chunks = sum(1 for r, level in zip(ready, levels)
+                            if level == top > BACKGROUND and _chunk(r) and r.used_s > least + SLICE_S)
 
         def due(request: _Request, level: int) -> bool:
             waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
@@ -570,16 +622,46 @@ class Engine:
             if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
                 return True
             behind = level == top > BACKGROUND and _chunk(request)
-            return waited >= (patient if behind else self.max_defer_s)
+            return waited >= (patient * max(1, behind_chunks) if behind else self.max_defer_s)
         chosen = [request for request, level in zip(ready, levels) if due(request, level)]
-        # One prompt chunk a round, the one that has waited longest (a newcomer's, or one deferred
-        # long enough): a round is then at most a slice longer than its steps, and a reply that
-        # arrives meanwhile waits for at most that.
-        chunks = sorted((r for r in chosen if _chunk(r)), key=lambda r: r.ready_since)
+        # One prompt chunk a round: a round is then at most a slice longer than its steps, and a
+        # reply that arrives meanwhile waits for at most that. First one deferred long enough (the
+        # one that has waited longest), else the least served's: a newcomer's prompt goes ahead of
+        # long prompts that have had less than a slice each so far (six sent 2 s before an 8-token
+        # request each went first, a chunk of seconds on a loaded machine).
+        def order(r: _Request) -> tuple[bool, float, float]:
+            front = r.used_s <= least + SLICE_S
+            return front, r.used_s if front else 0.0, r.ready_since
+        chunks = sorted((r for r in chosen if _chunk(r)), key=order)
         return [r for r in chosen if not _chunk(r)] + chunks[:1]
 
-    def _admit(self, request: _Request, active: list[_Request]) -> None:
+    def _room_for(self, request: _Request, active: list[_Request]) -> bool:
+        """Is there room in the shared KV cache (llama.cpp's) for the request's whole prompt and
+        reply beside those of the requests running, if idle caches kept for later give theirs up?
+        Always while nothing runs: one request always fits (the cache holds several contexts)."""
+        if self.kv_tokens is None or request.warm or request.probe is not None or not active:
+            return True
+        running = sum(r.reply.prompt_tokens + r.cfg.max_new_tokens for r in active
+                      if r.reply is not None and r.probe is None and r.conversation is not request.conversation)
+        try:
+            prompt = self.prompt_ids(request.messages, request.tools)
+        except Exception:  # noqa: BLE001 - `_begin` meets it again and hands it to the request
+            return True
+        left = self.kv_tokens - running - len(prompt) - request.cfg.max_new_tokens
+        if left < 0:
+            return False
+        self.release_idle(left)
+        return True
+
+    def _admit(self, request: _Request, active: list[_Request], queued: bool = False) -> None:
+        """Start the request beside `active`; or, on a shared KV cache without room for it now, queue
+        it until there is (a request failing with "the LM's cache is full" after minutes of work, as
+        two of six ~1,700-token prompts did on the 1.5B, is worse than one that waits its turn)."""
         conversation = request.conversation
+        if not queued and not request.warm and request.probe is None and \
+                (self._queued or not self._room_for(request, active)):
+            self._queued.append(request)
+            return
         others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is not None:  # beside the conversation's reply, on a copy of its cache
             try:

@@ -23,10 +23,13 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.common.wire import WireError, decode_json
+
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+MAX_CALL_BYTES = 1 << 20  # one call's JSON in a reply (a reply is far shorter)
 CALL_STARTS = ("<", "{")  # how a call begins, in tags or as bare JSON; the grammar's text begins with neither
 
 
@@ -91,9 +94,9 @@ def calls_in(text: str) -> list[dict]:
     bodies = [m.group(1) for m in CALL.finditer(text)] or \
         [line for line in text.strip().splitlines() if line.startswith("{")]
     for body in bodies:
-        try:
-            call = json.loads(body)
-        except ValueError:
+        try:  # bounded (engine.common.wire): a reply of 1,000 "[" is no RecursionError
+            call = decode_json(body, max_bytes=MAX_CALL_BYTES)
+        except WireError:
             continue
         if isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call:
             found.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

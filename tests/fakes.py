@@ -301,7 +301,7 @@ class StandInEngine:
     def prompt_ids(self, messages, tools=None):
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))
 
-    async def stream(self, messages, cfg, conversation, constraint=None, tools=None):
+    async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
         from engine.stream import Piece
         for i, word in enumerate(["Hello", " there."]):
             yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)

@@ -148,6 +148,29 @@ def test_a_rewritten_turn_is_still_one_row(store):
     assert store.query("SELECT transcript FROM turns") == [{"transcript": "again"}]
 
 
+def test_a_turn_with_any_text_is_recorded_alike_in_both_dialects(store):
+    """A Realtime `input_text` with `\\u0000` lost its turn on PostgreSQL ("text fields cannot contain
+    NUL (0x00) bytes": `record_failed`, 0 rows); a lone surrogate failed on both. Each is stored as
+    U+FFFD now, the same in SQLite and PostgreSQL, and the rest of the text kept."""
+    records = rec.Records(store.database)
+    hostile = "say\x00hi \ud800 there"
+
+    async def scenario():
+        records.write_nowait(rec.session_opened("u1", "s\x001", "realtime", "anonymous", "", 1.0, {"x": "a\x00b"}))
+        ok = await records.write(rec.turn_done("u1", 1, 1.0, 2.0, "ok", hostile, "r\x00", "r\x00", False, False, {},
+                                               [{"code": "x\x00", "message": hostile}]))
+        assert ok
+        assert await records.write(rec.error("u1", 1, 2.0, "bad\x00", hostile))
+
+    asyncio.run(scenario())
+    records.close()
+    assert records.failed == 0
+    [turn] = store.query("SELECT transcript, reply, heard FROM turns")
+    assert turn == {"transcript": "say\ufffdhi \ufffd there", "reply": "r\ufffd", "heard": "r\ufffd"}
+    assert store.query("SELECT session_id FROM sessions") == [{"session_id": "s\ufffd1"}]
+    assert {r["message"] for r in store.query("SELECT message FROM errors")} == {"say\ufffdhi \ufffd there"}
+
+
 def test_a_stuck_database_times_turns_out_and_the_queue_pushes_back(store):
     metrics = Metrics()
     records = rec.Records(store.database, queue_size=2, timeout_s=0.5, metrics=metrics)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from voice.config import LmConfig
 
@@ -12,10 +12,13 @@ class History:
     cuts it). Old turns are forgotten half a window at a time, not one per turn: a window that
     slides every turn changes the prompt's start, and the LM would prefill the whole conversation
     again. `turns = 0` keeps none. Long turns are forgotten sooner: the prompt stays within
-    `max_chars` (the LM's window), the system prompt and the new question kept whole."""
+    `max_chars` (a first cut), then within the LM's context by its own tokenizer (`fits`, where
+    the LM has one: 1,900 characters of digits are ~1,900 tokens, not ~475), the system prompt and
+    the new question kept whole."""
 
-    def __init__(self, system_prompt: str, turns: int, max_chars: int = LmConfig.max_prompt_chars):
-        self.system_prompt, self.turns, self.max_chars = system_prompt, turns, max_chars
+    def __init__(self, system_prompt: str, turns: int, max_chars: int = LmConfig.max_prompt_chars,
+                 fits: Callable[[list[dict]], bool] | None = None):
+        self.system_prompt, self.turns, self.max_chars, self.fits = system_prompt, turns, max_chars, fits
         self.said: list[dict] = []
 
     def __iter__(self) -> Iterator[dict]:
@@ -24,14 +27,21 @@ class History:
     def messages(self, user_text: str) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         self._fit(len(self.system_prompt) + len(user_text))
-        return system + (self.said if self.turns else []) + [{"role": "user", "content": user_text}]
+        while True:
+            prompt = system + (self.said if self.turns else []) + [{"role": "user", "content": user_text}]
+            if not (self.turns and self.said and self.fits is not None and not self.fits(prompt)):
+                return prompt
+            self._forget_oldest()
 
     def _fit(self, kept: int) -> None:
         """Forget the oldest turns until they fit beside `kept` characters in `max_chars`."""
         while self.said and kept + sum(len(m["content"]) for m in self.said) > self.max_chars:
-            del self.said[0]  # the oldest user message, then the reply it had
-            while self.said and self.said[0]["role"] == "assistant":
-                del self.said[0]
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        del self.said[0]  # the oldest user message, then the reply it had
+        while self.said and self.said[0]["role"] == "assistant":
+            del self.said[0]
 
     def add(self, user_text: str, heard: str) -> None:
         self.said.append({"role": "user", "content": user_text})
@@ -46,7 +56,7 @@ class History:
     def ahead(self, user_text: str, heard: str) -> list[dict]:
         """The next turn's conversation before its question, if this turn ends with `heard`
         (what `add` would keep): for preparing the LM while the reply is spoken."""
-        later = History(self.system_prompt, self.turns, self.max_chars)
+        later = History(self.system_prompt, self.turns, self.max_chars, self.fits)
         later.said = list(self.said)
         later.add(user_text, heard)
         return later.messages("")

@@ -28,7 +28,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from engine.tools import calls_in, starts_a_call
+from engine.common.wire import WireError, decode_json
+from engine.tools import MAX_CALL_BYTES, calls_in, starts_a_call
 from voice.config import LmConfig
 from voice.scheduler import Scheduler
 
@@ -137,6 +138,11 @@ class LocalLM:
 
     def chat(self) -> "LocalChat":
         return LocalChat(self)
+
+    def fits(self, messages: list[dict]) -> bool:
+        """Do `messages` and a whole reply fit the engine's context, by its own tokenizer? (The
+        history's bound beyond characters: voice/history.py.)"""
+        return len(self.engine.prompt_ids(messages)) + self.decode.max_new_tokens <= self.engine.max_seq_len
 
     def tool_grammar(self, tools: list[dict]) -> tuple[list[Tool], str, Tensor]:
         """(engine tools, the grammar of a reply that may call them, the tokens that start a call),
@@ -292,9 +298,9 @@ def calls_written(text: str) -> list[dict]:
     body = fenced.group(1) if fenced else text.strip()
     if calls := calls_in(body):
         return calls
-    try:
-        return calls_in(json.dumps(json.loads(body)))
-    except ValueError:
+    try:  # bounded (engine.common.wire): a remote reply of 1,000 "[" is no RecursionError
+        return calls_in(json.dumps(decode_json(body, max_bytes=MAX_CALL_BYTES)))
+    except WireError:
         return []
 
 

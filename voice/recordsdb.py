@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
@@ -76,6 +77,15 @@ MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE turns ADD COLUMN tools TEXT NOT NULL DEFAULT '[]'"],
 }
 Op = tuple[str, tuple]
+# What a database refuses in text, each written as U+FFFD (the Unicode replacement character):
+# NUL (PostgreSQL: "text fields cannot contain NUL (0x00) bytes"; SQLite stores it, but C string
+# functions and the sqlite3 shell stop there) and lone surrogates (no UTF-8 for them: both fail).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """`text` as both dialects store it alike (`UNSTORABLE` replaced)."""
+    return UNSTORABLE.sub("\ufffd", text)
 
 
 class RecordsError(Exception):
@@ -106,10 +116,11 @@ class Database:
         return False
 
     def run(self, conn: Any, ops: list[Op]) -> None:
-        """`ops` as one transaction: all committed, or none (and the error raised)."""
+        """`ops` as one transaction: all committed, or none (and the error raised). Text goes in as
+        both dialects can store it (`storable`), so no turn is lost for what its user typed."""
         with self.transaction(conn):
             for sql, args in ops:
-                self.execute(conn, sql, args)
+                self.execute(conn, sql, tuple(storable(a) if isinstance(a, str) else a for a in args))
 
     def rows(self, conn: Any, sql: str, args: Sequence = ()) -> list[dict]:
         return [dict(row) for row in self.execute(conn, sql, args).fetchall()]

@@ -391,7 +391,10 @@ class Floor:
         s.stages.scheduler.stop_waiting(s)
         now = time.monotonic()
         heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
-        if user_text and not reply.superseded:  # (a superseded turn's words are in the next one's)
+        # (a superseded turn's words are in the next one's; a refused one's, too long for the LM or
+        # not for it at all, would have every later turn refused too: the client is told it is gone)
+        refused = reply.failure is not None and reply.failure.kind == "client"
+        if user_text and not reply.superseded and not refused:
             s.history.add(user_text, heard)
         s.emit(Work(reply.turn, now, reply.work), wire=False)
         with s.outbox.holding() as held:

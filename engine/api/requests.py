@@ -15,8 +15,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from engine.common.wire import ascii_int
-from engine.decode import COMMIT_RULES, DecodeConfig
+from engine.common.wire import WireError, ascii_int, decode_json
+from engine.decode import COMMIT_RULES, DecodeConfig, DiffusionSpec
+from engine.draft import LookupDrafter
 from engine.tools import Tool, ToolUse
 
 
@@ -46,6 +47,18 @@ class Options:
     tools: ToolUse | None = None
 
 
+# What one request may cost the scheduler that every request shares, checked before its first
+# forward (`check_work`): every forward of every request waits for the largest row count in its
+# batch, so a block is bounded like a prefill chunk (FIRST_PREFILL_CHUNK, about a slice of model
+# time on slow machines); and all its forwards together at worst (each commits one token) like
+# prefilling 32 contexts of 2,048 tokens. Without them `rule threshold, threshold 1.0,
+# first_block_size 1024, max_tokens 1024` denoised a 1,024-row block one token a step (a million
+# rows) while everyone else waited.
+MAX_BLOCK_ROWS = 64
+MAX_REQUEST_ROWS = 65536
+MAX_ARGUMENTS_BYTES = 1 << 20  # a tool call's arguments (the body they come in is bounded the same)
+
+
 @dataclass(frozen=True)
 class Runs:
     """What the loaded model can run of a request's decode options: the one place they are checked
@@ -53,6 +66,7 @@ class Runs:
 
     draft_block: int | None = None  # a draft head drafts at most this many tokens a pass (None: prompt lookup)
     mask_blocks: bool = True  # mask-denoising rules (threshold, topk) need the PyTorch model's forward
+    mask_block: int = DiffusionSpec.block_size  # the checkpoint's block, what `block_size 0` denoises
 
     @classmethod
     def of(cls, engine: Any) -> "Runs":
@@ -60,24 +74,62 @@ class Runs:
         loaded = getattr(engine, "loaded", None)
         if loaded is None:
             return cls()
-        drafter = loaded.drafter
-        return cls(drafter.block if drafter is not None else None, loaded.model.mask_blocks)
+        drafter, spec = loaded.drafter, getattr(loaded, "spec", None)
+        return cls(drafter.block if drafter is not None else None, loaded.model.mask_blocks,
+                   (spec.sub_block_size or spec.block_size) if spec is not None else cls.mask_block)
 
 
 def check_runnable(cfg: DecodeConfig, runs: Runs) -> None:
     """Raise a 400 APIError for a resolved config this model cannot run (it would fail, or hang,
-    inside the engine's scheduler, where every other request waits too)."""
-    if cfg.mode == "ar":
-        return  # one token a forward: block options do not apply
-    if cfg.rule == "verify":
+    inside the engine's scheduler, where every other request waits too) or that would cost more
+    than one request may (`check_work`)."""
+    if cfg.mode != "ar" and cfg.rule == "verify":
         if runs.draft_block is not None and cfg.block_size > runs.draft_block:
             raise APIError(400, f"Invalid value for 'block_size': {cfg.block_size}; this model's draft head drafts "
                            f"at most {runs.draft_block} tokens a forward (0: its own block).", "block_size",
                            "invalid_value")
-        return
-    if not runs.mask_blocks:
+    elif cfg.mode != "ar" and not runs.mask_blocks:
         raise APIError(400, f"Invalid value for 'rule': '{cfg.rule}' denoises mask blocks, which this model's "
                        "kernels (llama.cpp) cannot run; use rule 'verify' or mode 'ar'.", "rule", "invalid_value")
+    check_work(cfg, runs)
+
+
+def worst_rows(cfg: DecodeConfig, runs: Runs) -> tuple[int, int]:
+    """(tokens of the request's largest block, rows of all its forwards) at worst, before any runs:
+    AR writes a token a forward; verify checks up to a block of drafted rows a forward and may
+    commit only the base's own token; a mask rule denoises a block in at most `max_steps` steps,
+    committing at worst one token a step (threshold) or `topk`."""
+    n = cfg.max_new_tokens
+    if cfg.mode == "ar":
+        return 0, n
+    if cfg.rule == "verify":  # the drafted rows, after the token they follow
+        block = cfg.block_size or runs.draft_block or LookupDrafter.block
+        return block, n * (1 + block)
+
+    def block_rows(size: int) -> int:  # all the forwards of one block of `size` masks
+        steps = size if cfg.rule == "threshold" else -(-size // cfg.topk)
+        return size * min(cfg.max_steps or steps, steps)
+    block = cfg.block_size or runs.mask_block
+    first = min(cfg.first_block_size or block, n)
+    full, tail = divmod(n - first, block)
+    return max(first, block if full else tail), block_rows(first) + full * block_rows(block) + block_rows(tail)
+
+
+def check_work(cfg: DecodeConfig, runs: Runs) -> None:
+    """Refuse (400) a config whose forwards would hold the shared model too long: a block over
+    `MAX_BLOCK_ROWS` rows, or over `MAX_REQUEST_ROWS` rows in all (`worst_rows`)."""
+    largest, total = worst_rows(cfg, runs)
+    if largest > MAX_BLOCK_ROWS:
+        first = cfg.rule != "verify" and cfg.first_block_size > (cfg.block_size or runs.mask_block)
+        name = "first_block_size" if first else "block_size"
+        raise APIError(400, f"Invalid value for '{name}': {getattr(cfg, name)}; a block here holds at most "
+                       f"{MAX_BLOCK_ROWS} tokens (every request's forward waits for the largest).", name,
+                       "invalid_value")
+    if total > MAX_REQUEST_ROWS:
+        raise APIError(400, f"This request could cost up to {total} rows of model work (max_tokens "
+                       f"{cfg.max_new_tokens}, rule '{cfg.rule}', blocks of up to {largest} tokens), more than the "
+                       f"{MAX_REQUEST_ROWS} one request may take here: lower 'max_tokens', 'block_size' or "
+                       "'max_steps'.", "max_tokens", "invalid_value")
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -167,11 +219,11 @@ def _tool_calls(m: dict, where: str) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
             raise APIError(400, f"'{at}' must be a function call with a 'name' and string 'arguments'.", at,
                            "invalid_value")
-        try:
-            json.loads(fn["arguments"])
-        except ValueError:
-            raise APIError(400, f"'{at}.function.arguments' is not valid JSON.", f"{at}.function.arguments",
-                           "invalid_value") from None
+        try:  # the one bounded decoder (engine.common.wire): `"[" * 1000` is a 400, not a RecursionError
+            decode_json(fn["arguments"], max_bytes=MAX_ARGUMENTS_BYTES)
+        except WireError as err:
+            raise APIError(400, f"'{at}.function.arguments' is not valid JSON: {err.message}.",
+                           f"{at}.function.arguments", "invalid_value") from None
         out.append({"id": str(call.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
@@ -200,6 +252,10 @@ def _tool_use(body: dict) -> ToolUse | None:
         if not isinstance(parameters, dict):
             raise APIError(400, f"Invalid type for 'tools[{i}].function.parameters': expected an object.",
                            f"tools[{i}].function.parameters", "invalid_type")
+        if (ref := ref_cycle(parameters)) is not None:
+            raise APIError(400, f"Invalid 'tools[{i}].function.parameters': the '$ref' {json.dumps(ref)[:80]} leads "
+                           "back to itself without any value in between, so no arguments match it.",
+                           f"tools[{i}].function.parameters", "invalid_value")
         found.append(Tool(fn["name"], str(fn.get("description") or ""), parameters))
     names = {t.name for t in found}
     if isinstance(choice, dict):
@@ -237,7 +293,68 @@ def _response_format(body: dict) -> tuple[bool, dict | None]:
     if not isinstance(schema, dict):
         raise APIError(400, "Invalid type for 'response_format.json_schema.schema': expected an object.",
                        "response_format.json_schema.schema", "invalid_type")
+    if (ref := ref_cycle(schema)) is not None:
+        raise APIError(400, f"Invalid 'response_format.json_schema.schema': the '$ref' {json.dumps(ref)[:80]} leads "
+                       "back to itself without any value in between, so no JSON matches it.",
+                       "response_format.json_schema.schema", "invalid_value")
     return True, schema  # `strict` or not, the reply is held to the schema
+
+
+def ref_cycle(schema: dict) -> str | None:
+    """A `$ref` of `schema` that leads back to where it is through `$ref`s and `allOf`s alone (no
+    property or item in between: `{"$ref": "#"}`, two `$defs` naming each other), or None. Such a
+    schema matches no value; compiled, it let only an empty, non-JSON reply through. A recursion
+    through `properties` or `items` (a tree) is fine."""
+    def target(ref: str) -> dict | None:  # a local JSON pointer (RFC 6901), else None (not followed)
+        node: Any = schema
+        for part in ref[1:].split("/")[1:] if ref.startswith("#") else [None]:
+            if part is None:
+                return None
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node if isinstance(node, dict) else None
+
+    def same_value(node: dict) -> list[tuple[str | None, dict]]:  # what `node`'s value must also match
+        ref, every = node.get("$ref"), node.get("allOf")
+        out: list[tuple[str | None, dict]] = [(ref, t)] if isinstance(ref, str) and (t := target(ref)) is not None \
+            else []
+        return out + [(None, m) for m in every if isinstance(m, dict)] if isinstance(every, list) else out
+
+    done: set[int] = set()
+    for start in _subschemas(schema):
+        path, stack = {id(start)}, [(start, iter(same_value(start)))]
+        while stack:
+            step = next(stack[-1][1], None)
+            if step is None:
+                node, _ = stack.pop()
+                path.discard(id(node))
+                done.add(id(node))
+                continue
+            ref, node = step
+            if id(node) in path:
+                return ref or "allOf"
+            if id(node) not in done:
+                path.add(id(node))
+                stack.append((node, iter(same_value(node))))
+    return None
+
+
+def _subschemas(schema: dict) -> list[dict]:
+    """Every object inside `schema`, itself included (the decoder bounded its depth)."""
+    found, todo = [], [schema]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            found.append(item)
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return found
 
 
 def parse_request(body: Any, defaults: DecodeConfig, context: int,

@@ -342,8 +342,7 @@ class RealtimeFront:
         if not items.pending_text:
             raise RealtimeError("there is nothing new to respond to: add a user message first (with server VAD, "
                                 "speech is answered by itself)", "no_input", "response")
-        text, items.pending_text = " ".join(items.pending_text), []
-        self.ensure_session().text_turn(text)
+        items.answered_by(self.ensure_session().text_turn(" ".join(items.pending_text)))
         return []
 
     async def on_response_cancel(self, event: ResponseCancel) -> list[dict]:
@@ -382,7 +381,8 @@ class RealtimeFront:
             kind = "server_error" if ev.stage and not ev.client else "invalid_request_error"
             if ev.stage:  # a stage failed this turn's reply
                 items.failed(turn, kind, ev.code)
-            await self.emit([self.error_event(RealtimeError(ev.message, ev.code, kind=kind))])
+            deleted = items.refused(turn) if ev.stage == "lm" and ev.client else []
+            await self.emit([self.error_event(RealtimeError(ev.message, ev.code, kind=kind)), *deleted])
         # (Clear: the response ends with response.done, cancelled, when its reply_done comes)
 
     async def play(self, audio: TtsAudio, heard: Callable[[], None]) -> None:

@@ -46,6 +46,8 @@ class Items:
         self.responses: dict[int, dict] = {}  # turn -> {id, item, transcript, playback}
         self.failures: dict[int, dict] = {}  # turn -> why its response failed ({type, code}), until its response.done
         self.pending_text: list[str] = []  # typed user messages not answered yet
+        self.pending_items: list[str] = []  # ... their items' ids
+        self.typed: dict[int, list[str]] = {}  # turn -> the ids of the typed user items it answers
         self.pending_outputs: list[ToolRun] = []  # the client's function outputs not answered yet
         self.calls: dict[str, str] = {}  # call_id -> function name, of the calls the LM made
         self.last_item: str | None = None
@@ -94,6 +96,7 @@ class Items:
         if role != "system" and text:
             self.check_room(len(text))
             self.pending_text.append(text)
+            self.pending_items.append(item_id)
         added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                  "content": [{"type": "input_text", "text": t} if kind == "input_text" else
                              {"type": "input_audio", "transcript": t} for kind, t, _ in parts]}
@@ -102,8 +105,26 @@ class Items:
                  "content_index": i, "transcript": t, "usage": {"type": "duration", "seconds": round(seconds, 3)}}
                 for i, (kind, t, seconds) in enumerate(parts) if kind == "input_audio"]
         out.append({"type": "conversation.item.done", "previous_item_id": self.last_item, "item": added})
+        self.before[item_id] = self.last_item
+        while len(self.before) > 64:
+            self.before.pop(next(iter(self.before)))
         self.last_item = item_id
         return out
+
+    def answered_by(self, turn: int) -> None:
+        """`turn` answers the typed messages waiting: they are its items now."""
+        self.typed[turn], self.pending_items, self.pending_text = self.pending_items, [], []
+        while len(self.typed) > 64:
+            self.typed.pop(next(iter(self.typed)))
+
+    def refused(self, turn: int) -> Events:
+        """The LM refused `turn` for what its user items hold (too long for its context): they are
+        not in the conversation the LM sees any more (voice/reply.py), so they are deleted here too,
+        and the next message is answered without them."""
+        gone = [i for i in [self.user_items.pop(turn, None), *self.typed.pop(turn, [])] if i is not None]
+        while self.last_item in gone:
+            self.last_item = self.before.get(self.last_item)
+        return [{"type": "conversation.item.deleted", "item_id": item} for item in gone]
 
     def function_output(self, item_id: str | None, call_id: str, output: str) -> Events:
         if call_id not in self.calls:

@@ -203,7 +203,9 @@ class Conversations:
             self.kept.move_to_end(conversation_id)
             return self.kept[conversation_id]
         lm = self.stages.config.lm
-        self.kept[conversation_id] = found = (History(lm.system_prompt, lm.history_turns), self.stages.lm.chat())
+        history = History(lm.system_prompt, lm.history_turns, lm.max_prompt_chars,
+                          getattr(self.stages.lm, "fits", None))
+        self.kept[conversation_id] = found = (history, self.stages.lm.chat())
         while len(self.kept) > self.size:
             _, (_, chat) = self.kept.popitem(last=False)
             chat.close()

@@ -43,6 +43,7 @@ FRAME = RATE * FRAME_MS // 1000
 SPEECH = Path(__file__).resolve().parent.parent / "tests" / "speech"
 LEAD_S = 1.5  # the room before the user speaks
 ECHO_DELAY_S = 0.05  # the reply comes back into the microphone this long after it plays
+HEARD_S = 5.0  # a clip is over once its reply is done, or has been heard this long
 ACTIVE_RANGE_DB = 30.0  # frames within this of the loudest count towards a signal's active level
 SPEAKER_DB = -26.0  # every clip is played at this active level (one user, one microphone), the room under it
 BABBLE_VOICES = 4
@@ -276,9 +277,15 @@ async def _clip(stream: Stream, signal: np.ndarray, speech_end: int, turn: RoomT
     end_at, end_wall = begin + speech_end, time.perf_counter() + speech_end / RATE
 
     def done() -> bool:
+        """The reply is done and heard, or has been heard for HEARD_S (on a loaded machine a whole reply
+        takes long, and the room's effect on it shows by then)."""
+        if stream.sent < end_at:
+            return False
         replied = any(isinstance(ev, ReplyDone) and ev.text and not ev.interrupted and at >= end_at - RATE
                       for at, ev in stream.events[first_event:])
-        return stream.sent >= end_at and replied and not stream.echo.playing(stream.sent - RATE // 2)
+        heard = [at for at in stream.audio_at[first_audio:] if at >= end_at - RATE]
+        return (replied and not stream.echo.playing(stream.sent - RATE // 2)
+                or bool(heard) and stream.sent - heard[0] >= HEARD_S * RATE)
     await stream.play(signal, done)
     if not done():
         turn.error = "timed out waiting for the reply"

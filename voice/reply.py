@@ -41,6 +41,7 @@ DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
+ECHO_TAIL_S = 0.3  # after a reply has played, its echo (a room's reverberation, a client's buffer) may still come back
 
 
 @dataclass
@@ -479,6 +480,10 @@ class Floor:
         partial can land after its speculative reply started)."""
         if self.reply is not None and self.reply.turn != turn:
             self.barge_in(now)
+
+    def playing(self, now: float) -> bool:
+        """Is a reply playing at the user's end, or has it just stopped (its echo may still come back)?"""
+        return self.reply is not None and self.reply.playback.playing(now - ECHO_TAIL_S)
 
     @staticmethod
     def _interruptible(reply: Reply, now: float) -> bool:

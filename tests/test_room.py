@@ -10,6 +10,7 @@ import pytest
 
 from fakes import LiveServer, fake_stages, make_config
 from voice import room_eval
+from voice.asr import echoes
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.clients.bench import speech_end_s
 from voice.config import VadConfig
@@ -107,3 +108,11 @@ def test_the_replys_echo_is_not_speech_while_it_plays_the_user_over_it_is():
         over = echo[:len(user)] + user
         start = next(e for e in endpointer.push(float_to_pcm16(over), playing=True) if isinstance(e, VoiceStart))
         assert start.t_audio_s - (len(user) + len(echo)) / RATE < 1.5 + 0.3  # within 0.3 s of the user's start
+
+
+def test_a_transcript_of_the_replys_own_words_is_its_echo():
+    said = "The capital of France is Paris, a city on the Seine."
+    assert echoes("the capital of France is Paris", said)
+    assert echoes("France is Paris, a city", said)
+    assert not echoes("no stop, what about Berlin", said)
+    assert not echoes("", said)

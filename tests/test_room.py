@@ -116,3 +116,12 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
     assert echoes("France is Paris, a city", said)
     assert not echoes("no stop, what about Berlin", said)
     assert not echoes("", said)
+
+
+def test_the_offline_evaluation_runs_the_endpointer_on_every_room():
+    results = room_eval.offline([Room.parse("babble:15"), Room.parse("echo:10")], [CLIP], VadConfig(), alone_s=5)
+    babble, echo = results
+    assert babble.ends_ms[0] is not None and babble.starts == [1] and babble.alone_starts == 0
+    assert echo.echo_starts == 0 and echo.echo_talking == 0 and len(echo.barge_in_ms) == 1
+    assert room_eval.vad_options(VadConfig(), ["follow_user=false", "user_margin_db=6"]) == VadConfig(
+        follow_user=False, user_margin_db=6.0)

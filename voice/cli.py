@@ -103,6 +103,20 @@ def cmd_room_eval(a: argparse.Namespace) -> int:
     if not files:
         print(f"voice room-eval: no .wav files in {a.audio}", file=sys.stderr)
         return 2
+    if a.offline:
+        import dataclasses
+        import json
+        config = load_config(a.config)
+        try:
+            vad = room_eval.vad_options(config.vad, a.vad)
+        except ValueError as err:
+            print(f"voice room-eval: {err}", file=sys.stderr)
+            return 2
+        results = room_eval.offline(rooms, files, vad, a.alone_s, a.seed, config.turn.barge_in_ms)
+        print(room_eval.offline_table(results))
+        if a.json:
+            Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+        return 0
     report = room_eval.run(a.url, rooms, files, a.alone_s, Path(a.json) if a.json else None, a.seed, a.timeout)
     print(room_eval.table(report))
     return 0
@@ -217,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for a reply after a clip")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the report and every turn here")
+    p.add_argument("--offline", action="store_true", help="no service: the same mixes through the endpointer alone "
+                                                           "(--config's [vad]): where each clip's speech ends, starts, "
+                                                           "the room alone, the echo")
+    p.add_argument("--config", default=None, help="TOML config, for --offline's [vad] and [turn]")
+    p.add_argument("--vad", action="append", default=[], metavar="KEY=VALUE",
+                   help="--offline: a [vad] option over the config's, e.g. follow_user=false (today's endpointer)")
     p.set_defaults(func=cmd_room_eval)
 
     p = sub.add_parser("spoken-eval", help="everyday questions spoken by other voices: WER, answers right, latency",

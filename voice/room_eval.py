@@ -22,9 +22,9 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jiwer
 import numpy as np
@@ -32,7 +32,9 @@ import websockets
 
 from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample
 from voice.clients.bench import normalise, pct, read_references, speech_end_s
+from voice.config import VadConfig
 from voice.events import Clear, Ready, ReplyDone, SpeechStarted, Transcript, from_wire
+from voice.vad import Endpointer, VoiceEnd, VoiceStart
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -349,6 +351,8 @@ def summarise(room: str, turns: list[RoomTurn], alone: Alone | None) -> dict:
 def table(report: dict) -> str:
     def f(v: float | None, spec: str = ".0f") -> str:
         return "-" if v is None else format(v, spec)
+    def echo(r: Endpoints) -> str:
+        return "" if r.echo_starts is None else f"{r.echo_starts:>11d} {r.echo_talking:>7d}  {r.barge_in_ms}"
     lines = [f"{'room':10s} {'answered':>8s} {'WER':>6s} {'v2v p50':>8s} {'p95':>6s} {'room started':>12s} "
              f"{'cut':>4s}   alone: {'started':>7s} {'replies':>7s}"]
     for s in report["rooms"]:
@@ -378,3 +382,101 @@ def run(url: str, rooms: list[Room], files: list[Path], alone_s: float = 60.0, j
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=1))
     return report
+
+
+@dataclass
+class Endpoints:
+    """The endpointer alone on a room's mixes (`offline`): no service, no load, the same every run."""
+
+    room: str
+    ends_ms: list[float | None] = field(default_factory=list)  # per clip: speech end -> VoiceEnd (None: none)
+    starts: list[int] = field(default_factory=list)  # per clip: VoiceStarts
+    alone_starts: int | None = None  # in the room alone
+    echo_starts: int | None = None  # echo: starts while the reply played
+    echo_talking: int | None = None  # echo: replies under which Talking's voiced audio (turn.barge_in_ms) was reached
+    barge_in_ms: list[float] = field(default_factory=list)  # echo: the user over the reply, their start -> VoiceStart
+
+
+def offline(rooms: list[Room], files: list[Path], vad: VadConfig, alone_s: float = 60.0, seed: int = 0,
+            barge_in_ms: int = 600) -> list[Endpoints]:
+    """Each room's mixes through voice.vad.Endpointer as a session hears them (one stream per room, 1.5 s
+    of room, the clip, 3 s of room); echo rooms: after each clip, the other clips back to back as the reply,
+    `below_db` under the speaker and 50 ms late, with `playing` set while it plays, and the user talking
+    over its second half."""
+    out = []
+    for room in rooms:
+        rng, result = np.random.default_rng(seed), Endpoints(room.name)
+        endpointer = Endpointer(vad, RATE)
+        lead = int(LEAD_S * RATE)
+        for path in files:
+            audio, rate = read_wav(path)
+            user = at_level(resample(audio, rate, RATE), SPEAKER_DB)
+            mix = room_audio(room, lead + len(user) + 3 * RATE, rng, SPEAKER_DB - room.below_db, exclude=path.name)
+            mix[lead:lead + len(user)] += user
+            begin = endpointer.seconds_heard
+            events = endpointer.push(float_to_pcm16(mix))
+            end = LEAD_S + speech_end_s(user, RATE)
+            ends = [ev.t_audio_s - begin - end for ev in events if isinstance(ev, VoiceEnd)]
+            result.starts.append(sum(isinstance(ev, VoiceStart) for ev in events))
+            result.ends_ms.append(round(ends[-1] * 1000) if ends and ends[-1] > -0.3 else None)
+            endpointer.force_stop(suppress=False)
+            if room.kind == "echo":
+                _echo(endpointer, user, path.name, room.below_db, result, barge_in_ms)
+        if alone_s and room.kind in ("pink", "babble"):
+            alone = room_audio(room, int(alone_s * RATE), np.random.default_rng(seed + 1), SPEAKER_DB - room.below_db)
+            result.alone_starts = sum(isinstance(ev, VoiceStart)
+                                      for ev in Endpointer(vad, RATE).push(float_to_pcm16(alone)))
+        out.append(result)
+    return out
+
+
+def _echo(endpointer: Endpointer, user: np.ndarray, clip: str, below_db: float, result: Endpoints,
+          barge_in_ms: int) -> None:
+    """A reply (the other clips) plays after `user`'s turn, its echo `below_db` under the speaker; the
+    user talks over its second half."""
+    reply = at_level(np.concatenate(recordings(exclude=clip)[:3]), SPEAKER_DB - below_db)
+    delay, tail = int(ECHO_DELAY_S * RATE), int(0.3 * RATE)
+    heard = np.zeros(delay + len(reply) + tail + len(user) + RATE, dtype=np.float32)
+    heard[delay:delay + len(reply)] = reply
+    over = len(reply) // 2
+    heard[over:over + len(user)] += user
+    result.echo_starts, result.echo_talking = result.echo_starts or 0, result.echo_talking or 0
+    talked, started = False, None
+    for i in range(0, len(heard) - FRAME + 1, FRAME):
+        events = endpointer.push(float_to_pcm16(heard[i:i + FRAME]), playing=i < delay + len(reply) + tail)
+        if i < over:
+            result.echo_starts += sum(isinstance(ev, VoiceStart) for ev in events)
+            talked = talked or endpointer.voiced_ms >= barge_in_ms
+        elif started is None and any(isinstance(ev, VoiceStart) for ev in events):
+            started = (i + FRAME - over) / RATE * 1000
+    result.echo_talking += talked
+    if started is not None:
+        result.barge_in_ms.append(round(started))
+    endpointer.force_stop(suppress=False)
+
+
+def vad_options(vad: VadConfig, pairs: list[str]) -> VadConfig:
+    """`vad` with KEY=VALUE options over it (true/false, numbers), as --vad gives them."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        if not hasattr(vad, key):
+            raise ValueError(f"[vad] has no option {key!r}")
+        kind = type(getattr(vad, key))
+        options[key] = text.lower() == "true" if kind is bool else kind(text)
+    return replace(vad, **options)
+
+
+def offline_table(results: list[Endpoints]) -> str:
+    def echo(r: Endpoints) -> str:
+        return "" if r.echo_starts is None else f"{r.echo_starts:>11d} {r.echo_talking:>7d}  {r.barge_in_ms}"
+    lines = [f"{'room':10s} {'ends p50':>8s} {'max':>5s} {'no end':>6s} {'starts':>6s} {'alone':>5s}   echo: starts "
+             "talking  barge-in ms"]
+    for r in results:
+        ends = [e for e in r.ends_ms if e is not None]
+        p50 = pct(ends, 50)
+        lines.append(f"{r.room:10s} {float('nan') if p50 is None else p50:8.0f} {max(ends, default=float('nan')):5.0f} "
+                     f"{r.ends_ms.count(None):>3d}/{len(r.ends_ms):<2d} {sum(r.starts) - len(r.starts):+6d} "
+                     f"{'-' if r.alone_starts is None else r.alone_starts:>5}   "
+                     f"{echo(r)}")
+    return "\n".join(lines)

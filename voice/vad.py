@@ -105,6 +105,11 @@ class Endpointer:
         return self._voiced * self.config.frame_ms if self._in_speech else 0
 
     @property
+    def seconds_heard(self) -> float:
+        """Audio pushed since the reset (whole frames), in seconds: the stream time events are in."""
+        return self._seconds(self._frames_seen)
+
+    @property
     def silence_ms(self) -> int:
         """Unvoiced audio at the end of the current speech so far (0 when not in speech)."""
         return self._run * self.config.frame_ms if self._in_speech else 0

@@ -181,10 +181,10 @@ class RoomTurn:
     room: str
     file: str
     reference: str
-    transcript: str = ""  # the final transcripts heard while the clip was on, joined
+    transcript: str = ""  # the final transcript of the user's last turn in the clip (a resumed turn holds all)
     started: int = 0  # speech_started while the clip was on
     v2v_ms: float | None = None
-    cut: int = 0  # replies cleared after the user had finished (the room talked over them)
+    cut: int = 0  # replies to this clip cleared after the user had finished (the room talked over them)
     reply: str = ""
     error: str = ""
     trace: list[str] = field(default_factory=list)  # "seconds after the clip began: event turn", audio as "audio"
@@ -295,13 +295,16 @@ async def _clip(stream: Stream, signal: np.ndarray, speech_end: int, turn: RoomT
     moments = [(at, f"{getattr(ev, 'type', '?')} {getattr(ev, 'turn', '')}") for at, ev in events]
     moments += [(at, "audio") for at in stream.audio_at[first_audio:]]
     turn.trace = [f"{(at - begin) / RATE:.2f} {what}" for at, what in sorted(moments, key=lambda m: m[0])]
+    users = min((ev.turn for _, ev in events if isinstance(ev, SpeechStarted)), default=None)
+    # the final of the user's last turn: one resumed holds the words of those before it
+    last = max((ev.turn for at, ev in events if isinstance(ev, SpeechStarted) and at <= end_at), default=users)
     for at, ev in events:
         if isinstance(ev, SpeechStarted):
             turn.started += 1
-        elif isinstance(ev, Transcript) and ev.final and ev.text:
-            turn.transcript = f"{turn.transcript} {ev.text}".strip()
-        elif isinstance(ev, Clear) and at >= end_at:
-            turn.cut += 1
+        elif isinstance(ev, Transcript) and ev.final and ev.text and ev.turn == last:
+            turn.transcript = ev.text
+        elif isinstance(ev, Clear) and at >= end_at and users is not None and ev.turn >= users:
+            turn.cut += 1  # (a reply to an earlier clip, still under way on a loaded machine, is the user's to cut)
         elif isinstance(ev, ReplyDone) and ev.text:
             turn.reply = ev.text
     # the reply to the user's last turn (which may end before `end_at`: a room can hide a quiet last syllable)

@@ -35,7 +35,7 @@ class VadConfig:
     floor_margin_db: float = 10.0
     user_margin_db: float = 9.0
     room_margin_db: float = 4.0
-    echo_margin_db: float = 5.0  # while a reply plays: its echo is no barge-in, the voice within this of the user's is
+    echo_margin_db: float = 5.0  # while a reply plays, the user's voice is this far above the loudest of its echo
 
     def __post_init__(self) -> None:
         if self.aggressiveness not in (0, 1, 2, 3):

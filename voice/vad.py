@@ -37,14 +37,18 @@ class VoiceEnd:
 
 
 class Levels:
-    """The stream's two levels, in dB of a frame's power smoothed over ~50 ms: the room's floor (the
-    median of the last few seconds that were not the user's: background talk's loudest moments are
-    within ~7 dB of it, `voice room-eval`) and the user's speech (learnt from their frames well above the
-    floor, kept across utterances, so their quieter syllables count too once they have spoken: an envelope
-    that rises fast and falls slowly, near their louder syllables)."""
+    """The stream's levels, in dB of a frame's power smoothed over ~50 ms: the room's floor (the median of
+    the last few seconds that were not the user's: background talk's loudest moments are within ~7 dB of
+    it, `voice room-eval`); the user's speech (learnt from their frames well above the floor, kept across
+    utterances, so their quieter syllables count too once they have spoken: an envelope that rises fast
+    and falls slowly, near their louder syllables); and while a reply plays, its echo (the loudest of what
+    the microphone hears then that is not the user: on a speakerphone the reply comes back, with
+    headphones or the browser's echo cancellation nothing does)."""
 
     SMOOTHING = 0.3  # of the smoothed level per 20 ms frame
     FLOOR_S = 5.0  # the floor: the median of this much of the room
+    ECHO_S, ECHO_PERCENTILE = 3.0, 90  # the echo: this percentile of the last ECHO_S heard while replies played
+    ECHO_READY = 25  # frames of it before it is trusted (until then: vad.echo_margin_db under the user's level)
     USER_RISE, USER_FALL = 0.2, 0.005  # of the user's level per frame of their speech louder / quieter than it
     SILENCE_DB = -90.0  # digital silence counts as this
 
@@ -54,11 +58,13 @@ class Levels:
         self.recent: deque[float] = deque(maxlen=round(self.FLOOR_S * 1000 / config.frame_ms))
         self.floor = self.SILENCE_DB
         self.user: float | None = None  # None until the user first spoke
+        self.echoed: deque[float] = deque(maxlen=round(self.ECHO_S * 1000 / config.frame_ms))
+        self.echo = self.SILENCE_DB
 
     def hear(self, frame: bytes, voiced: bool, in_speech: bool, playing: bool = False) -> bool:
-        """Is this frame, voiced or not by the detector, the user's speech? Learns from it. `playing`: the
-        reply is playing, so its own voice may come back at the microphone (a speakerphone): then only
-        speech well above the room and within `vad.echo_margin_db` of the user's level is theirs."""
+        """Is this frame, voiced or not by the detector, the user's speech? Learns from it. `playing`: a
+        reply is playing, so its own voice may come back at the microphone: then only speech well above
+        the room and `vad.echo_margin_db` above the echo is theirs."""
         cfg = self.config
         samples = np.frombuffer(frame, dtype="<i2").astype(np.float32) / 32768
         db = max(10 * math.log10(float(np.dot(samples, samples)) / len(samples) + 1e-12), self.SILENCE_DB)
@@ -66,17 +72,28 @@ class Levels:
         floor = self.floor
         clear = level >= floor + cfg.floor_margin_db  # well above the room: whoever it is, they are near
         if playing:
-            users = voiced and clear and (self.user is None or level >= self.user - cfg.echo_margin_db)
+            users = voiced and clear and level >= self._echo_threshold()
         else:
             users = voiced and (clear or (self.user is not None and level >= self.user - cfg.user_margin_db
                                           and level >= floor + cfg.room_margin_db))
         if users and in_speech and clear and not playing:
             rate = self.USER_RISE if self.user is None or level > self.user else self.USER_FALL
             self.user = level if self.user is None else self.user + rate * (level - self.user)
-        elif not users and not (voiced and in_speech) and not playing:  # (not their quieter syllables, nor the echo)
-            self.recent.append(level)
-            self.floor = float(np.median(self.recent))
+        elif not users and not (voiced and in_speech):  # (not the user's quieter syllables)
+            if playing:
+                self.echoed.append(level)
+                self.echo = float(np.percentile(self.echoed, self.ECHO_PERCENTILE))
+            else:
+                self.recent.append(level)
+                self.floor = float(np.median(self.recent))
         return users
+
+    def _echo_threshold(self) -> float:
+        """The least a frame heard while a reply plays must have to be the user's."""
+        if len(self.echoed) >= self.ECHO_READY:
+            return self.echo + self.config.echo_margin_db
+        # the echo not heard yet: it may be as loud as the reply fed back on a speakerphone
+        return self.SILENCE_DB if self.user is None else self.user - self.config.echo_margin_db
 
 
 class Endpointer:

@@ -283,8 +283,10 @@ async def _clip(stream: Stream, signal: np.ndarray, speech_end: int, turn: RoomT
         takes long, and the room's effect on it shows by then)."""
         if stream.sent < end_at:
             return False
-        replied = any(isinstance(ev, ReplyDone) and ev.text and not ev.interrupted and at >= end_at - RATE
-                      for at, ev in stream.events[first_event:])
+        events = stream.events[first_event:]
+        users = min((ev.turn for _, ev in events if isinstance(ev, SpeechStarted)), default=None)
+        replied = users is not None and any(isinstance(ev, ReplyDone) and ev.text and not ev.interrupted
+                                            and ev.turn >= users for _, ev in events)
         heard = [at for at in stream.audio_at[first_audio:] if at >= end_at - RATE]
         return (replied and not stream.echo.playing(stream.sent - RATE // 2)
                 or bool(heard) and stream.sent - heard[0] >= HEARD_S * RATE)

@@ -82,9 +82,10 @@ def real_whisper(real_stages):
     return real_stages(make_config(lm={"max_new_tokens": REAL_REPLY_TOKENS})).whisper
 
 
-async def talk_over_reply(srv: LiveServer, over: bytes) -> tuple[Client, float]:
+async def talk_over_reply(srv: LiveServer, over: bytes, started: bool = True) -> tuple[Client, float]:
     """Ask, and once the reply's audio is playing, send `over`; until the second turn is done. The
-    Client's log, and seconds from `over`'s first frame on the wire to the reply's `clear` (or inf)."""
+    Client's log, and seconds from `over`'s first frame on the wire to the reply's `clear` (or inf).
+    `started`: `over` must start a turn (a blip far under the user need not: voice/vad.py's Levels)."""
     c = await Client.open(srv.ws + "/ws")
     c.listen(speed=1.0)  # real time: "still playing" is judged against the wall clock
     c.say(speech("001.wav"))
@@ -94,14 +95,16 @@ async def talk_over_reply(srv: LiveServer, over: bytes) -> tuple[Client, float]:
     c.say(over)
     sent = time.monotonic()
     clear = float("inf")
-    await c.wait(lambda m: m["type"] == "speech_started" and m["turn"] == 2, timeout=10)
+    if started:
+        await c.wait(lambda m: m["type"] == "speech_started" and m["turn"] == 2, timeout=10)
     while True:
         if clear == float("inf") and c.events("clear"):
             clear = time.monotonic() - sent
         if any(m["type"] == "reply_done" and m["turn"] == 1 for m in c.events()):
             break
         await asyncio.sleep(0.005)
-    await c.wait(lambda m: m["type"] == "transcript" and m["final"] and m["turn"] == 2, timeout=30)
+    if any(m["type"] == "speech_started" and m["turn"] == 2 for m in c.events()):
+        await c.wait(lambda m: m["type"] == "transcript" and m["final"] and m["turn"] == 2, timeout=30)
     await asyncio.sleep(0.5)  # a reply to turn 2, if any, has begun by now
     await c.shut()
     return c, clear
@@ -111,20 +114,22 @@ async def talk_over_reply(srv: LiveServer, over: bytes) -> tuple[Client, float]:
 @pytest.mark.parametrize("blip", [knock, hiss])
 def test_a_blip_over_a_reply_leaves_it_playing_and_is_no_speech(real_stages, tmp_path, blip):
     """The phantom barge-in: before, the blip's speech_started cut the reply at once and its turn
-    was answered as "you". Now the reply is heard whole and the blip is a turn with no speech."""
+    was answered as "you". Now the reply is heard whole and the blip is a turn with no speech, or
+    (far under the user's level, issue 55) no turn at all."""
     from voice import records as rec
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=LONG_REPLY)
     stages = fake_stages(config, real_whisper(real_stages), lm=lm)
     with LiveServer(config, stages) as srv:
-        c, clear_s = asyncio.run(talk_over_reply(srv, silence(0.3) + blip() + silence(1.5)))
+        c, clear_s = asyncio.run(talk_over_reply(srv, silence(0.3) + blip() + silence(1.5), started=False))
     assert not c.events("clear") and clear_s == float("inf"), c.events()
     (done,) = [m for m in c.events("reply_done") if m["turn"] == 1]
     assert not done["interrupted"] and done["heard"] == done["text"], done
-    assert [m["text"] for m in c.events("transcript") if m["final"] and m["turn"] == 2] == [""]
+    blip_turn = bool(c.events("speech_started")[1:])  # the level gate may not take it for speech at all
+    assert [m["text"] for m in c.events("transcript") if m["final"] and m["turn"] == 2] == [""] * blip_turn
     assert lm.calls == 1 and not [m for m in c.events("reply_done") if m["turn"] == 2]  # nothing answered it
     turns = rec.read_sessions(config.records.path)[0]["turns"]
-    assert [(t["turn"], t["status"]) for t in turns] == [(1, "ok"), (2, "no_speech")], turns
+    assert [(t["turn"], t["status"]) for t in turns] == [(1, "ok"), (2, "no_speech")][:1 + blip_turn], turns
 
 
 @pytest.mark.slow

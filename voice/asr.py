@@ -316,6 +316,7 @@ class StreamingTranscriber:
 # speech. tiny.en writes "you" for 0.5 s of digital silence, for a browser microphone's noise at -55 to -100
 # dBFS, for noise bursts up to -40 dBFS and for a breath; "you you" for a quarter second of a syllable.
 NEAR_SILENCE = (("you",), ("thank", "you"), ("thanks", "for", "watching"), ("thank", "you", "for", "watching"))
+ECHO_SHARE = 0.7  # a transcript over a reply this much made of the reply's words is its echo
 
 
 def has_words(text: str) -> bool:
@@ -323,6 +324,14 @@ def has_words(text: str) -> bool:
     Whisper's near-silence transcripts (NEAR_SILENCE), said once or more."""
     words = tuple(word for word in map(_normalise, text.split()) if word)
     return bool(words) and not any(words == phrase * (len(words) // len(phrase)) for phrase in NEAR_SILENCE)
+
+
+def echoes(text: str, said: str) -> bool:
+    """Whether `text` is mostly words of `said` (ECHO_SHARE of them): the reply being played, heard back
+    through the user's microphone (a speakerphone), not the user talking over it."""
+    words = [word for word in map(_normalise, text.split()) if word]
+    spoken = {word for word in map(_normalise, said.split()) if word}
+    return bool(words) and sum(word in spoken for word in words) >= ECHO_SHARE * len(words)
 
 
 def repeats_itself(text: str) -> bool:

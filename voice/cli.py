@@ -1,4 +1,4 @@
-"""`voice serve | bench | mic | records | soak | eot-eval | spoken-eval`."""
+"""`voice serve | bench | mic | records | soak | eot-eval | room-eval | spoken-eval`."""
 
 from __future__ import annotations
 
@@ -89,6 +89,36 @@ def cmd_eot_eval(a: argparse.Namespace) -> int:
                      use_lm=not a.no_lm)
     print(table(report))
     print(json.dumps({k: v for k, v in report.items() if k != "policies"}))
+    return 0
+
+
+def cmd_room_eval(a: argparse.Namespace) -> int:
+    from voice import room_eval
+    try:
+        rooms = [room_eval.Room.parse(r) for r in (a.rooms.split(",") if a.rooms else room_eval.ROOMS)]
+    except ValueError as err:
+        print(f"voice room-eval: {err}", file=sys.stderr)
+        return 2
+    files = sorted(Path(a.audio).glob("*.wav"))[: a.limit or None]
+    if not files:
+        print(f"voice room-eval: no .wav files in {a.audio}", file=sys.stderr)
+        return 2
+    if a.offline:
+        import dataclasses
+        import json
+        config = load_config(a.config)
+        try:
+            vad = room_eval.vad_options(config.vad, a.vad)
+        except ValueError as err:
+            print(f"voice room-eval: {err}", file=sys.stderr)
+            return 2
+        results = room_eval.offline(rooms, files, vad, a.alone_s, a.seed, config.turn.barge_in_ms)
+        print(room_eval.offline_table(results))
+        if a.json:
+            Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+        return 0
+    report = room_eval.run(a.url, rooms, files, a.alone_s, Path(a.json) if a.json else None, a.seed, a.timeout)
+    print(room_eval.table(report))
     return 0
 
 
@@ -184,6 +214,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--records", default="", help="score the policies again on the signals a run wrote with --json "
                                                  "(no models loaded)")
     p.set_defaults(func=cmd_eot_eval)
+
+    p = sub.add_parser("room-eval", help="the user heard in a room: noise, background talk, the reply's echo",
+                       description="Streams tests/speech inside rooms (pink noise, background talk of several voices, "
+                                   "the reply's own echo) to a running service, and each room alone; reports turns "
+                                   "answered, WER, voice-to-voice, turns the room started, replies it cut "
+                                   "(voice/room_eval.py; BENCHMARKS.md \"Heard in a room\").")
+    p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
+    p.add_argument("--audio", default=str(Path(__file__).resolve().parent.parent / "tests" / "speech"),
+                   help="folder of 16-bit mono WAVs (+ transcripts.tsv); its other clips make the background talk")
+    p.add_argument("--rooms", default="", help="comma-separated: quiet, pink:DB, babble:DB, echo:DB (DB below the "
+                                               "speaker; default quiet,pink:20,pink:10,babble:25,babble:20,"
+                                               "babble:15,babble:10,echo:10)")
+    p.add_argument("--alone-s", type=float, default=60.0, help="seconds of each noisy room alone (0: none)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N clips")
+    p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for a reply after a clip")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="write the report and every turn here")
+    p.add_argument("--offline", action="store_true", help="no service: the same mixes through the endpointer alone "
+                                                           "(--config's [vad]): where each clip's speech ends, starts, "
+                                                           "the room alone, the echo")
+    p.add_argument("--config", default=None, help="TOML config, for --offline's [vad] and [turn]")
+    p.add_argument("--vad", action="append", default=[], metavar="KEY=VALUE",
+                   help="--offline: a [vad] option over the config's, e.g. follow_user=false (today's endpointer)")
+    p.set_defaults(func=cmd_room_eval)
 
     p = sub.add_parser("spoken-eval", help="everyday questions spoken by other voices: WER, answers right, latency",
                        description="40 questions spoken by espeak-ng voices, at 16 kHz and through 8 kHz G.711, "

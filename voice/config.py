@@ -28,6 +28,14 @@ class VadConfig:
     start_ms: int = 60  # consecutive voiced audio that declares speech started
     hangover_ms: int = 400  # consecutive unvoiced audio after speech that declares it stopped
     warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
+    # A voiced frame is the user's only when it is loud like them: floor_margin_db above the room's floor,
+    # or within user_margin_db of their speech level and room_margin_db above the floor (voice/vad.py's
+    # Levels; BENCHMARKS.md "Heard in a room"). follow_user = false: every voiced frame is the user's
+    follow_user: bool = True
+    floor_margin_db: float = 10.0
+    user_margin_db: float = 9.0
+    room_margin_db: float = 4.0
+    echo_margin_db: float = 5.0  # while a reply plays, the user's voice is this far above the loudest of its echo
 
     def __post_init__(self) -> None:
         if self.aggressiveness not in (0, 1, 2, 3):

@@ -62,7 +62,7 @@ class Dictation(TurnTaker):
         self.dictating, self.audio_s, self.voice_at = True, 0.0, now
         return [*out, SpeechStarted(self.turn, now)]
 
-    def push(self, pcm16: bytes, now: float) -> list[TurnEvent]:
+    def push(self, pcm16: bytes, now: float, playing: bool = False) -> list[TurnEvent]:
         limit = self.config.limits.max_utterance_s
         if not self.dictating or not pcm16 or limit and self.audio_s >= limit:
             return []  # (past the utterance limit the rest is not transcribed)
@@ -70,7 +70,7 @@ class Dictation(TurnTaker):
         self.audio_s += len(audio) / SAMPLE_RATE
         self.transcriber.insert_audio_chunk(audio)
         out: list[TurnEvent] = []
-        if any(isinstance(ev, vad.VoiceStart) for ev in self.endpointer.push(pcm16)):
+        if any(isinstance(ev, vad.VoiceStart) for ev in self.endpointer.push(pcm16, playing)):
             out += self._drop_early()
         if self.endpointer.in_speech:
             if not self.endpointer.silence_ms:

@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from voice.asr import has_words
+from voice.asr import echoes, has_words
 from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
@@ -41,6 +41,7 @@ DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
+ECHO_TAIL_S = 0.3  # after a reply has played, its echo (a room's reverberation, a client's buffer) may still come back
 
 
 @dataclass
@@ -468,11 +469,12 @@ class Floor:
 
     def heard_words(self, turn: int, text: str, now: float) -> bool:
         """`turn`'s transcript so far is `text`: is it a turn to answer? One begun over a reply must
-        hold words, not Whisper's near-silence "you" (voice/asr.py's has_words), and then it is a
-        barge-in; without them it is no speech, and the reply goes on."""
+        hold words, not Whisper's near-silence "you" (voice/asr.py's has_words) nor mostly the reply's own
+        (its echo through a speakerphone: `echoes`), and then it is a barge-in; else it is no speech, and
+        the reply goes on."""
         if turn != self.contender:
             return True
-        if not has_words(text):
+        if not has_words(text) or self.reply is not None and echoes(text, self.reply.text):
             return False
         self._contended(turn, now)
         return True
@@ -482,6 +484,10 @@ class Floor:
         partial can land after its speculative reply started)."""
         if self.reply is not None and self.reply.turn != turn:
             self.barge_in(now)
+
+    def playing(self, now: float) -> bool:
+        """Is a reply playing at the user's end, or has it just stopped (its echo may still come back)?"""
+        return self.reply is not None and self.reply.playback.playing(now - ECHO_TAIL_S)
 
     @staticmethod
     def _interruptible(reply: Reply, now: float) -> bool:

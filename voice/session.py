@@ -91,7 +91,7 @@ class Session:
     async def push_audio(self, pcm16: bytes) -> None:
         """PCM16LE mono at the session's input rate, any length: on to VAD and ASR."""
         self.last_audio = now = time.monotonic()
-        self._on_turn(self.turns.push(pcm16, now))
+        self._on_turn(self.turns.push(pcm16, now, self.floor.playing(now)))
 
     def _on_turn(self, events: list[TurnEvent]) -> None:
         """What the session does at each point of the user's turn (the TurnTaker's events, in order)."""

@@ -173,15 +173,16 @@ class TurnTaker:
         """Is `turn` the one being spoken now (so its partial transcripts are still wanted)?"""
         return turn == self.turn and self.endpointer.in_speech
 
-    def push(self, pcm16: bytes, now: float) -> list[TurnEvent]:
-        """PCM16LE mono at the session's input rate, any length: what it did to the turn, in order."""
+    def push(self, pcm16: bytes, now: float, playing: bool = False) -> list[TurnEvent]:
+        """PCM16LE mono at the session's input rate, any length: what it did to the turn, in order.
+        `playing`: a reply is playing, whose echo is not the user (voice/vad.py's Levels)."""
         audio = self.resampler.push(pcm16_to_float(pcm16), self.in_rate)
         if not len(audio):
             return []
         self.audio_s += len(audio) / SAMPLE_RATE
         self.arrivals.append((self.audio_s, now))
         out: list[TurnEvent] = []
-        for ev in self.endpointer.push(float_to_pcm16(audio)):
+        for ev in self.endpointer.push(float_to_pcm16(audio), playing):
             if isinstance(ev, vad.VoiceStart):
                 out.append(self._speech_started(now))
             else:

@@ -5,11 +5,19 @@ Single voiced frames are common in noise and short pauses are common in speech, 
 start needs a run of voiced frames and the stop needs a run of unvoiced ones (the hangover).
 webrtcvad also calls the first ~100 ms of any noise speech while its noise model adapts,
 so speech cannot start during a short warm-up.
+
+webrtcvad calls any speech "speech", however far below the user it is: background talk 15 dB under
+the user held a turn open forever (issue 55). So a voiced frame is the user's only when it is loud
+like them (`Levels`): within `vad.user_margin_db` of their speech level, or `vad.floor_margin_db` above
+the room's floor, both tracked per stream (Pipecat gates Silero with an absolute smoothed volume; the
+margins here are relative, so a quiet microphone and a loud one are alike).
 """
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import webrtcvad
 
 from voice.config import VadConfig
@@ -26,6 +34,66 @@ class VoiceStart:
 class VoiceEnd:
     t_audio_s: float  # stream time when the stop was detected
     speech_end_s: float  # stream time where voiced audio ended (detection minus hangover)
+
+
+class Levels:
+    """The stream's levels, in dB of a frame's power smoothed over ~50 ms: the room's floor (the median of
+    the last few seconds that were not the user's: background talk's loudest moments are within ~7 dB of
+    it, `voice room-eval`); the user's speech (learnt from their frames well above the floor, kept across
+    utterances, so their quieter syllables count too once they have spoken: an envelope that rises fast
+    and falls slowly, near their louder syllables); and while a reply plays, its echo (the loudest of what
+    the microphone hears then that is not the user: on a speakerphone the reply comes back, with
+    headphones or the browser's echo cancellation nothing does)."""
+
+    SMOOTHING = 0.3  # of the smoothed level per 20 ms frame
+    FLOOR_S = 5.0  # the floor: the median of this much of the room
+    ECHO_S, ECHO_PERCENTILE = 3.0, 90  # the echo: this percentile of the last ECHO_S heard while replies played
+    ECHO_READY = 25  # frames of it before it is trusted (until then: vad.echo_margin_db under the user's level)
+    USER_RISE, USER_FALL = 0.2, 0.005  # of the user's level per frame of their speech louder / quieter than it
+    SILENCE_DB = -90.0  # digital silence counts as this
+
+    def __init__(self, config: VadConfig) -> None:
+        self.config = config
+        self.level: float | None = None  # the last frame's smoothed level
+        self.recent: deque[float] = deque(maxlen=round(self.FLOOR_S * 1000 / config.frame_ms))
+        self.floor = self.SILENCE_DB
+        self.user: float | None = None  # None until the user first spoke
+        self.echoed: deque[float] = deque(maxlen=round(self.ECHO_S * 1000 / config.frame_ms))
+        self.echo = self.SILENCE_DB
+
+    def hear(self, frame: bytes, voiced: bool, in_speech: bool, playing: bool = False) -> bool:
+        """Is this frame, voiced or not by the detector, the user's speech? Learns from it. `playing`: a
+        reply is playing, so its own voice may come back at the microphone: then only speech well above
+        the room and `vad.echo_margin_db` above the echo is theirs."""
+        cfg = self.config
+        samples = np.frombuffer(frame, dtype="<i2").astype(np.float32) / 32768
+        db = max(10 * math.log10(float(np.dot(samples, samples)) / len(samples) + 1e-12), self.SILENCE_DB)
+        level = self.level = db if self.level is None else self.level + self.SMOOTHING * (db - self.level)
+        floor = self.floor
+        clear = level >= floor + cfg.floor_margin_db  # well above the room: whoever it is, they are near
+        if playing:
+            users = voiced and clear and level >= self._echo_threshold()
+        else:
+            users = voiced and (clear or (self.user is not None and level >= self.user - cfg.user_margin_db
+                                          and level >= floor + cfg.room_margin_db))
+        if users and in_speech and clear and not playing:
+            rate = self.USER_RISE if self.user is None or level > self.user else self.USER_FALL
+            self.user = level if self.user is None else self.user + rate * (level - self.user)
+        elif not users and not (voiced and in_speech):  # (not the user's quieter syllables)
+            if playing:
+                self.echoed.append(level)
+                self.echo = float(np.percentile(self.echoed, self.ECHO_PERCENTILE))
+            else:
+                self.recent.append(level)
+                self.floor = float(np.median(self.recent))
+        return users
+
+    def _echo_threshold(self) -> float:
+        """The least a frame heard while a reply plays must have to be the user's."""
+        if len(self.echoed) >= self.ECHO_READY:
+            return self.echo + self.config.echo_margin_db
+        # the echo not heard yet: it may be as loud as the reply fed back on a speakerphone
+        return self.SILENCE_DB if self.user is None else self.user - self.config.echo_margin_db
 
 
 class Endpointer:
@@ -54,6 +122,11 @@ class Endpointer:
         return self._voiced * self.config.frame_ms if self._in_speech else 0
 
     @property
+    def seconds_heard(self) -> float:
+        """Audio pushed since the reset (whole frames), in seconds: the stream time events are in."""
+        return self._seconds(self._frames_seen)
+
+    @property
     def silence_ms(self) -> int:
         """Unvoiced audio at the end of the current speech so far (0 when not in speech)."""
         return self._run * self.config.frame_ms if self._in_speech else 0
@@ -61,6 +134,7 @@ class Endpointer:
     def reset(self) -> None:
         """Start over as if newly built, for a new stream (utterances need no reset)."""
         self._vad = webrtcvad.Vad(self.config.aggressiveness)
+        self.levels = Levels(self.config)
         self._pending = b""
         self._frames_seen = 0
         self._run = 0  # consecutive frames that disagree with the current state
@@ -68,13 +142,13 @@ class Endpointer:
         self._in_speech = False
         self._suppressed = False  # after force_stop: no new speech until a hangover of silence
 
-    def push(self, pcm16: bytes) -> list[VoiceStart | VoiceEnd]:
-        """Feed audio; return the events it completed, in order."""
+    def push(self, pcm16: bytes, playing: bool = False) -> list[VoiceStart | VoiceEnd]:
+        """Feed audio; return the events it completed, in order. `playing`: the reply is playing (Levels.hear)."""
         self._pending += pcm16
         events: list[VoiceStart | VoiceEnd] = []
         whole = len(self._pending) - len(self._pending) % self._frame_bytes
         for offset in range(0, whole, self._frame_bytes):
-            event = self._step(self._pending[offset : offset + self._frame_bytes])
+            event = self._step(self._pending[offset : offset + self._frame_bytes], playing)
             if event is not None:
                 events.append(event)
         self._pending = self._pending[whole:]
@@ -90,10 +164,12 @@ class Endpointer:
         return VoiceEnd(t_audio_s=self._seconds(self._frames_seen),
                              speech_end_s=self._seconds(self._frames_seen - unvoiced))
 
-    def _step(self, frame: bytes) -> VoiceStart | VoiceEnd | None:
+    def _step(self, frame: bytes, playing: bool) -> VoiceStart | VoiceEnd | None:
         self._frames_seen += 1
         warming_up = self._frames_seen <= self._warmup_frames
         voiced = self._vad.is_speech(frame, self.sample_rate) and not warming_up
+        if self.config.follow_user:
+            voiced = self.levels.hear(frame, voiced, self._in_speech, playing)
         if self._suppressed:
             self._run = 0 if voiced else self._run + 1
             if self._run >= self._stop_frames:

@@ -1,0 +1,127 @@
+"""Heard in a room (issue 55): `voice room-eval` over the wire, one clip per room, around fake models
+(the turn-taking is the real VAD and turn code; the ASR says "eight of spades" for any audio, so a turn
+the room starts is a reply the room gets, and the TTS is a tone); and the endpointer's level gate on its
+own, on the same rooms, today's behaviour beside it (`vad.follow_user = false`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import LiveServer, fake_stages, make_config
+from voice import room_eval
+from voice.asr import echoes
+from voice.audio import float_to_pcm16, read_wav, resample
+from voice.clients.bench import speech_end_s
+from voice.config import VadConfig
+from voice.room_eval import RATE, Room
+from voice.vad import Endpointer, VoiceEnd, VoiceStart
+
+CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go on forever"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = make_config()
+    with LiveServer(config, fake_stages(config)) as srv:
+        yield srv
+
+
+def test_rooms_parse_and_name_themselves():
+    assert Room.parse("babble:15") == Room("babble", 15.0) and Room.parse("babble:15").name == "babble:15"
+    assert Room.parse("quiet").name == "quiet"
+    for bad in ("babble", "quiet:3", "music:10", "pink:x"):
+        with pytest.raises(ValueError):
+            Room.parse(bad)
+
+
+def test_a_room_is_mixed_at_its_level_below_the_speaker_and_never_holds_the_users_clip():
+    rng = np.random.default_rng(0)
+    for kind in ("pink", "babble"):
+        audio = room_eval.room_audio(Room(kind, 15), 5 * room_eval.RATE, rng, -41.0, exclude=CLIP.name)
+        assert room_eval.active_level_db(audio) == pytest.approx(-41.0, abs=0.01)
+    assert len(room_eval.recordings(exclude=CLIP.name)) == len(room_eval.recordings()) - 1
+
+
+@pytest.mark.parametrize("room", ["quiet", "pink:10", "babble:15", "babble:10", "echo:10"])
+def test_one_clip_per_room_is_answered_once_and_the_room_alone_starts_nothing(server, room):
+    report = room_eval.run(server.ws + "/ws", [Room.parse(room)], [CLIP], alone_s=8, timeout_s=6, log=lambda _: None)
+    (summary,) = report["rooms"]
+    assert summary["answered"] == 1, report["per_turn"]
+    assert summary["room_started"] == 0 and summary["cut"] == 0, report["per_turn"]
+    assert summary["v2v_ms_p50"] < 1500  # the fake models answer at once: this is the endpoint
+    if summary["alone_started"] is not None:
+        assert summary["alone_started"] == 0 and summary["alone_replies"] == 0, report["alone"]
+
+
+
+# --- the endpointer follows the user (voice/vad.py's Levels), at the VAD itself ------------------------
+
+def in_room(kind: str, below_db: float, clip: str = CLIP.name, lead_s: float = 1.5, tail_s: float = 3.0):
+    """`clip` at the speaker's level inside a room `below_db` under it: (the audio, where its speech ends)."""
+    audio, rate = read_wav(room_eval.SPEECH / clip)
+    user = room_eval.at_level(resample(audio, rate, RATE), room_eval.SPEAKER_DB)
+    lead = int(lead_s * RATE)
+    mix = room_eval.room_audio(Room(kind, below_db), lead + len(user) + int(tail_s * RATE), np.random.default_rng(1),
+                               room_eval.SPEAKER_DB - below_db, exclude=clip)
+    mix[lead:lead + len(user)] += user
+    return mix, lead_s + speech_end_s(user, RATE)
+
+
+@pytest.mark.parametrize("below_db", [25, 15, 10])
+def test_background_talk_below_the_user_does_not_hold_their_turn_open(below_db):
+    """Issue 55: webrtcvad calls the talk speech, so the turn never ended (follow_user off: today's)."""
+    mix, speech_end = in_room("babble", below_db)
+    for follow_user in (True, False):
+        events = Endpointer(VadConfig(follow_user=follow_user)).push(float_to_pcm16(mix))
+        starts = [e for e in events if isinstance(e, VoiceStart)]
+        ends = [e.t_audio_s for e in events if isinstance(e, VoiceEnd)]
+        if follow_user:
+            assert len(starts) == 1 and starts[0].t_audio_s > 1.5, events  # not before the user spoke
+            assert len(ends) == 1 and speech_end - 0.3 < ends[0] < speech_end + 0.6, (ends, speech_end)
+        else:
+            assert not ends  # the talk held it open
+
+
+@pytest.mark.parametrize("kind", ["babble", "pink"])
+def test_a_room_alone_starts_no_speech(kind):
+    rng = np.random.default_rng(2)
+    room = room_eval.room_audio(Room(kind, 10), 30 * RATE, rng, room_eval.SPEAKER_DB - 10)
+    assert Endpointer(VadConfig()).push(float_to_pcm16(room)) == []
+
+
+def test_the_replys_echo_is_not_speech_while_it_plays_the_user_over_it_is():
+    """Another voice 10 dB under the user, heard while the reply plays (its echo), is never voiced long
+    enough to barge in; the user talking over it at their own level starts speech within 0.3 s."""
+    user, _ = in_room("quiet", 0, tail_s=0.6)
+    echo = room_eval.at_level(np.concatenate(room_eval.recordings(exclude=CLIP.name)), room_eval.SPEAKER_DB - 10)
+    for follow_user in (True, False):
+        endpointer = Endpointer(VadConfig(follow_user=follow_user))
+        endpointer.push(float_to_pcm16(user))  # the user's question: the endpointer learns their level
+        endpointer.force_stop(suppress=False)
+        pcm, voiced_ms = float_to_pcm16(echo), 0
+        for i in range(0, len(pcm), 640):  # as the reply plays: a barge-in is turn.barge_in_ms (600) voiced
+            endpointer.push(pcm[i:i + 640], playing=True)
+            voiced_ms = max(voiced_ms, endpointer.voiced_ms)
+        assert (voiced_ms < 600) == bool(follow_user), voiced_ms  # today: the echo barges in
+        endpointer.force_stop(suppress=False)
+        over = echo[:len(user)] + user
+        start = next(e for e in endpointer.push(float_to_pcm16(over), playing=True) if isinstance(e, VoiceStart))
+        assert start.t_audio_s - (len(user) + len(echo)) / RATE < 1.5 + 0.3  # within 0.3 s of the user's start
+
+
+def test_a_transcript_of_the_replys_own_words_is_its_echo():
+    said = "The capital of France is Paris, a city on the Seine."
+    assert echoes("the capital of France is Paris", said)
+    assert echoes("France is Paris, a city", said)
+    assert not echoes("no stop, what about Berlin", said)
+    assert not echoes("", said)
+
+
+def test_the_offline_evaluation_runs_the_endpointer_on_every_room():
+    results = room_eval.offline([Room.parse("babble:15"), Room.parse("echo:10")], [CLIP], VadConfig(), alone_s=5)
+    babble, echo = results
+    assert babble.ends_ms[0] is not None and babble.starts == [1] and babble.alone_starts == 0
+    assert echo.echo_starts == 0 and echo.echo_talking == 0 and len(echo.barge_in_ms) == 1
+    assert room_eval.vad_options(VadConfig(), ["follow_user=false", "user_margin_db=6"]) == VadConfig(
+        follow_user=False, user_margin_db=6.0)

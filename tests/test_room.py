@@ -116,6 +116,10 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
     assert echoes("France is Paris, a city", said)
     assert not echoes("no stop, what about Berlin", said)
     assert not echoes("", said)
+    # a short final is the user's: a one-word answer to the reply's question is not lost as its echo
+    question = "Would you like coffee or tea?"
+    assert echoes("tea", question) and not echoes("tea", question, final=True)
+    assert echoes("coffee or tea", question, final=True)
 
 
 def test_the_offline_evaluation_runs_the_endpointer_on_every_room():

@@ -316,7 +316,8 @@ class StreamingTranscriber:
 # speech. tiny.en writes "you" for 0.5 s of digital silence, for a browser microphone's noise at -55 to -100
 # dBFS, for noise bursts up to -40 dBFS and for a breath; "you you" for a quarter second of a syllable.
 NEAR_SILENCE = (("you",), ("thank", "you"), ("thanks", "for", "watching"), ("thank", "you", "for", "watching"))
-ECHO_SHARE = 0.7  # a transcript over a reply this much made of the reply's words is its echo
+ECHO_SHARE = 0.7  # a transcript over a reply this much made of the reply's words is its echo...
+ECHO_MIN_WORDS = 3  # ...unless it is a final this short: the user answering the reply's question ("tea")
 
 
 def has_words(text: str) -> bool:
@@ -326,10 +327,13 @@ def has_words(text: str) -> bool:
     return bool(words) and not any(words == phrase * (len(words) // len(phrase)) for phrase in NEAR_SILENCE)
 
 
-def echoes(text: str, said: str) -> bool:
+def echoes(text: str, said: str, final: bool = False) -> bool:
     """Whether `text` is mostly words of `said` (ECHO_SHARE of them): the reply being played, heard back
-    through the user's microphone (a speakerphone), not the user talking over it."""
+    through the user's microphone (a speakerphone), not the user talking over it. A partial may wait for
+    more words; a `final` of under ECHO_MIN_WORDS is the user's, or their one-word answer would be lost."""
     words = [word for word in map(_normalise, text.split()) if word]
+    if final and len(words) < ECHO_MIN_WORDS:
+        return False
     spoken = {word for word in map(_normalise, said.split()) if word}
     return bool(words) and sum(word in spoken for word in words) >= ECHO_SHARE * len(words)
 

@@ -467,14 +467,14 @@ class Floor:
         if turn == self.contender:
             self._contended(turn, now)
 
-    def heard_words(self, turn: int, text: str, now: float) -> bool:
-        """`turn`'s transcript so far is `text`: is it a turn to answer? One begun over a reply must
-        hold words, not Whisper's near-silence "you" (voice/asr.py's has_words) nor mostly the reply's own
-        (its echo through a speakerphone: `echoes`), and then it is a barge-in; else it is no speech, and
-        the reply goes on."""
+    def heard_words(self, turn: int, text: str, now: float, final: bool = False) -> bool:
+        """`turn`'s transcript so far (`final`: all of it) is `text`: is it a turn to answer? One begun over
+        a reply must hold words, not Whisper's near-silence "you" (voice/asr.py's has_words) nor mostly the
+        reply's own (its echo through a speakerphone: `echoes`), and then it is a barge-in; else it is no
+        speech, and the reply goes on."""
         if turn != self.contender:
             return True
-        if not has_words(text) or self.reply is not None and echoes(text, self.reply.text):
+        if not has_words(text) or self.reply is not None and echoes(text, self.reply.text, final):
             return False
         self._contended(turn, now)
         return True

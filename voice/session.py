@@ -158,7 +158,7 @@ class Session:
         if turn != self.turn:
             self._superseded(turn, text, ended, resumes)
             return
-        text = text if self.floor.heard_words(turn, text, time.monotonic()) else ""  # else a blip over a reply
+        text = text if self.floor.heard_words(turn, text, time.monotonic(), final=True) else ""  # else a blip or echo
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text)

@@ -204,3 +204,24 @@ def test_answers_under_another_system_prompt(tmp_path):
         assert result["system_prompt"] == (extra[1] if extra else VOICE_SYSTEM_PROMPT)
         replies[name] = [row["reply"] for row in result["per_mode"]["ar"]]
     assert replies["voice"] != replies["banana"], replies
+
+
+def test_engine_bench_runs_the_shipped_configuration(tmp_path):
+    """`engine bench --model qwen2.5-1.5b --quantize auto` is what the voice service runs (llama.cpp's
+    kernels here): its forward timer wraps llama.cpp's `step`, which the decoders call with
+    `interruptible` (a wrapper that took only the forwards crashed the command)."""
+    from engine import llamacpp
+    from engine.cli import main
+    if llamacpp.available():
+        pytest.skip(llamacpp.available())
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "qwen2.5-1.5b", "--quantize", "auto", "--threads", "1", "--prompts",
+                 str(PROMPTS / "bench.jsonl"), "--limit", "1", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["weights"] == "gguf" and data["identical_replies"] == 1
+    for mode in ("ar", "diffusion"):
+        s = data["summary"][mode]
+        for key in ("ttfb_ms_p50", "ttfb8_ms_p50", "prefill_ms_p50", "forward_ms_p50", "decode_tok_s"):
+            assert finite_positive(s[key]), (mode, key, s[key])
+        row = s["per_prompt"][0]
+        assert row["tokens"] == 8 and row["forwards"] == 8  # AR here: the decision keeps drafting off

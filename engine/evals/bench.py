@@ -150,10 +150,10 @@ class ForwardTimer:
         self._handles = []
         inner = model.step
 
-        def timed(forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
+        def timed(forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
             before()
             try:
-                return inner(forwards)
+                return inner(forwards, interruptible)
             finally:
                 after()
 

@@ -1,4 +1,4 @@
-"""`engine generate | serve | bench | eval | draft | adapt`."""
+"""`engine generate | serve | bench | eval | draft | adapt | distill`."""
 
 from __future__ import annotations
 
@@ -189,6 +189,15 @@ def cmd_draft(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(a: argparse.Namespace) -> int:
+    from engine.loading import load
+    from engine.train.distill import grow
+    # room in llama.cpp's shared cache (4 x max_seq_len) for every conversation in flight at three turns
+    loaded = load(a.model, max_seq_len=4096, adapter="", drafter="", quantize=a.quantize)
+    grow(loaded, Path(a.out), a.in_flight, a.max_new_tokens, a.seed, a.max_minutes, a.max_replies)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine", description="Diffusion LM engine: generate, serve, benchmark, "
                                      "adapt an AR model to block diffusion, and evaluate it.")
@@ -293,6 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_draft)
+
+    p = sub.add_parser("distill", help="add shards of the base's greedy voice replies to a data folder (resumes)",
+                       description="The base model's own greedy replies under the voice system prompt, to 1-3 turn "
+                                   "chitchat conversations (train split) and tool requests, generated IN_FLIGHT at a "
+                                   "time with refilled batches and written as gzipped shards of token ids. Each run "
+                                   "adds shards; SIGTERM writes what is finished and stops.")
+    p.add_argument("--model", default="qwen2.5-1.5b", help="the base (a --model value; default: the voice service's)")
+    p.add_argument("--quantize", default="gguf", choices=QUANTIZE,
+                   help="gguf (default): the GGUF as shipped on llama.cpp's kernels, as the voice service runs it")
+    p.add_argument("--out", default="engine/data/qwen2.5-1.5b", help="the data folder (shards and meta.json)")
+    p.add_argument("--in-flight", type=int, default=32, help="conversations decoded together in each batched step")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="reply length limit ([lm] max_new_tokens)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="start no conversation after this long (0: none)")
+    p.add_argument("--max-replies", type=int, default=0, help="stop after adding this many replies (0: no limit)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (1 on a shared 2-core machine)")
+    p.add_argument("--seed", type=int, default=0, help="the conversations' order (a folder keeps one)")
+    p.set_defaults(func=cmd_distill)
 
     a = parser.parse_args(argv)
     if getattr(a, "threads", 0):

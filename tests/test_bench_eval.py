@@ -209,7 +209,8 @@ def test_answers_under_another_system_prompt(tmp_path):
 def test_engine_bench_runs_the_shipped_configuration(tmp_path):
     """`engine bench --model qwen2.5-1.5b --quantize auto` is what the voice service runs (llama.cpp's
     kernels here): its forward timer wraps llama.cpp's `step`, which the decoders call with
-    `interruptible` (a wrapper that took only the forwards crashed the command)."""
+    `interruptible` (a wrapper that took only the forwards crashed the command). tau, the tokens a
+    forward commits while decoding with the prefill forward left out, is 1 for AR."""
     from engine import llamacpp
     from engine.cli import main
     if llamacpp.available():
@@ -225,3 +226,5 @@ def test_engine_bench_runs_the_shipped_configuration(tmp_path):
             assert finite_positive(s[key]), (mode, key, s[key])
         row = s["per_prompt"][0]
         assert row["tokens"] == 8 and row["forwards"] == 8  # AR here: the decision keeps drafting off
+        assert row["decode_forwards"] == 7 and row["verified_tokens"] == 7 and row["first_block"] == 1
+        assert s["tau"] == pytest.approx(1.0) and s["first_block_tau"] == pytest.approx(1.0)

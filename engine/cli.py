@@ -109,7 +109,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from engine.evals.bench import run_bench
     run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
-              quantize=a.quantize, drafter=a.drafter)
+              quantize=a.quantize, drafter=a.drafter, draft_anyway=a.draft_anyway)
     return 0
 
 
@@ -161,17 +161,24 @@ def cmd_draft(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device(a.device)
+    layers = tuple(int(x) for x in a.layers_read.split(",")) if a.layers_read else ()
+    if a.data and a.quantize != "gguf":
+        raise SystemExit("--data reads the replies back through the GGUF on llama.cpp's kernels: add --quantize gguf")
     # fp32 targets, as on CPU; or the GGUF on llama.cpp's kernels, whose states the head then reads
-    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32, quantize=a.quantize)
+    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32, quantize=a.quantize,
+                layers=layers)
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
-    if a.quantize == "gguf":
+    if a.data:
+        corpus = train_draft.read_shards(base, Path(a.data), a.window, a.replies)
+    elif a.quantize == "gguf":
         if a.text_replies:
             raise SystemExit("--text-replies needs the PyTorch model (--quantize none)")
         train_draft.distill_states(base, prompts, distilled, a.window, a.reply_tokens, a.distill_batch)
     else:
         data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
-    corpus = train_draft.read_corpus(base, distilled, a.window)
+    if not a.data:
+        corpus = train_draft.read_corpus(base, distilled, a.window)
     if a.text_replies:
         text = out / "text.jsonl"
         data.write_text_replies(base.tokenizer, data.chitchat_pairs("train", a.text_replies, a.seed), text)
@@ -179,7 +186,8 @@ def cmd_draft(a: argparse.Namespace) -> int:
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        chain=a.chain,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
-                                       seed=a.seed)
+                                       seed=a.seed, layers=layers, dropout=a.dropout, weight_decay=a.weight_decay,
+                                       distill_weight=a.distill_weight, patience=a.patience, eval_every=a.eval_every)
     result = train_draft.train(base, corpus, cfg, out, device)
     if a.ship:  # the file a release carries: fp16 (half the size; the head's drafts are the same to ~1e-3)
         head = load_head(out / "drafter.safetensors", base.model.args.dim, base.model.args.vocab_size)
@@ -236,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--system-prompt", default=VOICE_SYSTEM_PROMPT,
                            help="with --answers: the system prompt each question is asked under (default: the "
                                 "voice service's [lm] system_prompt)")
+        if name == "bench":
+            p.add_argument("--draft-anyway", action="store_true",
+                           help="mode diffusion drafts with the model's draft head even where the load-time decision "
+                                "keeps AR (llama.cpp's kernels on most CPU classes): to measure tau and tokens/s")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
         # bench measures what ships (auto); eval compares the diffusion decoders with an fp32 teacher
@@ -299,6 +311,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="the base as it will decode: 'none' = PyTorch's model (the head reads its last states, "
                         "before the final norm); 'gguf' = the GGUF on llama.cpp's kernels (CPU; the head reads "
                         "ggml's states, after the final norm, captured while distilling)")
+    p.add_argument("--data", default="",
+                   help="train on `engine distill`'s shards in this folder (e.g. engine/data/qwen2.5-1.5b), read back "
+                        "through the base on llama.cpp's kernels (--quantize gguf; --replies: only the first N)")
+    p.add_argument("--layers-read", default="",
+                   help="the base layers the head reads, e.g. 4,14,27 (a low, a middle and the last: llama.cpp's eval "
+                        "callback reads them in the forward that verifies; output rows frozen); default: the one state")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--distill-weight", type=float, default=0.0,
+                   help="share of the loss from the base's top-K next-token distribution (--data only), the rest "
+                        "cross-entropy on its greedy token")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many evaluations without a better decoded held-out figure (0: never)")
+    p.add_argument("--eval-every", type=int, default=250, help="optimizer steps between held-out evaluations")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_draft)

@@ -138,8 +138,12 @@ class DraftArgs:
     norm_eps: float = 1e-5
     chain: bool = False  # each row reads the token before it and sees only earlier rows (heads saved before it: False)
     # the base's states it reads: "last" (its last layer before the final norm: PyTorch's model) or
-    # "normed" (after it: what llama.cpp outputs as embeddings)
+    # "normed" (after it: what llama.cpp outputs as embeddings), or "layers": the outputs of the base
+    # layers `layers` side by side (e.g. a low, a middle and the last: EAGLE-3, DFlash), which
+    # llama.cpp's kernels read in the forward that verifies (`engine.llamacpp.LayerTap`)
     states: str = "last"
+    layers: tuple[int, ...] = ()
+    dropout: float = 0.0  # training only: on the context features and each layer's updates
 
 
 class DraftLayer(nn.Module):
@@ -152,12 +156,14 @@ class DraftLayer(nn.Module):
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(a.dim, a.dim, bias=False) for _ in range(4))
         self.gate, self.up = nn.Linear(a.dim, a.hidden_dim, bias=False), nn.Linear(a.dim, a.hidden_dim, bias=False)
         self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
+        self.drop = nn.Dropout(a.dropout)
 
     def forward(self, x: Tensor, ctx: Tensor, mask: Tensor) -> Tensor:
         """All rows x [B, rows, dim] at once over the context `ctx` [B, W, dim] (training, parallel heads)."""
         h = self.attn_norm(x)
         kv = torch.cat([self.ctx_norm(ctx), h], 1)
         return self._attend_and_mlp(x, self.heads(self.wq(h)), self.heads(self.wk(kv)), self.heads(self.wv(kv)), mask)
+
 
     def context_kv(self, ctx: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """The context's keys and values, as the lists `step` extends."""
@@ -182,9 +188,9 @@ class DraftLayer(nn.Module):
     def _attend_and_mlp(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         b, rows, d = x.shape
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, rows, d))
+        x = x + self.drop(self.wo(y.transpose(1, 2).reshape(b, rows, d)))
         h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.drop(self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
 class DraftHead(nn.Module):
@@ -193,8 +199,9 @@ class DraftHead(nn.Module):
     def __init__(self, args: DraftArgs, vocab_ids: Tensor):
         super().__init__()
         self.args = args
-        self.in_norm = RMSNorm(args.dim, args.norm_eps)
-        self.fuse = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.in_norm = RMSNorm(args.dim, args.norm_eps)  # each layer's state normed alike, then fused
+        self.fuse = nn.Linear((max(1, len(args.layers)) + 1) * args.dim, args.dim, bias=False)
+        self.drop = nn.Dropout(args.dropout)
         self.ctx_pos = nn.Parameter(torch.zeros(args.window, args.dim))
         self.queries = nn.Parameter(torch.randn(args.block, args.dim) * 0.02)
         if args.chain:
@@ -226,8 +233,9 @@ class DraftHead(nn.Module):
         return self.rows(self.context(hidden, next_emb), valid, prev_emb)
 
     def context(self, hidden: Tensor, next_emb: Tensor) -> Tensor:
-        """The features every draft row attends to: [B, W, dim]."""
-        return self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
+        """The features every draft row attends to: [B, W, dim]. `hidden` [B, W, layers * dim]."""
+        states = self.in_norm(hidden.unflatten(-1, (-1, self.args.dim))).flatten(-2)
+        return self.drop(self.fuse(torch.cat([states, next_emb], -1))) + self.ctx_pos
 
     def rows(self, ctx: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
         """Logits of the draft rows over the context `ctx` (see `forward`)."""
@@ -358,7 +366,9 @@ def read_head_args(path: str | Path) -> DraftArgs:
         meta = f.metadata() or {}
     if "args" not in meta:
         raise ValueError(f"{path} is not one of our draft heads (no args in its metadata)")
-    return DraftArgs(**json.loads(meta["args"]))
+    args = DraftArgs(**json.loads(meta["args"]))
+    args.layers = tuple(args.layers)  # JSON gave a list
+    return args
 
 
 def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:

@@ -186,7 +186,8 @@ def cmd_draft(a: argparse.Namespace) -> int:
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        chain=a.chain,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
-                                       seed=a.seed, layers=layers, dropout=a.dropout, weight_decay=a.weight_decay,
+                                       seed=a.seed, layers=layers, dropout=a.dropout, width=a.width,
+                                       weight_decay=a.weight_decay,
                                        distill_weight=a.distill_weight, patience=a.patience, eval_every=a.eval_every)
     result = train_draft.train(base, corpus, cfg, out, device)
     if a.ship:  # the file a release carries: fp16 (half the size; the head's drafts are the same to ~1e-3)
@@ -318,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the base layers the head reads, e.g. 4,14,27 (a low, a middle and the last: llama.cpp's eval "
                         "callback reads them in the forward that verifies; output rows frozen); default: the one state")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--width", type=int, default=0,
+                   help="the head's own width (default: the base's); narrower drafts sooner, projected up to the "
+                        "base's width before its output rows")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--distill-weight", type=float, default=0.0,
                    help="share of the loss from the base's top-K next-token distribution (--data only), the rest "

@@ -20,7 +20,7 @@ little arithmetic and nothing else, so replies are the base model's whatever the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -144,6 +144,9 @@ class DraftArgs:
     states: str = "last"
     layers: tuple[int, ...] = ()
     dropout: float = 0.0  # training only: on the context features and each layer's updates
+    # the head's own width (0: the base's `dim`): a narrower head drafts sooner, and projects up to the
+    # base's width before its output rows (the base's own, frozen)
+    width: int = 0
 
 
 class DraftLayer(nn.Module):
@@ -199,16 +202,18 @@ class DraftHead(nn.Module):
     def __init__(self, args: DraftArgs, vocab_ids: Tensor):
         super().__init__()
         self.args = args
+        width = args.width or args.dim
         self.in_norm = RMSNorm(args.dim, args.norm_eps)  # each layer's state normed alike, then fused
-        self.fuse = nn.Linear((max(1, len(args.layers)) + 1) * args.dim, args.dim, bias=False)
+        self.fuse = nn.Linear((max(1, len(args.layers)) + 1) * args.dim, width, bias=False)
         self.drop = nn.Dropout(args.dropout)
-        self.ctx_pos = nn.Parameter(torch.zeros(args.window, args.dim))
-        self.queries = nn.Parameter(torch.randn(args.block, args.dim) * 0.02)
+        self.ctx_pos = nn.Parameter(torch.zeros(args.window, width))
+        self.queries = nn.Parameter(torch.randn(args.block, width) * 0.02)
         if args.chain:
             self.prev_norm = RMSNorm(args.dim, args.norm_eps)
-            self.prev_in = nn.Linear(args.dim, args.dim, bias=False)
-        self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.prev_in = nn.Linear(args.dim, width, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(replace(args, dim=width)) for _ in range(args.n_layers))
+        self.norm = RMSNorm(width, args.norm_eps)
+        self.widen = nn.Linear(width, args.dim, bias=False) if width != args.dim else nn.Identity()
         self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)
 
@@ -252,7 +257,11 @@ class DraftHead(nn.Module):
         mask = torch.cat([valid[:, None, :].expand(b, rows, w), among.expand(b, rows, rows)], -1)[:, None]
         for layer in self.layers:
             x = layer(x, ctx, mask)
-        return self.head(self.norm(x))
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Draft-vocabulary logits of the rows `x` [..., width]."""
+        return self.head(self.widen(self.norm(x)))
 
     @torch.inference_mode()
     def propose(self, embed: nn.Module | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
@@ -273,7 +282,7 @@ class DraftHead(nn.Module):
         while len(ids_out) < k:
             prev = embed(torch.tensor([(ids + ids_out)[-1]], device=h.device)).float()[None]
             x = self._step(len(ids_out), prev, valid, cache)
-            one = self._pick(self.head(self.norm(x))[0].float(), temperature, generator)
+            one = self._pick(self.logits(x)[0].float(), temperature, generator)
             ids_out += one.ids
             assert one.confidence is not None  # _pick always says how sure it is
             confidence += one.confidence
@@ -300,7 +309,7 @@ class DraftHead(nn.Module):
         paths, path_joint, last = [-1], torch.ones(1), [ids[-1]]  # the paths being extended
         for depth in range(min(k, self.args.block)):
             x = self._step(depth, embed(torch.tensor(last, device=h.device)).float()[:, None], valid, cache)
-            p, best = self.head(self.norm(x))[:, 0].float().softmax(-1).topk(TREE_WIDTH, -1)
+            p, best = self.logits(x)[:, 0].float().softmax(-1).topk(TREE_WIDTH, -1)
             first = len(tokens)
             tokens += self.vocab_ids[best].flatten().tolist()
             parents += [parent for parent in paths for _ in range(TREE_WIDTH)]

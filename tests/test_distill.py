@@ -11,7 +11,7 @@ import json
 import pytest
 
 from engine import llamacpp
-from engine.decode import CacheState, Forward, generate_ar_batch, run_many
+from engine.decode import CacheState, DecodeConfig, Forward, generate_ar_batch, run_many
 from engine.loading import load
 from engine.stream import Engine
 from engine.train import distill
@@ -92,3 +92,40 @@ def test_the_program_leaves_out_every_evaluation_prompt_and_the_held_out_split()
     train = {t for turns in distill._chitchat_turns("train", 5) for t in turns}
     held_only = {t for turns in distill._chitchat_turns("heldout", 5) for t in turns} - train
     assert len(held_only) > 1000 and not held_only & {t for c in convs for t in c.turns}
+
+
+def test_a_head_on_several_layers_trains_on_the_shards_and_verify_keeps_the_ar_replies(tmp_path, monkeypatch):
+    """The layers a head reads come from ggml's eval callback in the forward that verifies: read back
+    from the shards with the base's top-K, trained (output rows frozen, dropout, early stopping), loaded
+    by its file's word on which layers, and drafting on llama.cpp's kernels changes no greedy reply
+    beyond the tolerance tests/test_llamacpp.py states for batched rows."""
+    from engine.evals.bench import draft_despite
+    from engine.train import draft as train_draft
+    layers = (3, 15, 29)
+    base = load("small", max_seq_len=1024, quantize="gguf", layers=layers)
+    monkeypatch.setattr(distill, "conversations", lambda seed=0: talks() * 3)
+    distill.grow(base, tmp_path / "data", in_flight=6, max_new_tokens=24, log=print)
+    corpus = train_draft.read_shards(base, tmp_path / "data", 8, log=print)
+    assert corpus.hidden.shape == (len(corpus.ids), len(layers) * base.model.args.dim)
+    assert corpus.top_ids is not None and corpus.top_probs is not None
+    at = corpus.positions(list(range(len(corpus.starts))))
+    assert (corpus.hidden[at].float().abs().sum(-1) > 0).all()  # every reply position has its states
+    # the base's top-1 after a reply token is the greedy token it said there (near ties aside)
+    assert (corpus.top_ids[at, 0].long() == corpus.targets[at]).float().mean() > 0.85
+    cfg = train_draft.DraftTrainConfig(block=3, window=8, n_layers=1, draft_vocab=256, batch=32, max_steps=30,
+                                       eval_every=10, layers=layers, dropout=0.1, width=128, distill_weight=0.5,
+                                       patience=2)
+    result = train_draft.train(base, corpus, cfg, tmp_path / "run", log=print)
+    head_file = tmp_path / "run" / "drafter.safetensors"
+    assert result["heldout_decoded_tokens_per_forward"] >= 1.0
+    loaded = load("small", max_seq_len=1024, quantize="gguf", drafter=str(head_file))
+    assert loaded.drafter is not None and loaded.drafter.args.layers == layers
+    engine = Engine(loaded, max_seq_len=1024)
+    draft_despite(engine)
+    same = 0
+    for talk in talks():
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": talk.turns[0]}]
+        ar, verify = ([t for p in engine.generate_sync(messages, DecodeConfig(mode=mode, max_new_tokens=24))
+                       for t in p.token_ids] for mode in ("ar", "diffusion"))
+        same += verify == ar
+    assert same >= 0.8 * len(talks()), same

@@ -67,6 +67,7 @@ class DraftTrainConfig:
     seed: int = 0
     layers: tuple[int, ...] = ()  # the base layers a head reads (states "layers"); () = the one state
     dropout: float = 0.0
+    width: int = 0  # the head's own width (0: the base's)
     weight_decay: float = 0.01
     distill_weight: float = 0.0  # share of the loss from the base's top-K distribution (HASS), the rest greedy CE
     patience: int = 0  # stop after this many evaluations without a better decoded held-out figure (0: never)
@@ -447,6 +448,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
                                window=cfg.window, n_layers=cfg.n_layers, chain=cfg.chain,
                                states="layers" if cfg.layers else states, layers=cfg.layers, dropout=cfg.dropout,
+                               width=cfg.width,
                                norm_eps=getattr(a, "norm_eps", DraftArgs.norm_eps)), vocab)
     with torch.no_grad():
         head.head.weight.copy_(lm_head[vocab.to(lm_head.device)].float().cpu())

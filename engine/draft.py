@@ -380,6 +380,13 @@ def read_head_args(path: str | Path) -> DraftArgs:
     return args
 
 
+def read_head_info(path: str | Path) -> dict:
+    """What a saved head's training measured (`save_head`'s `info`: its held-out figures, ...)."""
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("info", "{}"))
+
+
 def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:
     from safetensors.torch import load_file
     args = read_head_args(path)

@@ -75,6 +75,9 @@ DRAFT_ROWS_AMX = "on llama.cpp's AMX tiles a drafted block of 3-4 costs 1.5-1.9x
 DRAFTING_PAYS: tuple[str, ...] = ()
 HEAD_TOO_DEAR = ("its draft head is accepted for 1.3-1.6 tokens a forward and takes 15-34 ms to draft, so verify "
                  "ran at 0.65-0.86x AR's tokens/s (it would need over 2.1 tokens a forward)")
+# a head on several layers (engine draft --data --layers-read): the figure its training measured
+LAYER_HEAD_TOO_WEAK = ("its draft head on layers {layers} decoded {tau:.2f} tokens a verify forward on held-out "
+                       "replies after training on {replies} replies (it would need over 2.1 tokens a forward)")
 
 FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "iq4_nl": 25}  # llama_ftype
 
@@ -331,6 +334,7 @@ class LlamaCppModel:
         self.embed_tokens: nn.Module | None = None
         self._embed: Callable[[], nn.Module] | None = None
         self.head_window = self.state_rows = 0
+        self.head_note = HEAD_TOO_DEAR  # what the attached head's figures say (`attach_head`)
         self.state_dim = self.args.dim * max(1, len(layers))  # a state row: one base state, or each tapped layer's
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
@@ -361,13 +365,15 @@ class LlamaCppModel:
         rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
         if not self.head_window:
             return f"{rows}, and {NO_HEAD}"
-        return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {HEAD_TOO_DEAR}"
+        return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {self.head_note}"
 
-    def attach_head(self, window: int, embed: Callable[[], nn.Module]) -> None:
+    def attach_head(self, window: int, embed: Callable[[], nn.Module], note: str = "") -> None:
         """A draft head reads the states of the last `window` positions and the tokens after them
         (`embed()` makes that token table; reading it from the GGUF takes seconds, so only once
-        states are read); the states are read only where drafting pays here (`read_states`)."""
+        states are read); the states are read only where drafting pays here (`read_states`).
+        `note`: what the head's own figures say, for the decision's why (default: the shipped head's)."""
         self.head_window, self._embed = window, embed
+        self.head_note = note or HEAD_TOO_DEAR
         self.read_states(window if not self.draft_rows else 0)
 
     def read_states(self, rows: int) -> None:

@@ -200,7 +200,8 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
             from engine.llamacpp import LlamaCppModel
             assert isinstance(loaded.model, LlamaCppModel)
             loaded.drafter = _load_head(drafter, loaded.model.args, device)
-            loaded.model.attach_head(loaded.drafter.args.window, lambda: TokenTable(gguf_token_table(gguf_path(name))))
+            loaded.model.attach_head(loaded.drafter.args.window, lambda: TokenTable(gguf_token_table(gguf_path(name))),
+                                     _head_note(drafter, loaded.drafter.args.layers))
         elif asked:
             raise ModelLoadError(f"draft head {drafter} reads PyTorch's hidden states (before the final norm): "
                                  "use quantize none|fp16|int8, or a head trained on llama.cpp's states "
@@ -236,6 +237,18 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         from engine.quantize import quantize_like
         quantize_like(loaded.drafter, loaded.weights)
     return loaded
+
+
+def _head_note(path: str | Path, layers: tuple[int, ...]) -> str:
+    """What a head on several layers measured in training, for the load-time decision's why ('' for
+    the others: engine.llamacpp says what the shipped head measured)."""
+    from engine.draft import read_head_info
+    from engine.llamacpp import LAYER_HEAD_TOO_WEAK
+    info = read_head_info(path)
+    tau = info.get("heldout_decoded_tokens_per_forward")
+    if not layers or tau is None:
+        return ""
+    return LAYER_HEAD_TOO_WEAK.format(layers=",".join(map(str, layers)), tau=tau, replies=info.get("replies", "?"))
 
 
 def head_states(path: str | Path) -> str:

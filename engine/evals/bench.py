@@ -276,8 +276,9 @@ def draft_despite(engine: Engine) -> None:
     from engine.stream import Decoding
     reason = engine.decoding.why
     engine.decoding = Decoding("diffusion", f"--draft-anyway (the load-time decision keeps AR here: {reason})")
+    from engine.llamacpp import LlamaCppModel
     head, model = engine.loaded.drafter, engine.model
-    if head is not None and hasattr(model, "read_states"):
+    if head is not None and isinstance(model, LlamaCppModel):
         model.read_states(head.args.window)
 
 

@@ -479,7 +479,8 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     def checkpoint(figures: tuple[float, float] | None) -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab},
                    state_path)
-        save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures)})
+        save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures),
+                                                            "replies": sum(corpus.distilled)})
         head.to(device)
 
     def result(figures: tuple[float, float] | None) -> dict:

@@ -228,3 +228,11 @@ def test_engine_bench_runs_the_shipped_configuration(tmp_path):
         assert row["tokens"] == 8 and row["forwards"] == 8  # AR here: the decision keeps drafting off
         assert row["decode_forwards"] == 7 and row["verified_tokens"] == 7 and row["first_block"] == 1
         assert s["tau"] == pytest.approx(1.0) and s["first_block_tau"] == pytest.approx(1.0)
+
+
+def test_tau_leaves_the_prefill_forward_out_and_counts_the_first_block_apart():
+    # a reply of 9 tokens: the prefill commits 1, then forwards committing 4, 1 and 3 (each with the base's own)
+    counts = bench.verify_counts({1: 1, 2: 5, 3: 6, 4: 9}, tokens=9, forwards=4)
+    assert counts == {"decode_forwards": 3, "verified_tokens": 8, "tau": 8 / 3, "first_block": 4}
+    # a reply that ended with the prefill has nothing verified
+    assert bench.verify_counts({1: 1}, tokens=1, forwards=1)["first_block"] is None

@@ -1,4 +1,4 @@
-"""`engine generate | serve | bench | eval | draft | adapt`."""
+"""`engine generate | serve | bench | eval | draft | adapt | distill`."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     from engine.evals.bench import run_bench
     run_bench(a.model, a.adapter, Path(a.prompts), Path(a.json) if a.json else None, decode_config(a), a.limit,
-              quantize=a.quantize, drafter=a.drafter)
+              quantize=a.quantize, drafter=a.drafter, draft_anyway=a.draft_anyway)
     return 0
 
 
@@ -161,17 +161,24 @@ def cmd_draft(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device(a.device)
+    layers = tuple(int(x) for x in a.layers_read.split(",")) if a.layers_read else ()
+    if a.data and a.quantize != "gguf":
+        raise SystemExit("--data reads the replies back through the GGUF on llama.cpp's kernels: add --quantize gguf")
     # fp32 targets, as on CPU; or the GGUF on llama.cpp's kernels, whose states the head then reads
-    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32, quantize=a.quantize)
+    base = load(a.base, adapter="", drafter="", device=device, dtype=torch.float32, quantize=a.quantize,
+                layers=layers)
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
-    if a.quantize == "gguf":
+    if a.data:
+        corpus = train_draft.read_shards(base, Path(a.data), a.window, a.replies)
+    elif a.quantize == "gguf":
         if a.text_replies:
             raise SystemExit("--text-replies needs the PyTorch model (--quantize none)")
         train_draft.distill_states(base, prompts, distilled, a.window, a.reply_tokens, a.distill_batch)
     else:
         data.distill(base, prompts, distilled, a.reply_tokens, a.distill_batch, a.distill_minutes)
-    corpus = train_draft.read_corpus(base, distilled, a.window)
+    if not a.data:
+        corpus = train_draft.read_corpus(base, distilled, a.window)
     if a.text_replies:
         text = out / "text.jsonl"
         data.write_text_replies(base.tokenizer, data.chitchat_pairs("train", a.text_replies, a.seed), text)
@@ -179,13 +186,24 @@ def cmd_draft(a: argparse.Namespace) -> int:
     cfg = train_draft.DraftTrainConfig(block=a.block, window=a.window, n_layers=a.layers, draft_vocab=a.draft_vocab,
                                        chain=a.chain,
                                        batch=a.batch, lr=a.lr, max_steps=a.steps, max_minutes=a.max_minutes,
-                                       seed=a.seed)
+                                       seed=a.seed, layers=layers, dropout=a.dropout, width=a.width,
+                                       weight_decay=a.weight_decay,
+                                       distill_weight=a.distill_weight, patience=a.patience, eval_every=a.eval_every)
     result = train_draft.train(base, corpus, cfg, out, device)
     if a.ship:  # the file a release carries: fp16 (half the size; the head's drafts are the same to ~1e-3)
         head = load_head(out / "drafter.safetensors", base.model.args.dim, base.model.args.vocab_size)
         save_head(a.ship, head, result, dtype=torch.float16)
         result["shipped"] = a.ship
     print(json.dumps(result))
+    return 0
+
+
+def cmd_distill(a: argparse.Namespace) -> int:
+    from engine.loading import load
+    from engine.train.distill import grow
+    # room in llama.cpp's shared cache (4 x max_seq_len) for every conversation in flight at three turns
+    loaded = load(a.model, max_seq_len=4096, adapter="", drafter="", quantize=a.quantize)
+    grow(loaded, Path(a.out), a.in_flight, a.max_new_tokens, a.seed, a.max_minutes, a.max_replies)
     return 0
 
 
@@ -227,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--system-prompt", default=VOICE_SYSTEM_PROMPT,
                            help="with --answers: the system prompt each question is asked under (default: the "
                                 "voice service's [lm] system_prompt)")
+        if name == "bench":
+            p.add_argument("--draft-anyway", action="store_true",
+                           help="mode diffusion drafts with the model's draft head even where the load-time decision "
+                                "keeps AR (llama.cpp's kernels on most CPU classes): to measure tau and tokens/s")
         p.add_argument("--json", default="", help="write the full results here")
         p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
         # bench measures what ships (auto); eval compares the diffusion decoders with an fp32 teacher
@@ -290,9 +312,43 @@ def main(argv: list[str] | None = None) -> int:
                    help="the base as it will decode: 'none' = PyTorch's model (the head reads its last states, "
                         "before the final norm); 'gguf' = the GGUF on llama.cpp's kernels (CPU; the head reads "
                         "ggml's states, after the final norm, captured while distilling)")
+    p.add_argument("--data", default="",
+                   help="train on `engine distill`'s shards in this folder (e.g. engine/data/qwen2.5-1.5b), read back "
+                        "through the base on llama.cpp's kernels (--quantize gguf; --replies: only the first N)")
+    p.add_argument("--layers-read", default="",
+                   help="the base layers the head reads, e.g. 4,14,27 (a low, a middle and the last: llama.cpp's eval "
+                        "callback reads them in the forward that verifies; output rows frozen); default: the one state")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--width", type=int, default=0,
+                   help="the head's own width (default: the base's); narrower drafts sooner, projected up to the "
+                        "base's width before its output rows")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--distill-weight", type=float, default=0.0,
+                   help="share of the loss from the base's top-K next-token distribution (--data only), the rest "
+                        "cross-entropy on its greedy token")
+    p.add_argument("--patience", type=int, default=0,
+                   help="stop after this many evaluations without a better decoded held-out figure (0: never)")
+    p.add_argument("--eval-every", type=int, default=250, help="optimizer steps between held-out evaluations")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_draft)
+
+    p = sub.add_parser("distill", help="add shards of the base's greedy voice replies to a data folder (resumes)",
+                       description="The base model's own greedy replies under the voice system prompt, to 1-3 turn "
+                                   "chitchat conversations (train split) and tool requests, generated IN_FLIGHT at a "
+                                   "time with refilled batches and written as gzipped shards of token ids. Each run "
+                                   "adds shards; SIGTERM writes what is finished and stops.")
+    p.add_argument("--model", default="qwen2.5-1.5b", help="the base (a --model value; default: the voice service's)")
+    p.add_argument("--quantize", default="gguf", choices=QUANTIZE,
+                   help="gguf (default): the GGUF as shipped on llama.cpp's kernels, as the voice service runs it")
+    p.add_argument("--out", default="engine/data/qwen2.5-1.5b", help="the data folder (shards and meta.json)")
+    p.add_argument("--in-flight", type=int, default=32, help="conversations decoded together in each batched step")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="reply length limit ([lm] max_new_tokens)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="start no conversation after this long (0: none)")
+    p.add_argument("--max-replies", type=int, default=0, help="stop after adding this many replies (0: no limit)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (1 on a shared 2-core machine)")
+    p.add_argument("--seed", type=int, default=0, help="the conversations' order (a folder keeps one)")
+    p.set_defaults(func=cmd_distill)
 
     a = parser.parse_args(argv)
     if getattr(a, "threads", 0):

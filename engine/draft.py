@@ -20,7 +20,7 @@ little arithmetic and nothing else, so replies are the base model's whatever the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -139,8 +139,15 @@ class DraftArgs:
     norm_eps: float = 1e-5
     chain: bool = False  # each row reads the token before it and sees only earlier rows (heads saved before it: False)
     # the base's states it reads: "last" (its last layer before the final norm: PyTorch's model) or
-    # "normed" (after it: what llama.cpp outputs as embeddings)
+    # "normed" (after it: what llama.cpp outputs as embeddings), or "layers": the outputs of the base
+    # layers `layers` side by side (e.g. a low, a middle and the last: EAGLE-3, DFlash), which
+    # llama.cpp's kernels read in the forward that verifies (`engine.llamacpp.LayerTap`)
     states: str = "last"
+    layers: tuple[int, ...] = ()
+    dropout: float = 0.0  # training only: on the context features and each layer's updates
+    # the head's own width (0: the base's `dim`): a narrower head drafts sooner, and projects up to the
+    # base's width before its output rows (the base's own, frozen)
+    width: int = 0
 
 
 class DraftLayer(nn.Module):
@@ -153,12 +160,14 @@ class DraftLayer(nn.Module):
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(a.dim, a.dim, bias=False) for _ in range(4))
         self.gate, self.up = nn.Linear(a.dim, a.hidden_dim, bias=False), nn.Linear(a.dim, a.hidden_dim, bias=False)
         self.down = nn.Linear(a.hidden_dim, a.dim, bias=False)
+        self.drop = nn.Dropout(a.dropout)
 
     def forward(self, x: Tensor, ctx: Tensor, mask: Tensor) -> Tensor:
         """All rows x [B, rows, dim] at once over the context `ctx` [B, W, dim] (training, parallel heads)."""
         h = self.attn_norm(x)
         kv = torch.cat([self.ctx_norm(ctx), h], 1)
         return self._attend_and_mlp(x, self.heads(self.wq(h)), self.heads(self.wk(kv)), self.heads(self.wv(kv)), mask)
+
 
     def context_kv(self, ctx: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """The context's keys and values, as the lists `step` extends."""
@@ -183,9 +192,9 @@ class DraftLayer(nn.Module):
     def _attend_and_mlp(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         b, rows, d = x.shape
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, rows, d))
+        x = x + self.drop(self.wo(y.transpose(1, 2).reshape(b, rows, d)))
         h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.drop(self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
 class DraftHead(nn.Module):
@@ -194,15 +203,18 @@ class DraftHead(nn.Module):
     def __init__(self, args: DraftArgs, vocab_ids: Tensor):
         super().__init__()
         self.args = args
-        self.in_norm = RMSNorm(args.dim, args.norm_eps)
-        self.fuse = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.ctx_pos = nn.Parameter(torch.zeros(args.window, args.dim))
-        self.queries = nn.Parameter(torch.randn(args.block, args.dim) * 0.02)
+        width = args.width or args.dim
+        self.in_norm = RMSNorm(args.dim, args.norm_eps)  # each layer's state normed alike, then fused
+        self.fuse = nn.Linear((max(1, len(args.layers)) + 1) * args.dim, width, bias=False)
+        self.drop = nn.Dropout(args.dropout)
+        self.ctx_pos = nn.Parameter(torch.zeros(args.window, width))
+        self.queries = nn.Parameter(torch.randn(args.block, width) * 0.02)
         if args.chain:
             self.prev_norm = RMSNorm(args.dim, args.norm_eps)
-            self.prev_in = nn.Linear(args.dim, args.dim, bias=False)
-        self.layers = nn.ModuleList(DraftLayer(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.prev_in = nn.Linear(args.dim, width, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(replace(args, dim=width)) for _ in range(args.n_layers))
+        self.norm = RMSNorm(width, args.norm_eps)
+        self.widen = nn.Linear(width, args.dim, bias=False) if width != args.dim else nn.Identity()
         self.head = nn.Linear(args.dim, len(vocab_ids), bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=True)
 
@@ -227,8 +239,9 @@ class DraftHead(nn.Module):
         return self.rows(self.context(hidden, next_emb), valid, prev_emb)
 
     def context(self, hidden: Tensor, next_emb: Tensor) -> Tensor:
-        """The features every draft row attends to: [B, W, dim]."""
-        return self.fuse(torch.cat([self.in_norm(hidden), next_emb], -1)) + self.ctx_pos
+        """The features every draft row attends to: [B, W, dim]. `hidden` [B, W, layers * dim]."""
+        states = self.in_norm(hidden.unflatten(-1, (-1, self.args.dim))).flatten(-2)
+        return self.drop(self.fuse(torch.cat([states, next_emb], -1))) + self.ctx_pos
 
     def rows(self, ctx: Tensor, valid: Tensor, prev_emb: Tensor | None = None) -> Tensor:
         """Logits of the draft rows over the context `ctx` (see `forward`)."""
@@ -245,7 +258,11 @@ class DraftHead(nn.Module):
         mask = torch.cat([valid[:, None, :].expand(b, rows, w), among.expand(b, rows, rows)], -1)[:, None]
         for layer in self.layers:
             x = layer(x, ctx, mask)
-        return self.head(self.norm(x))
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Draft-vocabulary logits of the rows `x` [..., width]."""
+        return self.head(self.widen(self.norm(x)))
 
     @torch.inference_mode()
     def propose(self, embed: nn.Module | None, hidden: Tensor | None, ids: list[int], k: int, temperature: float,
@@ -266,7 +283,7 @@ class DraftHead(nn.Module):
         while len(ids_out) < k:
             prev = embed(torch.tensor([(ids + ids_out)[-1]], device=h.device)).float()[None]
             x = self._step(len(ids_out), prev, valid, cache)
-            one = self._pick(self.head(self.norm(x))[0].float(), temperature, generator)
+            one = self._pick(self.logits(x)[0].float(), temperature, generator)
             ids_out += one.ids
             assert one.confidence is not None  # _pick always says how sure it is
             confidence += one.confidence
@@ -293,7 +310,7 @@ class DraftHead(nn.Module):
         paths, path_joint, last = [-1], torch.ones(1), [ids[-1]]  # the paths being extended
         for depth in range(min(k, self.args.block)):
             x = self._step(depth, embed(torch.tensor(last, device=h.device)).float()[:, None], valid, cache)
-            p, best = self.head(self.norm(x))[:, 0].float().softmax(-1).topk(TREE_WIDTH, -1)
+            p, best = self.logits(x)[:, 0].float().softmax(-1).topk(TREE_WIDTH, -1)
             first = len(tokens)
             tokens += self.vocab_ids[best].flatten().tolist()
             parents += [parent for parent in paths for _ in range(TREE_WIDTH)]
@@ -359,7 +376,16 @@ def read_head_args(path: str | Path) -> DraftArgs:
         meta = f.metadata() or {}
     if "args" not in meta:
         raise ValueError(f"{path} is not one of our draft heads (no args in its metadata)")
-    return DraftArgs(**json.loads(meta["args"]))
+    args = DraftArgs(**json.loads(meta["args"]))
+    args.layers = tuple(args.layers)  # JSON gave a list
+    return args
+
+
+def read_head_info(path: str | Path) -> dict:
+    """What a saved head's training measured (`save_head`'s `info`: its held-out figures, ...)."""
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("info", "{}"))
 
 
 def load_head(path: str | Path, dim: int, vocab_size: int) -> DraftHead:

@@ -75,6 +75,9 @@ DRAFT_ROWS_AMX = "on llama.cpp's AMX tiles a drafted block of 3-4 costs 1.5-1.9x
 DRAFTING_PAYS: tuple[str, ...] = ()
 HEAD_TOO_DEAR = ("its draft head is accepted for 1.3-1.6 tokens a forward and takes 15-34 ms to draft, so verify "
                  "ran at 0.65-0.86x AR's tokens/s (it would need over 2.1 tokens a forward)")
+# a head on several layers (engine draft --data --layers-read): the figure its training measured
+LAYER_HEAD_TOO_WEAK = ("its draft head on layers {layers} decoded {tau:.2f} tokens a verify forward on held-out "
+                       "replies after training on {replies} replies (it would need over 2.1 tokens a forward)")
 
 FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "iq4_nl": 25}  # llama_ftype
 
@@ -216,6 +219,53 @@ def system_info() -> str:
     return f"{cpu_variant()}; {bindings().llama_print_system_info().decode()}"
 
 
+class LayerTap:
+    """Reads chosen layers' outputs (ggml's `l_out-N` tensors) during each llama_decode through
+    ggml's eval callback (`cb_eval`, a context parameter): what an EAGLE-3/DFlash-style drafter
+    reads of the base, in the same forward that verifies. The scheduler asks the callback about
+    every node of the graph (~900 a step of the 1.5B) and computes up to each node it wants before
+    handing it over, so the cost is a Python call a node plus a few cut points
+    (bench/layer_taps.py measures it). The last layer keeps only the rows that output logits
+    (llama.cpp drops the others before its last feed-forward); earlier layers have every row."""
+
+    NE = 16  # offset of `int64_t ne[4]` in struct ggml_tensor (after `type` and `buffer`)
+
+    def __init__(self, layers: tuple[int, ...], n_layer: int) -> None:
+        self.layers, self.n_layer = layers, n_layer
+        self._names = {f"l_out-{layer}".encode(): k for k, layer in enumerate(layers)}
+        self.parts: list[list[np.ndarray]] = [[] for _ in layers]
+        ggml = ctypes.CDLL(str(next(p for p in (library_dir() / "libggml-base.so.0", library_dir() / "libggml-base.so")
+                                    if p.exists())))
+        ggml.ggml_get_name.argtypes, ggml.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+        ggml.ggml_get_data.argtypes, ggml.ggml_get_data.restype = [ctypes.c_void_p], ctypes.c_void_p
+        self._name, self._data = ggml.ggml_get_name, ggml.ggml_get_data
+        self.callback = bindings().ggml_backend_sched_eval_callback(self._eval)  # must outlive the context
+
+    def _eval(self, tensor: int, ask: bool, _user: object) -> bool:
+        k = self._names.get(self._name(tensor))
+        if ask:
+            return k is not None
+        if k is not None:
+            cols, rows = (ctypes.c_int64.from_address(tensor + self.NE + 8 * i).value for i in range(2))
+            data = (ctypes.c_float * (rows * cols)).from_address(self._data(tensor))
+            self.parts[k].append(np.ctypeslib.as_array(data).reshape(rows, cols).copy())
+        return True  # go on computing
+
+    def clear(self) -> None:
+        for parts in self.parts:
+            parts.clear()
+
+    def take(self, outputs: list[int]) -> Tensor:
+        """The tapped rows of the calls since `clear`, at the rows flagged for output (`outputs`:
+        their indices among all the calls' rows), as [outputs, len(layers) * dim]."""
+        picked = []
+        for layer, parts in zip(self.layers, self.parts):
+            whole = np.concatenate(parts)
+            picked.append(whole if layer == self.n_layer - 1 else whole[outputs])  # the last has only those
+        self.clear()
+        return torch.from_numpy(np.concatenate(picked, axis=1))
+
+
 @dataclass
 class Args:
     """What the decoders and the engine read of a model (`Transformer.args`'s subset)."""
@@ -249,7 +299,9 @@ class LlamaCppModel:
 
     mask_blocks = False  # a batch's rows are causal within their sequence: drafted chains only
 
-    def __init__(self, path: Path, max_seq_len: int) -> None:
+    def __init__(self, path: Path, max_seq_len: int, layers: tuple[int, ...] = ()) -> None:
+        """`layers`: the base layers whose outputs each step's states are (`LayerTap`, for a drafter
+        that reads several); () = the final normed state (llama.cpp's embeddings output)."""
         lib = bindings()
         self.path = Path(path)
         # CPU threads for the next step, asked per step: the voice service gives the LM both cores
@@ -271,6 +323,9 @@ class LlamaCppModel:
         cparams.n_seq_max = SEQUENCES
         cparams.kv_unified = True  # conversations share the cells: a forked prefix costs nothing
         cparams.n_threads = cparams.n_threads_batch = self.threads()
+        self._tap = LayerTap(tuple(layers), lib.llama_model_n_layer(self._model)) if layers else None
+        if self._tap is not None:
+            cparams.cb_eval = self._tap.callback
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             lib.llama_model_free(self._model)
@@ -279,6 +334,8 @@ class LlamaCppModel:
         self.embed_tokens: nn.Module | None = None
         self._embed: Callable[[], nn.Module] | None = None
         self.head_window = self.state_rows = 0
+        self.head_note = HEAD_TOO_DEAR  # what the attached head's figures say (`attach_head`)
+        self.state_dim = self.args.dim * max(1, len(layers))  # a state row: one base state, or each tapped layer's
         self.kv_tokens = lib.llama_n_ctx(self._ctx)
         self._mem = lib.llama_get_memory(self._ctx)
         self._batch = lib.llama_batch_init(BATCH, 0, 1)
@@ -308,13 +365,15 @@ class LlamaCppModel:
         rows = DRAFT_ROWS_AMX if cpu_variant() == "sapphirerapids" else DRAFT_ROWS
         if not self.head_window:
             return f"{rows}, and {NO_HEAD}"
-        return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {HEAD_TOO_DEAR}"
+        return "" if cpu_variant() in DRAFTING_PAYS else f"{rows}: {self.head_note}"
 
-    def attach_head(self, window: int, embed: Callable[[], nn.Module]) -> None:
+    def attach_head(self, window: int, embed: Callable[[], nn.Module], note: str = "") -> None:
         """A draft head reads the states of the last `window` positions and the tokens after them
         (`embed()` makes that token table; reading it from the GGUF takes seconds, so only once
-        states are read); the states are read only where drafting pays here (`read_states`)."""
+        states are read); the states are read only where drafting pays here (`read_states`).
+        `note`: what the head's own figures say, for the decision's why (default: the shipped head's)."""
         self.head_window, self._embed = window, embed
+        self.head_note = note or HEAD_TOO_DEAR
         self.read_states(window if not self.draft_rows else 0)
 
     def read_states(self, rows: int) -> None:
@@ -334,7 +393,7 @@ class LlamaCppModel:
         """A sequence for `state` (a CacheState) in the shared cache, given back when `state` is collected."""
         slot = Slot(self, min(capacity or self.args.max_seq_len, self.args.max_seq_len), state)
         if self.state_rows:
-            state.hidden = torch.zeros(slot.capacity, self.args.dim, dtype=torch.float16)
+            state.hidden = torch.zeros(slot.capacity, self.state_dim, dtype=torch.float16)
         weakref.finalize(state, self._release, slot)
         with self._lock:
             self._slots.add(slot)
@@ -447,7 +506,7 @@ class LlamaCppModel:
             n = len(f.draft) + (1 if f.clean else 0)
             states = None
             if hidden is not None:
-                states = torch.zeros(len(f.clean) + len(f.draft), self.args.dim)
+                states = torch.zeros(len(f.clean) + len(f.draft), self.state_dim)
                 states[len(states) - m:] = hidden[at:at + m]
             out.append((logits[at + m - n:at + m], states))
             at += m
@@ -466,6 +525,10 @@ class LlamaCppModel:
         self._lib.llama_set_n_threads(self._ctx, threads, threads)
         if not self.state_rows:
             return self._decode_calls(rows, seqs, False, interruptible)
+        if self._tap is not None:  # the tapped layers' rows come with the logits: one call, no embeddings
+            self._tap.clear()
+            logits, _ = self._decode_calls(rows, seqs, False, interruptible)
+            return logits, self._tap.take([j for j, row in enumerate(rows) if row[3]])
         self._decode_calls([row for row in rows if not row[3]], seqs, False)
         self._lib.llama_set_embeddings(self._ctx, True)
         try:

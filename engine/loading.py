@@ -166,14 +166,16 @@ def weights_dtype(device: str) -> torch.dtype:
 
 
 def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | None = None, device: str = "cpu",
-         adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None) -> LoadedModel:
+         adapter: str | Path | None = None, quantize: str = "none", drafter: str | Path | None = None,
+         layers: tuple[int, ...] = ()) -> LoadedModel:
     """Load `name` (one of MODEL_NAMES | *.gguf | HF folder | hub id) onto `device` (see
     `pick_device`) in `dtype` (default: `weights_dtype(device)`). `adapter`: a LoRA file to
     merge, or "default" for the shipped one (SmolLM2 only; lossy rules only). `drafter`: a draft
     head file, "" for prompt lookup, None for the model's shipped head. `quantize`: "gguf" runs
     the GGUF on llama.cpp (CPU; no draft head, prompt lookup only when asked for); the others
     (engine.quantize, CPU only) apply to the PyTorch model last; "auto" picks one for this machine
-    (`resolve_quantize`)."""
+    (`resolve_quantize`). `layers`: on llama.cpp, the base layers each step's states are read from
+    (`engine.llamacpp.LayerTap`; a head that reads several says which itself)."""
     device = pick_device(device)
     dtype = dtype or weights_dtype(device)
     if quantize not in QUANTIZE:
@@ -189,19 +191,23 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         drafter = shipped_drafter(model) or ""
     states = head_states(drafter) if drafter else ""  # which kernels' states the head reads
     if quantize == "gguf":
-        loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter)
+        if states == "layers":
+            from engine.draft import read_head_args
+            layers = read_head_args(drafter).layers
+        loaded = _load_on_llamacpp(name, model, max_seq_len, device, adapter, layers)
         loaded.lookup = lookup
-        if states == "normed":
+        if states in ("normed", "layers"):
             from engine.llamacpp import LlamaCppModel
             assert isinstance(loaded.model, LlamaCppModel)
             loaded.drafter = _load_head(drafter, loaded.model.args, device)
-            loaded.model.attach_head(loaded.drafter.args.window, lambda: TokenTable(gguf_token_table(gguf_path(name))))
+            loaded.model.attach_head(loaded.drafter.args.window, lambda: TokenTable(gguf_token_table(gguf_path(name))),
+                                     _head_note(drafter, loaded.drafter.args.layers))
         elif asked:
             raise ModelLoadError(f"draft head {drafter} reads PyTorch's hidden states (before the final norm): "
                                  "use quantize none|fp16|int8, or a head trained on llama.cpp's states "
                                  "(engine draft --quantize gguf)")
         return loaded  # the shipped head of a model PyTorch runs faster: AR (or prompt lookup) on llama.cpp
-    if states == "normed":  # a head for llama.cpp's states: none to read on PyTorch's kernels
+    if states in ("normed", "layers"):  # a head for llama.cpp's states: none to read on PyTorch's kernels
         if asked:
             raise ModelLoadError(f"draft head {drafter} reads llama.cpp's hidden states (after the final norm): "
                                  "use quantize gguf")
@@ -231,6 +237,18 @@ def load(name: str = "default", max_seq_len: int = 2048, dtype: torch.dtype | No
         from engine.quantize import quantize_like
         quantize_like(loaded.drafter, loaded.weights)
     return loaded
+
+
+def _head_note(path: str | Path, layers: tuple[int, ...]) -> str:
+    """What a head on several layers measured in training, for the load-time decision's why ('' for
+    the others: engine.llamacpp says what the shipped head measured)."""
+    from engine.draft import read_head_info
+    from engine.llamacpp import LAYER_HEAD_TOO_WEAK
+    info = read_head_info(path)
+    tau = info.get("heldout_decoded_tokens_per_forward")
+    if not layers or tau is None:
+        return ""
+    return LAYER_HEAD_TOO_WEAK.format(layers=",".join(map(str, layers)), tau=tau, replies=info.get("replies", "?"))
 
 
 def head_states(path: str | Path) -> str:
@@ -266,8 +284,8 @@ def gguf_path(name: str) -> Path:
     return path
 
 
-def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter: str | Path | None
-                      ) -> LoadedModel:
+def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adapter: str | Path | None,
+                      layers: tuple[int, ...] = ()) -> LoadedModel:
     """The GGUF on llama.cpp's kernels (engine.llamacpp): as packaged, or re-quantised where this CPU
     variant's kernels run another type faster (`GGUF_WEIGHTS`); our tokenizer."""
     from engine import llamacpp
@@ -282,7 +300,7 @@ def _load_on_llamacpp(name: str, model: str, max_seq_len: int, device: str, adap
     tokenizer = gguf_tokenizer(path)
     quant = GGUF_WEIGHTS.get(model, {}).get(llamacpp.cpu_variant())
     try:
-        lm = llamacpp.LlamaCppModel(llamacpp.requantised(path, quant) if quant else path, max_seq_len)
+        lm = llamacpp.LlamaCppModel(llamacpp.requantised(path, quant) if quant else path, max_seq_len, layers)
     except ValueError as err:
         raise ModelLoadError(str(err)) from err
     spec = DiffusionSpec(mask_id=_default_mask_id(tokenizer), block_size=4, shift=True, context="causal")

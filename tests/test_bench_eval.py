@@ -204,3 +204,35 @@ def test_answers_under_another_system_prompt(tmp_path):
         assert result["system_prompt"] == (extra[1] if extra else VOICE_SYSTEM_PROMPT)
         replies[name] = [row["reply"] for row in result["per_mode"]["ar"]]
     assert replies["voice"] != replies["banana"], replies
+
+
+def test_engine_bench_runs_the_shipped_configuration(tmp_path):
+    """`engine bench --model qwen2.5-1.5b --quantize auto` is what the voice service runs (llama.cpp's
+    kernels here): its forward timer wraps llama.cpp's `step`, which the decoders call with
+    `interruptible` (a wrapper that took only the forwards crashed the command). tau, the tokens a
+    forward commits while decoding with the prefill forward left out, is 1 for AR."""
+    from engine import llamacpp
+    from engine.cli import main
+    if llamacpp.available():
+        pytest.skip(llamacpp.available())
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "qwen2.5-1.5b", "--quantize", "auto", "--threads", "1", "--prompts",
+                 str(PROMPTS / "bench.jsonl"), "--limit", "1", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["weights"] == "gguf" and data["identical_replies"] == 1
+    for mode in ("ar", "diffusion"):
+        s = data["summary"][mode]
+        for key in ("ttfb_ms_p50", "ttfb8_ms_p50", "prefill_ms_p50", "forward_ms_p50", "decode_tok_s"):
+            assert finite_positive(s[key]), (mode, key, s[key])
+        row = s["per_prompt"][0]
+        assert row["tokens"] == 8 and row["forwards"] == 8  # AR here: the decision keeps drafting off
+        assert row["decode_forwards"] == 7 and row["verified_tokens"] == 7 and row["first_block"] == 1
+        assert s["tau"] == pytest.approx(1.0) and s["first_block_tau"] == pytest.approx(1.0)
+
+
+def test_tau_leaves_the_prefill_forward_out_and_counts_the_first_block_apart():
+    # a reply of 9 tokens: the prefill commits 1, then forwards committing 4, 1 and 3 (each with the base's own)
+    counts = bench.verify_counts({1: 1, 2: 5, 3: 6, 4: 9}, tokens=9, forwards=4)
+    assert counts == {"decode_forwards": 3, "verified_tokens": 8, "tau": 8 / 3, "first_block": 4}
+    # a reply that ended with the prefill has nothing verified
+    assert bench.verify_counts({1: 1}, tokens=1, forwards=1)["first_block"] is None

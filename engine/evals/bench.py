@@ -19,6 +19,11 @@ load does not favour one of them. Per request:
   decoding speed alone, since both modes share the same prompt prefill (which is most of a
   short reply's time). Summaries aggregate tokens/s and tokens/forward over all requests
   (sum of tokens / sum of time or forwards) and give p50/p95 of the latencies.
+- `tau`: tokens committed per verify forward while decoding: the tokens after the prefill forward's
+  / the forwards after it (the base's own token included, so AR's is 1). The prefill forward has
+  nothing to verify yet, and a short reply's one token there would pull tokens/forward toward 1.
+  `first_block`: the tokens the first forward after the prefill commits (the reply's first drafted
+  block), whose mean (`first_block_tau`) is reported apart: a reply's opening is formulaic.
 
 Timings are wall-clock on whatever else the machine is doing; `machine` records the load
 average before and after so a noisy run can be recognised.
@@ -150,10 +155,10 @@ class ForwardTimer:
         self._handles = []
         inner = model.step
 
-        def timed(forwards: list[Forward]) -> list[tuple[Tensor, Tensor | None]]:
+        def timed(forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
             before()
             try:
-                return inner(forwards)
+                return inner(forwards, interruptible)
             finally:
                 after()
 
@@ -178,7 +183,9 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
     last = None
     ids: list[int] = []
     text: list[str] = []
+    tokens_after: dict[int, int] = {}  # reply tokens committed once each forward is done
     for piece in engine.generate_sync(messages, cfg, Conversation()):
+        tokens_after[piece.forwards] = piece.tokens
         now = time.perf_counter()
         if first is None:
             first, first_tokens = now, piece.tokens
@@ -197,6 +204,7 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
            "tok_s": tokens / (end - start) if end > start else float("nan"),
            "decode_tokens": tokens - first_tokens, "decode_ms": (end - (first or end)) * 1000,
            "tokens_per_forward": tokens / forwards if forwards else float("nan"),
+           **verify_counts(tokens_after, tokens, forwards),
            "finish_reason": last.finish_reason if last else None,
            "prompt_tokens": last.prompt_tokens if last else 0,
            "text": "".join(text), "token_ids": ids}
@@ -208,14 +216,29 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
     return row
 
 
+def verify_counts(tokens_after: dict[int, int], tokens: int, forwards: int) -> dict:
+    """A request's decoding counts apart from its prefill forward (see the module docstring):
+    `decode_forwards`, the tokens they committed (`verified_tokens`), `tau` and `first_block`
+    (None where the reply ended with the prefill, or a piece held more than one forward's tokens)."""
+    prefilled = tokens_after.get(1)
+    if prefilled is None or forwards < 2:
+        return {"decode_forwards": 0, "verified_tokens": 0, "tau": float("nan"), "first_block": None}
+    second = tokens_after.get(2)
+    return {"decode_forwards": forwards - 1, "verified_tokens": tokens - prefilled,
+            "tau": (tokens - prefilled) / (forwards - 1), "first_block": second - prefilled if second else None}
+
+
 def summarize_mode(rows: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["total_ms"] for r in rows) / 1000
     forwards = sum(r["forwards"] for r in rows)
     decode_seconds = sum(r["decode_ms"] for r in rows) / 1000
+    firsts = [r for r in rows if r["first_block"] is not None]
     out = {"n": len(rows), "tok_s": tokens / seconds if seconds else float("nan"),
            "decode_tok_s": sum(r["decode_tokens"] for r in rows) / decode_seconds if decode_seconds else float("nan"),
            "tokens_per_forward": tokens / forwards if forwards else float("nan"),
+           "tau": ratio(sum(r["verified_tokens"] for r in rows), sum(r["decode_forwards"] for r in rows)),
+           "first_block_tau": ratio(sum(r["first_block"] for r in firsts), len(firsts)),
            "reply_tokens_mean": tokens / len(rows) if rows else float("nan"),
            "tok_s_p50": percentile([r["tok_s"] for r in rows], 50)}
     for key in ("ttfb_ms", "ttfb8_ms", "prefill_ms", "setup_ms", "forward_ms", "total_ms"):
@@ -232,10 +255,11 @@ TABLE = (("TTFB p50 (ms)", "ttfb_ms_p50", 1), ("TTFB p95 (ms)", "ttfb_ms_p95", 1
          ("prefill forward p50 (ms)", "prefill_ms_p50", 1), ("setup before it p50 (ms)", "setup_ms_p50", 1),
          ("later forwards p50 (ms)", "forward_ms_p50", 1), ("request total p50 (ms)", "total_ms_p50", 1),
          ("tokens/s", "tok_s", 2), ("tokens/s after the first piece", "decode_tok_s", 2),
-         ("tokens/forward", "tokens_per_forward", 2),
+         ("tokens/forward (prefill in)", "tokens_per_forward", 2),
+         ("tau: tokens/verify forward", "tau", 2), ("first block tau", "first_block_tau", 2),
          ("reply tokens (mean)", "reply_tokens_mean", 1))
 RATIO_KEYS = ("ttfb_ms_p50", "ttfb_ms_p95", "ttfb8_ms_p50", "prefill_ms_p50", "forward_ms_p50", "total_ms_p50",
-              "tok_s", "decode_tok_s", "tokens_per_forward")
+              "tok_s", "decode_tok_s", "tokens_per_forward", "tau", "first_block_tau")
 
 
 def format_table(summary: dict) -> str:
@@ -246,14 +270,29 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def draft_despite(engine: Engine) -> None:
+    """Mode diffusion drafts with the engine's drafter where its load-time decision keeps AR: a
+    draft head on llama.cpp's kernels is given the states it reads."""
+    from engine.stream import Decoding
+    reason = engine.decoding.why
+    engine.decoding = Decoding("diffusion", f"--draft-anyway (the load-time decision keeps AR here: {reason})")
+    from engine.llamacpp import LlamaCppModel
+    head, model = engine.loaded.drafter, engine.model
+    if head is not None and isinstance(model, LlamaCppModel):
+        model.read_states(head.args.window)
+
+
 def run_bench(model: str, adapter: str | None, prompts_path: Path, json_path: Path | None, cfg: DecodeConfig,
               limit: int = 0, log: Callable[[str], object] = print, quantize: str = "none",
-              drafter: str | None = None) -> dict:
-    """Benchmark AR vs diffusion decoding of `model`; print a table, write JSON if asked, return the result."""
+              drafter: str | None = None, draft_anyway: bool = False) -> dict:
+    """Benchmark AR vs diffusion decoding of `model`; print a table, write JSON if asked, return the result.
+    `draft_anyway`: mode diffusion drafts even where the load-time decision keeps AR (to measure it)."""
     prompts = read_prompts(prompts_path, limit)
     machine = machine_info()
     t = time.perf_counter()
     engine = Engine.load(model, adapter=adapter, quantize=quantize, drafter=drafter)
+    if draft_anyway and engine.decoding.mode == "ar":
+        draft_despite(engine)
     log(f"loaded {engine.name} ({engine.loaded.weights}, adapter: {effective_adapter(model, adapter) or 'none'}) in "
         f"{time.perf_counter() - t:.1f} s; {len(prompts)} prompts, "
         f"max_new_tokens {cfg.max_new_tokens}, torch threads {torch.get_num_threads()}")

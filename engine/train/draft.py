@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -39,11 +40,13 @@ from torch import nn
 from engine.train.data import chat
 from engine.draft import DraftArgs, DraftHead, save_head
 from engine.loading import LoadedModel
-from engine.decode import CacheState, DecodeConfig, ar_batch, run
+from engine.decode import CacheState, DecodeConfig, Forward, ar_batch, run
 from engine.model import Transformer
 
-# (hidden, embedded next tokens, valid, targets, embedded previous tokens or None): one training batch
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+# (hidden, embedded next tokens, valid, targets, embedded previous tokens or None, the base's top-K
+# next tokens as draft-vocabulary rows (-100: none) and their probabilities, or None): one training batch
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+              torch.Tensor | None, torch.Tensor | None]
 
 OFFSET_WEIGHTS = (1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.2, 0.2)
 
@@ -62,6 +65,12 @@ class DraftTrainConfig:
     max_minutes: float = 0.0
     eval_every: int = 250
     seed: int = 0
+    layers: tuple[int, ...] = ()  # the base layers a head reads (states "layers"); () = the one state
+    dropout: float = 0.0
+    width: int = 0  # the head's own width (0: the base's)
+    weight_decay: float = 0.01
+    distill_weight: float = 0.0  # share of the loss from the base's top-K distribution (HASS), the rest greedy CE
+    patience: int = 0  # stop after this many evaluations without a better decoded held-out figure (0: never)
 
 
 @dataclass
@@ -76,6 +85,8 @@ class Corpus:
     train_from: list[int]  # the example's first position a head learns to draft after
     lengths: list[int]
     distilled: list[bool]  # the base's own reply (held-out figures come from these only)
+    top_ids: torch.Tensor | None = None  # [N, K] the base's K likeliest tokens after each position (-1: unknown)
+    top_probs: torch.Tensor | None = None  # [N, K] their probabilities
 
     def positions(self, examples: list[int]) -> torch.Tensor:
         """Global indices of every training position p of `examples` that has a target after it."""
@@ -89,11 +100,14 @@ class Corpus:
     @staticmethod
     def join(parts: list["Corpus"]) -> "Corpus":
         offsets = [sum(len(c.ids) for c in parts[:i]) for i in range(len(parts))]
+        tops = all(c.top_ids is not None for c in parts)
         return Corpus(torch.cat([c.ids for c in parts]), torch.cat([c.hidden for c in parts]),
                       torch.cat([c.targets for c in parts]),
                       [o + s for c, o in zip(parts, offsets) for s in c.starts],
                       [t for c in parts for t in c.train_from], [n for c in parts for n in c.lengths],
-                      [d for c in parts for d in c.distilled])
+                      [d for c in parts for d in c.distilled],
+                      torch.cat([cast(torch.Tensor, c.top_ids) for c in parts]) if tops else None,
+                      torch.cat([cast(torch.Tensor, c.top_probs) for c in parts]) if tops else None)
 
 
 SHARD = 500  # replies per saved shard of hidden states
@@ -226,6 +240,71 @@ def distill_states(base: LoadedModel, prompts: list[str], path: Path, window: in
     model.read_states(0)
 
 
+TOP_K = 8  # the base's likeliest next tokens kept per position for distillation (HASS)
+
+
+@torch.inference_mode()
+def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, batch: int = 8,
+                log: Callable[[str], object] = print) -> Corpus:
+    """The replies of `engine distill`'s shards in `folder` (the first `limit`; 0: all) read back
+    through the base on llama.cpp's kernels, each prompt + reply in one forward with the reply as
+    drafted rows, as verify runs it: the tapped layers' states (`LlamaCppModel(layers=...)`) of the
+    last `window` prompt rows and of every reply row, and the base's top-K next tokens after each
+    reply position. Nothing of it is stored: it comes back in one prefill whenever it is needed."""
+    from engine.llamacpp import LlamaCppModel
+    from engine.train.distill import read_shards as shard_rows
+    model = base.model
+    assert isinstance(model, LlamaCppModel)
+    rows = [r for _, r in zip(range(limit) if limit else iter(int, 1), shard_rows(folder))]
+    model.read_states(window)
+    eos_ids, dim = base.tokenizer.eos_ids, model.state_dim
+    shared = list(os.path.commonprefix([r["prompt_ids"] for r in rows[:64]]))[:-1]
+    root = CacheState.new(model, 2048)
+    run(model, root, shared, False, [])
+    states = [root.fork(model) for _ in range(batch)]  # their ids stay `shared`: each forward is scratch
+    ids: list[int] = []
+    hidden, tops, probs, starts, prompt_lens, lengths = [], [], [], [], [], []
+
+    def zeros(n: int, width: int, fill: int = 0, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.full((n, width), fill, dtype=dtype)
+
+    t0 = time.perf_counter()
+    for first in range(0, len(rows), batch):
+        part = rows[first:first + batch]
+        forwards = [Forward(state, row["prompt_ids"][len(shared):], draft=row["reply_ids"], draft_causal=True)
+                    for state, row in zip(states, part)]
+        for f, (logits, h) in zip(forwards, model.step(forwards)):
+            assert h is not None  # read_states asked for them
+            reply, keep = f.draft, (shared + f.clean)[-window:]
+            cut = reply[-1] not in eos_ids  # stopped at the token limit: the base would have gone on
+            seq = keep + reply + ([base.tokenizer.turn_end_id] if cut else [])
+            stated = min(len(keep), len(f.clean))  # prompt rows this forward wrote (the shared ones: none)
+            starts.append(len(ids) + window)
+            ids += [0] * window + seq
+            hidden += [zeros(window + len(keep) - stated, dim), h[len(h) - len(reply) - stated:].half(),
+                       zeros(len(seq) - len(keep) - len(reply), dim)]
+            # the base's top-K after the last prompt token and after each reply token but the last
+            p, top = logits[:len(reply)].float().softmax(-1).topk(TOP_K, -1)
+            rest = len(seq) - (len(keep) - 1) - len(reply)
+            tops += [zeros(window + len(keep) - 1, TOP_K, -1, torch.int32), top.int(),
+                     zeros(rest, TOP_K, -1, torch.int32)]
+            probs += [zeros(window + len(keep) - 1, TOP_K), p.half(), zeros(rest, TOP_K)]
+            prompt_lens.append(len(keep))
+            lengths.append(len(seq))
+        done = first + len(part)
+        if done % (batch * 25) == 0 or done == len(rows):
+            log(f"read {done}/{len(rows)} replies through the base ({done / (time.perf_counter() - t0):.1f}/s)")
+    model.read_states(0)
+    ids_t = torch.tensor(ids)
+    targets = torch.full_like(ids_t, -1)
+    for s0, p_len, n, row in zip(starts, prompt_lens, lengths, rows):
+        targets[s0 + p_len - 1:s0 + n - 1] = ids_t[s0 + p_len:s0 + n]
+        if row["reply_ids"][-1] not in eos_ids:  # the end-of-turn appended to a cut-off reply is no target
+            targets[s0 + n - 2] = -1
+    return Corpus(ids_t, torch.cat(hidden), targets, starts, prompt_lens, lengths, [True] * len(starts),
+                  torch.cat(tops), torch.cat(probs))
+
+
 def draft_vocabulary(corpus: Corpus, positions: torch.Tensor, size: int, eos_ids: set[int]) -> torch.Tensor:
     """The `size` tokens the base most often says next at `positions` (EOS always in): all a head ever
     needs to propose."""
@@ -251,16 +330,29 @@ def batch_at(corpus: Corpus, positions: torch.Tensor, embed: nn.Embedding, to_dr
         emb = embed(nxt.to(embed.weight.device)).float()
         # chained: row j reads the true token before it (positions p .. p+k-1)
         prev = embed(corpus.ids[row_pos].to(embed.weight.device)).float() if cfg.chain else None
+    top = probs = None
+    if corpus.top_ids is not None and corpus.top_probs is not None:
+        ids = corpus.top_ids[row_pos].long()
+        top = torch.where(ids >= 0, to_draft[ids.clamp(min=0)], -100).to(device)
+        probs = corpus.top_probs[row_pos].float().to(device)
     return (hidden.to(device), emb.to(device), valid.to(device), targets.to(device),
-            prev.to(device) if prev is not None else None)
+            prev.to(device) if prev is not None else None, top, probs)
 
 
-def loss_and_accepted(head: DraftHead, batch: Batch, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    hidden, emb, valid, targets, prev = batch
+def loss_and_accepted(head: DraftHead, batch: Batch, weights: torch.Tensor, distill_weight: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offset-weighted loss: cross-entropy on the base's greedy token, mixed with `distill_weight`
+    of cross-entropy on its top-K distribution (HASS; the mass outside the head's vocabulary dropped),
+    which says how sure the base was and what else it weighed, not only what it said."""
+    hidden, emb, valid, targets, prev, top, probs = batch
     with torch.autocast(hidden.device.type, dtype=torch.bfloat16):  # ~1.5x faster on AVX-512 BF16 CPUs too
         logits = head(hidden, emb, valid, prev).float()
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
     ce = ce.view(targets.shape)
+    if distill_weight and top is not None and probs is not None:
+        known = (top != -100).float() * probs
+        soft = -(known * logits.log_softmax(-1).gather(-1, top.clamp(min=0))).sum(-1) / known.sum(-1).clamp(min=1e-6)
+        ce = (1 - distill_weight) * ce + distill_weight * soft
     mask = (targets != -100).float()
     loss = (ce * mask * weights).sum() / (mask * weights).sum()
     return loss, kept(logits, targets)
@@ -287,14 +379,14 @@ def held_out_figures(head: DraftHead, corpus: Corpus, examples: list[int], embed
     """(teacher-forced, decoded) tokens per forward on `examples` (the base's own replies), the head in
     fp32 as the decoder runs it; `threshold` is the decoder's draft threshold."""
     a = head.args
-    cfg = DraftTrainConfig(block=a.block, window=a.window, chain=a.chain)
+    cfg = DraftTrainConfig(block=a.block, window=a.window, chain=a.chain, layers=a.layers)
     to_draft = draft_index(head.vocab_ids.cpu(), a.vocab_size)
     positions = corpus.positions(examples)
     every = 0
     kept_at: dict[int, int] = {}
     for i in range(0, len(positions), 1024):
         pos = positions[i:i + 1024]
-        hidden, emb, valid, targets, prev = batch_at(corpus, pos, embed, to_draft, cfg, device)
+        hidden, emb, valid, targets, prev, _, _ = batch_at(corpus, pos, embed, to_draft, cfg, device)
         logits = head(hidden, emb, valid, prev).float()
         every += int(kept(logits, targets).sum())
         kept_at.update(zip(pos.tolist(), kept(logits, targets, threshold).tolist()))
@@ -354,12 +446,17 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     a = base.model.args
     embed, lm_head, states = base_tables(base)
     head = DraftHead(DraftArgs(dim=a.dim, vocab_size=a.vocab_size, draft_vocab=len(vocab), block=cfg.block,
-                               window=cfg.window, n_layers=cfg.n_layers, chain=cfg.chain, states=states,
+                               window=cfg.window, n_layers=cfg.n_layers, chain=cfg.chain,
+                               states="layers" if cfg.layers else states, layers=cfg.layers, dropout=cfg.dropout,
+                               width=cfg.width,
                                norm_eps=getattr(a, "norm_eps", DraftArgs.norm_eps)), vocab)
     with torch.no_grad():
         head.head.weight.copy_(lm_head[vocab.to(lm_head.device)].float().cpu())
+    if cfg.layers:  # the base's output rows, frozen (DFlash): the head learns states the base's own head reads
+        head.head.weight.requires_grad_(False)
     head.to(device)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay)
     step = 0
     if saved:
         head.load_state_dict(saved["head"])
@@ -382,7 +479,8 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     def checkpoint(figures: tuple[float, float] | None) -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab},
                    state_path)
-        save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures)})
+        save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures),
+                                                            "replies": sum(corpus.distilled)})
         head.to(device)
 
     def result(figures: tuple[float, float] | None) -> dict:
@@ -394,6 +492,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
             f"{DecodeConfig.draft_threshold:g}), teacher-forced {figures[0]:.3f} (every position, every row)")
 
     start, history, figures = time.perf_counter(), [], None
+    best, stale = -1.0, 0  # early stopping on the decoded held-out figure: the best head is the one kept
     gen = torch.Generator().manual_seed(cfg.seed + step)
     head.train()
     while step < cfg.max_steps:
@@ -404,7 +503,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
             group["lr"] = lr
         pos = train_pos[torch.randint(len(train_pos), (cfg.batch,), generator=gen)]
         loss, accepted = loss_and_accepted(head, batch_at(corpus, pos, embed, to_draft, cfg, device),
-                                           weights)
+                                           weights, cfg.distill_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -420,7 +519,16 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         if step % cfg.eval_every == 0:
             figures = evaluate()
             report(figures, f"step {step}")
-            checkpoint(figures)
+            if not cfg.patience or figures[1] > best:
+                best, stale = figures[1], 0
+                checkpoint(figures)
+            else:
+                stale += 1
+                if stale >= cfg.patience:
+                    log(f"stopped early: no better decoded held-out figure in {stale} evaluations (best {best:.3f})")
+                    break
+    if cfg.patience and best >= 0:
+        return {"steps": step, "heldout_decoded_tokens_per_forward": best, "drafter": str(out / "drafter.safetensors")}
     figures = evaluate()
     report(figures, "final")
     checkpoint(figures)

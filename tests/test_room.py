@@ -22,7 +22,7 @@ CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go
 
 @pytest.fixture(scope="module")
 def server():
-    config = make_config()
+    config = make_config(vad={"follow_user": True})  # (off by default until it keeps clean speech whole)
     with LiveServer(config, fake_stages(config)) as srv:
         yield srv
 
@@ -87,7 +87,7 @@ def test_background_talk_below_the_user_does_not_hold_their_turn_open(below_db):
 def test_a_room_alone_starts_no_speech(kind):
     rng = np.random.default_rng(2)
     room = room_eval.room_audio(Room(kind, 10), 30 * RATE, rng, room_eval.SPEAKER_DB - 10)
-    assert Endpointer(VadConfig()).push(float_to_pcm16(room)) == []
+    assert Endpointer(VadConfig(follow_user=True)).push(float_to_pcm16(room)) == []
 
 
 def test_the_replys_echo_is_not_speech_while_it_plays_the_user_over_it_is():
@@ -123,7 +123,8 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
 
 
 def test_the_offline_evaluation_runs_the_endpointer_on_every_room():
-    results = room_eval.offline([Room.parse("babble:15"), Room.parse("echo:10")], [CLIP], VadConfig(), alone_s=5)
+    results = room_eval.offline([Room.parse("babble:15"), Room.parse("echo:10")], [CLIP], VadConfig(follow_user=True),
+                              alone_s=5)
     babble, echo = results
     assert babble.ends_ms[0] is not None and babble.starts == [1] and babble.alone_starts == 0
     assert echo.echo_starts == 0 and echo.echo_talking == 0 and len(echo.barge_in_ms) == 1

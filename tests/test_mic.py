@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soxr
 import websockets
 from websockets.asyncio.server import serve
 
 from fakes import SPEECH, padded_speech, speech
-from voice.clients.mic import FRAME_BYTES, Console, Framer, MicClient, Player
+from voice.clients.mic import FRAME_BYTES, Console, EchoCanceller, Framer, MicClient, Player
 
 pytestmark = [pytest.mark.slow, pytest.mark.live]
 
@@ -323,3 +324,23 @@ def test_framer_makes_20ms_frames_at_16k(rate):
     out = np.frombuffer(b"".join(frames), dtype="<i2").astype(np.float32)
     spectrum = np.abs(np.fft.rfft(out[1600:]))
     assert abs(np.argmax(spectrum) * 16000 / len(out[1600:]) - 440) < 5
+
+
+def test_echo_canceller_removes_what_was_played_and_keeps_the_user():
+    """The played reply comes back 10 dB under after 50 ms; the user talks over it from 6 s on."""
+    reply = np.concatenate([np.frombuffer(speech(n), dtype="<i2") for n in ("005.wav", "002.wav", "goforward.wav")])
+    user = np.frombuffer(speech("003.wav"), dtype="<i2").astype(np.float32)
+    n, at = len(reply) + 16000, 6 * 16000
+    heard = np.zeros(n, np.float32)
+    heard[800:800 + len(reply)] = reply * 10 ** (-10 / 20)
+    heard[at:at + len(user)] += user
+    played = np.concatenate([reply, np.zeros(n - len(reply), "<i2")])
+    echo = EchoCanceller(48000)
+    out = []
+    for i in range(0, n - 319, 320):  # as the streams run: 20 ms played (at 48 kHz), 20 ms heard
+        echo.played(soxr.resample(played[i:i + 320], 16000, 48000).astype("<i2").tobytes())
+        out.append(echo.heard(np.clip(heard[i:i + 320], -32768, 32767).astype("<i2").tobytes()))
+    sent = np.frombuffer(b"".join(out), dtype="<i2").astype(np.float32)
+    erle = _db(heard[3 * 16000:at]) - _db(sent[3 * 16000:at])
+    assert erle >= 15, f"ERLE {erle:.1f} dB"
+    assert abs(_db(sent[at:at + len(user)]) - _db(user)) <= 4

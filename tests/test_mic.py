@@ -1,14 +1,17 @@
-"""`voice mic` against a real audio server: PulseAudio with two null sinks.
+"""`voice mic` against a real audio server: PulseAudio with null sinks.
 
 The "mic" sink's monitor is the microphone (paplay plays 005.wav into it), the "speaker" sink
 is the output (parec records its monitor). `voice mic` reaches them the way it would reach
 hardware: sounddevice -> PortAudio -> ALSA -> ALSA's pulse plugin -> PulseAudio.
+A room with an echo: what is played into "room_out" comes back, 60 ms later through a
+loopback, into "room", whose monitor is that room's microphone.
 """
 
 from __future__ import annotations
 
 import ctypes.util
 import glob
+import asyncio
 import io
 import os
 import re
@@ -22,15 +25,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soxr
+import websockets
+from websockets.asyncio.server import serve
 
-from fakes import SPEECH, padded_speech
-from voice.clients.mic import FRAME_BYTES, Console, Framer, MicClient, Player
+from fakes import SPEECH, padded_speech, speech
+from voice.clients.mic import FRAME_BYTES, Console, EchoCanceller, Framer, MicClient, Player
 
 pytestmark = [pytest.mark.slow, pytest.mark.live]
 
 PULSE_CONFIG = """\
 load-module module-null-sink sink_name=mic rate=16000 channels=1 sink_properties=device.description=mic
 load-module module-null-sink sink_name=speaker rate=16000 channels=1 sink_properties=device.description=speaker
+load-module module-null-sink sink_name=room rate=16000 channels=1 sink_properties=device.description=room
+load-module module-null-sink sink_name=room_out rate=16000 channels=1 sink_properties=device.description=room_out
+load-module module-loopback source=room_out.monitor sink=room latency_msec=60
 load-module module-native-protocol-unix auth-anonymous=1 socket={socket}
 set-default-source mic.monitor
 set-default-sink speaker
@@ -173,6 +182,93 @@ def test_conversation_over_pulseaudio(pulse, live_voice_server, tmp_path):
     assert loud.sum() * 0.02 > 0.3, f"only {loud.sum() * 0.02:.2f} s of reply audio reached the speaker"
 
 
+class ReplyPeer:
+    """A websocket peer in a thread: on `start` it sends `reply` as reply audio, and keeps what the client sends."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply, self.heard = reply, bytearray()
+        self.ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._serve(),), daemon=True)
+        self._thread.start()
+        assert self.ready.wait(10)
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with serve(self._session, "127.0.0.1", 0) as server:
+            self.url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/ws"
+            self.ready.set()
+            await self._stop.wait()
+
+    async def _session(self, ws) -> None:
+        await ws.recv()  # start
+        for i in range(0, len(self.reply), 3200):
+            await ws.send(self.reply[i:i + 3200])
+        try:
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    self.heard += msg
+        except websockets.ConnectionClosed:
+            pass
+
+    def close(self) -> np.ndarray:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+        return np.frombuffer(bytes(self.heard), dtype="<i2").astype(np.float32)
+
+
+def _db(x: np.ndarray) -> float:
+    return float(10 * np.log10((x ** 2).mean() + 1e-9))
+
+
+def _talk_over_a_reply(pulse: dict, *args: str) -> tuple[np.ndarray, np.ndarray]:
+    """`voice mic` in the echoing room: a 12 s reply plays, the user talks 8 s in; what the client sent."""
+    reply = b"".join(speech(name) for name in ("005.wav", "001.wav", "002.wav", "004.wav", "forever.wav",
+                                                "goforward.wav"))
+    peer = ReplyPeer(reply)
+    env = {**pulse, "PULSE_SINK": "room_out", "PULSE_SOURCE": "room.monitor"}
+    client = voice_mic(env, "--url", peer.url, "--input", "pulse", "--output", "pulse", *args)
+    out = Lines(client.stdout)
+    try:
+        out.wait_for(r"^connected to ", timeout=60)
+        time.sleep(8)
+        subprocess.run(["paplay", "--device=room", str(SPEECH / "003.wav")], env=pulse, check=True, timeout=60)
+        time.sleep(1)
+        client.send_signal(signal.SIGINT)
+        client.wait(timeout=20)
+    finally:
+        if client.poll() is None:
+            client.kill()
+        sent = peer.close()
+    assert client.returncode == 0, out.text() + client.stderr.read()
+    return sent, np.frombuffer(speech("003.wav"), dtype="<i2").astype(np.float32)
+
+
+def _levels(sent: np.ndarray, voice: np.ndarray) -> tuple[float, float, float]:
+    """(the echo alone from 3 s to just before the user, the user's speech over the echo, the user's clip) in dB."""
+    at = _find(sent, voice)
+    return _db(sent[3 * 16000:at - 3200]), _db(sent[at:at + len(voice)]), _db(voice)
+
+
+def _find(sent: np.ndarray, voice: np.ndarray) -> int:
+    """Where the user's clip starts in what was sent (cross-correlation via FFT)."""
+    n = len(sent) + len(voice)
+    corr = np.fft.irfft(np.fft.rfft(sent, n) * np.conj(np.fft.rfft(voice, n)), n)[: len(sent) - len(voice)]
+    return int(np.argmax(corr))
+
+
+def test_echo_is_cancelled_and_the_user_still_heard(pulse):
+    sent, voice = _talk_over_a_reply(pulse)
+    echo_db, user_db, clip_db = _levels(sent, voice)
+    raw, _ = _talk_over_a_reply(pulse, "--no-aec")
+    raw_echo_db, _, _ = _levels(raw, voice)
+    print(f"echo without AEC {raw_echo_db:.1f} dB, with {echo_db:.1f} dB (ERLE {raw_echo_db - echo_db:.1f} dB); "
+          f"user over the echo {user_db:.1f} dB, the clip alone {clip_db:.1f} dB")
+    assert raw_echo_db > clip_db - 10, "without AEC the reply should come back into the microphone"
+    assert raw_echo_db - echo_db >= 15
+    assert abs(user_db - clip_db) <= 4
+
+
 def test_unreachable_server(pulse):
     client = voice_mic(pulse, "--url", "ws://127.0.0.1:9/ws")
     stdout, stderr = client.communicate(timeout=60)
@@ -228,3 +324,23 @@ def test_framer_makes_20ms_frames_at_16k(rate):
     out = np.frombuffer(b"".join(frames), dtype="<i2").astype(np.float32)
     spectrum = np.abs(np.fft.rfft(out[1600:]))
     assert abs(np.argmax(spectrum) * 16000 / len(out[1600:]) - 440) < 5
+
+
+def test_echo_canceller_removes_what_was_played_and_keeps_the_user():
+    """The played reply comes back 10 dB under after 50 ms; the user talks over it from 6 s on."""
+    reply = np.concatenate([np.frombuffer(speech(n), dtype="<i2") for n in ("005.wav", "002.wav", "goforward.wav")])
+    user = np.frombuffer(speech("003.wav"), dtype="<i2").astype(np.float32)
+    n, at = len(reply) + 16000, 6 * 16000
+    heard = np.zeros(n, np.float32)
+    heard[800:800 + len(reply)] = reply * 10 ** (-10 / 20)
+    heard[at:at + len(user)] += user
+    played = np.concatenate([reply, np.zeros(n - len(reply), "<i2")])
+    echo = EchoCanceller(48000)
+    out = []
+    for i in range(0, n - 319, 320):  # as the streams run: 20 ms played (at 48 kHz), 20 ms heard
+        echo.played(soxr.resample(played[i:i + 320], 16000, 48000).astype("<i2").tobytes())
+        out.append(echo.heard(np.clip(heard[i:i + 320], -32768, 32767).astype("<i2").tobytes()))
+    sent = np.frombuffer(b"".join(out), dtype="<i2").astype(np.float32)
+    erle = _db(heard[3 * 16000:at]) - _db(sent[3 * 16000:at])
+    assert erle >= 15, f"ERLE {erle:.1f} dB"
+    assert abs(_db(sent[at:at + len(user)]) - _db(user)) <= 4

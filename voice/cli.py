@@ -163,7 +163,7 @@ def cmd_mic(a: argparse.Namespace) -> int:
     if a.list_devices:
         print(mic.list_devices())
         return 0
-    return mic.mic(a.url, a.input, a.output)
+    return mic.mic(a.url, a.input, a.output, aec=not a.no_aec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,12 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                         "`engine eval --answers` (the LM's answers to what was heard)")
     p.set_defaults(func=cmd_spoken_eval)
 
-    p = sub.add_parser("mic", help="talk to a running service from this machine's microphone (use headphones)",
+    p = sub.add_parser("mic", help="talk to a running service from this machine's microphone",
                        description="Full duplex: stream the microphone to the service, play its replies, show a "
                                    "live status line and each turn's latency. Ctrl-C quits.")
     p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
     p.add_argument("--input", default=None, help="input device: index or part of its name (default: the system's)")
     p.add_argument("--output", default=None, help="output device: index or part of its name (default: the system's)")
+    p.add_argument("--no-aec", action="store_true",
+                   help="no echo cancellation (headphones: nothing the speaker plays reaches the microphone)")
     p.add_argument("--list-devices", action="store_true", help="list audio devices and exit")
     p.set_defaults(func=cmd_mic)
 

@@ -2,8 +2,12 @@
 
 Full duplex over the native protocol: the input stream's callback hands 20 ms frames of
 16 kHz PCM16 to the websocket, and the output stream's callback plays reply audio from a
-queue that a `clear` (barge-in) empties at once. There is no echo cancellation, so use
-headphones; otherwise the assistant hears itself and interrupts its own replies.
+queue that a `clear` (barge-in) empties at once.
+
+On a speakerphone or laptop the reply comes back through the microphone. `EchoCanceller` runs
+WebRTC's echo canceller (AEC3, bundled in the `livekit` wheel): every block the output stream
+plays, silence included, is its reference at the moment it is played, and every microphone
+frame leaves with that echo removed before it is sent. `--no-aec` turns it off for headphones.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
 RATE = 16000  # what we stream to the server
 FRAME_MS = 20
 FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
+AEC_MS = 10  # WebRTC's audio processing takes exactly 10 ms frames
 
 
 def _sounddevice() -> ModuleType:
@@ -40,6 +45,51 @@ def _sounddevice() -> ModuleType:
     except OSError as err:  # the Python package is there but the PortAudio library is not
         raise SystemExit(f"voice mic needs the PortAudio library (e.g. apt-get install libportaudio2): {err}") from None
     return sounddevice
+
+
+class EchoCanceller:
+    """WebRTC's AEC3 between the speaker and the microphone.
+
+    `played` runs on the output stream's thread with what the speaker is given now, `heard` on the
+    event loop with what the microphone caught; a lock keeps the two calls into the module apart.
+    The stream delay is a hint (the output plus input latencies PortAudio reports); AEC3 finds
+    the echo's real delay itself.
+    """
+
+    def __init__(self, play_rate: int) -> None:
+        try:
+            from livekit import rtc
+        except ImportError:
+            raise SystemExit("echo cancellation needs the [mic] extra (pip install 'diffusion-voice[mic]'); "
+                             "with headphones, --no-aec") from None
+        self._rtc = rtc
+        self._apm = rtc.AudioProcessingModule(echo_cancellation=True)
+        self._lock = threading.Lock()
+        self.play_rate = play_rate
+        self._play_bytes = play_rate * 2 * AEC_MS // 1000
+        self._played = bytearray()
+        self.delay_ms = 0
+
+    def played(self, pcm: bytes) -> None:
+        self._played += pcm
+        while len(self._played) >= self._play_bytes:
+            frame = self._rtc.AudioFrame(bytes(self._played[:self._play_bytes]), self.play_rate, 1,
+                                         self._play_bytes // 2)
+            del self._played[:self._play_bytes]
+            with self._lock:
+                self._apm.process_reverse_stream(frame)
+
+    def heard(self, frame: bytes) -> bytes:
+        """One 20 ms frame of 16 kHz PCM16 from the microphone -> the same with the echo removed."""
+        step = RATE * 2 * AEC_MS // 1000
+        out = bytearray()
+        for i in range(0, len(frame), step):
+            chunk = self._rtc.AudioFrame(frame[i:i + step], RATE, 1, step // 2)
+            with self._lock:
+                self._apm.set_stream_delay_ms(self.delay_ms)
+                self._apm.process_stream(chunk)
+            out += chunk.data.cast("B")
+        return bytes(out)
 
 
 def parse_device(value: str | None) -> int | str | None:
@@ -56,9 +106,10 @@ def list_devices() -> str:
 class Player:
     """Reply audio waiting to be played; the output stream's callback drains it."""
 
-    def __init__(self) -> None:
+    def __init__(self, echo: EchoCanceller | None = None) -> None:
         self._lock = threading.Lock()
         self._buf = bytearray()
+        self.echo = echo  # told every block as it is played, so that it can cancel it from the mic
         self.played = 0  # bytes handed to the output device
         self.dropped = 0  # bytes dropped by `clear`
 
@@ -87,6 +138,8 @@ class Player:
             self.played += take
         if take < n:
             outdata[take:] = b"\x00" * (n - take)
+        if self.echo is not None:
+            self.echo.played(bytes(outdata))
 
 
 class Framer:
@@ -139,8 +192,9 @@ class Console:
 
 class MicClient:
     def __init__(self, url: str, input_device: int | str | None = None, output_device: int | str | None = None,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, aec: bool = True) -> None:
         self.url, self.input_device, self.output_device = url, input_device, output_device
+        self.aec = aec
         self.console = console or Console()
         self.player = Player()
         self.state = "connecting"
@@ -178,12 +232,16 @@ class MicClient:
         loop = asyncio.get_running_loop()
         frames: asyncio.Queue[bytes] = asyncio.Queue(maxsize=200)
         framer = Framer(in_rate)
+        echo = EchoCanceller(out_rate) if self.aec else None
+        self.player.echo = echo
 
         def on_input(indata: Any, n: int, time_info: Any, status: Any) -> None:  # PortAudio thread (cffi objects)
             loop.call_soon_threadsafe(_enqueue, bytes(indata))
 
         def _enqueue(pcm: bytes) -> None:
             for frame in framer.push(pcm):
+                if echo is not None:
+                    frame = echo.heard(frame)
                 if frames.full():
                     frames.get_nowait()  # the socket is stuck; keep the newest audio
                 frames.put_nowait(frame)
@@ -197,12 +255,16 @@ class MicClient:
             await ws.send(json.dumps({"type": "start", "version": 1, "sample_rate": RATE,
                                       "output_sample_rate": out_rate, "encoding": "pcm_s16le"}))
             with sd.RawInputStream(samplerate=in_rate, blocksize=in_rate * FRAME_MS // 1000, channels=1,
-                                   dtype="int16", device=self.input_device, callback=on_input, latency="high"), \
+                                   dtype="int16", device=self.input_device, callback=on_input,
+                                   latency="high") as mic_stream, \
                  sd.RawOutputStream(samplerate=out_rate, blocksize=out_rate * FRAME_MS // 1000, channels=1,
                                     dtype="int16", device=self.output_device, callback=self.player.callback,
-                                    latency="high"):
+                                    latency="high") as speaker_stream:
+                if echo is not None:
+                    echo.delay_ms = round((mic_stream.latency + speaker_stream.latency) * 1000)
+                aec = f"echo cancellation on (delay hint {echo.delay_ms} ms)" if echo else "no echo cancellation"
                 self.console.line(f"connected to {self.url}; talk (Ctrl-C to quit). "
-                                  f"mic {in_rate} Hz -> {RATE} Hz, speaker {out_rate} Hz")
+                                  f"mic {in_rate} Hz -> {RATE} Hz, speaker {out_rate} Hz, {aec}")
                 tasks = [asyncio.create_task(self._send(ws, frames)), asyncio.create_task(self._status())]
                 try:
                     return await self._receive(ws)
@@ -317,9 +379,9 @@ class MicClient:
             await asyncio.sleep(0.1)
 
 
-def mic(url: str, input_device: str | None = None, output_device: str | None = None) -> int:
+def mic(url: str, input_device: str | None = None, output_device: str | None = None, aec: bool = True) -> int:
     """Run until Ctrl-C (exit 0) or until the connection fails (exit 1) or a device fails (exit 2)."""
-    client = MicClient(url, parse_device(input_device), parse_device(output_device))
+    client = MicClient(url, parse_device(input_device), parse_device(output_device), aec=aec)
     # A process started in the background by a non-interactive shell inherits SIGINT ignored,
     # and Python then never raises KeyboardInterrupt: make Ctrl-C / SIGINT quit in any case.
     signal.signal(signal.SIGINT, signal.default_int_handler)

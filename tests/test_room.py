@@ -1,7 +1,7 @@
 """Heard in a room (issue 55): `voice room-eval` over the wire, one clip per room, around fake models
 (the turn-taking is the real VAD and turn code; the ASR says "eight of spades" for any audio, so a turn
 the room starts is a reply the room gets, and the TTS is a tone); and the endpointer's level gate on its
-own, on the same rooms, today's behaviour beside it (`vad.follow_user = false`)."""
+own, on the same rooms, the shipped default beside it (`vad.follow_user = false`, the gate off)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ RATE = 16000  # what we stream to the server
 FRAME_MS = 20
 FRAME_BYTES = RATE * 2 * FRAME_MS // 1000
 AEC_MS = 10  # WebRTC's audio processing takes exactly 10 ms frames
+# PortAudio's "high" output latency on ALSA's pulse plugin is 35 ms: with two busy processes on 2 cores it
+# underran 7-54 times in 12 s and lost up to half the reply; 100 ms underran 0 times in the same trials.
+SPEAKER_BUFFER_S = 0.1
 
 
 def _sounddevice() -> ModuleType:
@@ -259,7 +262,7 @@ class MicClient:
                                    latency="high") as mic_stream, \
                  sd.RawOutputStream(samplerate=out_rate, blocksize=out_rate * FRAME_MS // 1000, channels=1,
                                     dtype="int16", device=self.output_device, callback=self.player.callback,
-                                    latency="high") as speaker_stream:
+                                    latency=SPEAKER_BUFFER_S) as speaker_stream:
                 if echo is not None:
                     echo.delay_ms = round((mic_stream.latency + speaker_stream.latency) * 1000)
                 aec = f"echo cancellation on (delay hint {echo.delay_ms} ms)" if echo else "no echo cancellation"

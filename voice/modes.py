@@ -1,10 +1,12 @@
-"""A session that serves requests instead of holding a conversation: Wyoming's three programs.
+"""A session that serves requests instead of holding a conversation: Wyoming's three programs,
+the session's `dictate`, `recite` and `answer_in` (voice/session.py).
 
     listen   audio from the client's start to its stop -> one final transcript, no reply
              (`Dictation`, the session's TurnTaker: every sample transcribed; the VAD only
              decides when the final may be decoded early, as a TurnTaker's EarlyFinal does)
     speak    text as it comes -> phrases -> audio (`ReplyRunner.recite`: no LM)
-    answer   a typed turn in a conversation the caller keeps -> the LM's reply as text (no TTS)
+    answer   a typed turn in a conversation the caller keeps -> the LM's reply as text (no TTS;
+             `NoChat`: the session has no conversation of its own)
 
 Each request is a turn of the session (`Session(..., requests=True)`), so admission, the call
 records, latency and metrics, stage faults, the scheduler and the end of the turn are the
@@ -14,24 +16,15 @@ session's, as for every other front. What a request says goes out through the se
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator
 
 from voice import vad
 from voice.asr import SAMPLE_RATE, Transcriber
 from voice.audio import pcm16_to_float
 from voice.config import Config
 from voice.events import SpeechStarted, SpeechStopped
-from voice.history import History
-from voice.lm import Chat, Committed
-from voice.reply import Reply
+from voice.lm import Committed
 from voice.turns import Final, Partial, SpeculationDropped, TurnEvent, TurnTaker
-
-if TYPE_CHECKING:
-    from voice.session import Session
-
-STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
 
 
 class Dictation(TurnTaker):
@@ -139,66 +132,3 @@ class NoChat:
 
     def close(self) -> None:
         return None
-
-
-def dictation(session: Session) -> Dictation:
-    assert isinstance(session.turns, Dictation), "a session that serves requests (requests=True)"
-    return session.turns
-
-
-def answered(session: Session) -> None:
-    """The last request is answered: its reply (audio the client has, not plays) is no barge-in's."""
-    reply = session.floor.reply
-    if reply is not None and (reply.task is None or reply.task.done()):
-        session.floor.reply = None
-
-
-def listen(session: Session) -> int:
-    """Start a dictation (one in flight is dropped, unanswered: `superseded`). Its turn."""
-    answered(session)
-    turns, before = dictation(session), session.turn
-    dropped = turns.dictating
-    session._on_turn(turns.start(time.monotonic()))
-    if dropped and before in session.call_log.open_turns:
-        session.unreplied(before, "", "superseded")
-    return session.turn
-
-
-def speak(session: Session, texts: AsyncIterator[str]) -> int:
-    """A turn that speaks `texts` as they come (no LM). Its turn."""
-    answered(session)
-    turn = session.turns.new_turn()
-    session.call_log.started(turn)
-    session.stages.scheduler.start_waiting(session)  # until its first audio, the client waits
-    session.floor.recite(turn, texts)
-    return turn
-
-
-async def answer(session: Session, text: str, history: History, chat: Chat) -> int:
-    """A typed turn in the conversation `history` and `chat` hold (the caller keeps them), answered
-    as text only; returns once its turn is recorded. Its turn."""
-    answered(session)
-    mine = session.history, session.replies.chat
-    session.history, session.replies.chat = history, chat
-    try:
-        turn = session.text_turn(text)
-        reply = session.floor.reply
-        assert reply is not None and reply.task is not None  # started by text_turn
-        await asyncio.wait({reply.task})
-        return turn
-    finally:
-        session.history, session.replies.chat = mine
-
-
-async def stop(session: Session) -> None:
-    """The client's request failed: drop what is in flight (a dictation, its final transcript, a
-    reply), and let a cancelled reply record itself."""
-    session.clear_speech()
-    reply: Reply | None = session.floor.reply
-    tasks = [t for t in (reply.task if reply else None, session.final_task, *session.partial_tasks)
-             if t is not None and not t.done()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-    session.stages.scheduler.stop_waiting(session)

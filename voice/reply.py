@@ -25,6 +25,7 @@ from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
 from voice.faults import StageFailure, blocks_within, synthesis_within
+from voice.history import History
 from voice.lm import Chat
 from voice.playback import Playback
 from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
@@ -139,15 +140,16 @@ class ReplyRunner:
         await self.prepare(ahead(reply.text.strip()))
 
     async def run(self, reply: Reply, messages: list[dict],
-                  ahead: Callable[[str], list[dict]] | None = None) -> None:
+                  ahead: Callable[[str], list[dict]] | None = None, chat: Chat | None = None) -> None:
         """The whole reply, until the client has played it (a barge-in cancels this task).
         `ahead(text)`: the next turn's conversation if this reply is heard whole; the LM prefills
-        it as soon as the reply is decoded, while it is spoken (`prepare_next`)."""
+        it as soon as the reply is decoded, while it is spoken (`prepare_next`). `chat`: the
+        conversation it is a turn of, if not the session's own (Wyoming's answer)."""
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(reply, phrases))
         try:
             try:
-                await self._generate(reply, messages, phrases, speaker)
+                await self._generate(reply, messages, phrases, speaker, chat or self.chat)
                 phrases.put_nowait(None)
                 if ahead is not None and not reply.tools:
                     self.sink.spawn(self.prepare_next(reply, ahead))
@@ -169,33 +171,33 @@ class ReplyRunner:
             raise
 
     async def _generate(self, reply: Reply, messages: list[dict], phrases: asyncio.Queue,
-                        speaker: asyncio.Task) -> None:
+                        speaker: asyncio.Task, chat: Chat) -> None:
         """LM blocks -> reply events and phrases for the speaker. A reply that calls tools is not
         spoken: the calls run and the model answers again with their results (voice/tools.py)."""
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words,
                                   self.config.tts.max_phrase_chars)
         offered = (self.tools.openai() + self.client_tools) or None
-        calls = await self._blocks(reply, messages, splitter, phrases, speaker, offered)
+        calls = await self._blocks(reply, chat, messages, splitter, phrases, speaker, offered)
         theirs = {t["function"]["name"] for t in self.client_tools}
         if any(c["function"]["name"] in theirs for c in calls):
             await self._hand_over(reply, [c for c in calls if c["function"]["name"] in theirs])
         elif calls:
             runs = await self._use_tools(reply, calls, phrases)
-            await self._blocks(reply, with_results(messages, runs), splitter, phrases, speaker, None)
+            await self._blocks(reply, chat, with_results(messages, runs), splitter, phrases, speaker, None)
         elif offered and not reply.text:  # a call cut off by max_new_tokens: answer without tools
             log.warning("session=%s turn=%d the LM's tool call was incomplete; answering without tools",
                         self.name, reply.turn)
-            await self._blocks(reply, messages, splitter, phrases, speaker, None)
+            await self._blocks(reply, chat, messages, splitter, phrases, speaker, None)
         if rest := splitter.flush():
             self._give(reply, rest, phrases)
 
-    async def _blocks(self, reply: Reply, messages: list[dict], splitter: PhraseSplitter, phrases: asyncio.Queue,
-                      speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
+    async def _blocks(self, reply: Reply, chat: Chat, messages: list[dict], splitter: PhraseSplitter,
+                      phrases: asyncio.Queue, speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
         """One LM reply, each block under its timeout; the tool calls it makes instead of text, if any."""
         limit = self.config.limits.max_reply_chars
         # Urgent until the first phrase is decoded (the LM knows before we do: then its next forward
         # would share the cores with that phrase's synthesis), and again once the audio runs low.
-        stream = self.chat.reply(messages, self.lm_mode, urgent=lambda text: (
+        stream = chat.reply(messages, self.lm_mode, urgent=lambda text: (
             not (reply.phrased or splitter.would_phrase(text))
             or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
         calls: list[dict] = []
@@ -372,21 +374,23 @@ class Floor:
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
 
-    def start(self, turn: int, user_text: str) -> Reply:
+    def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
+        """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
+        and `chat` hold (Wyoming's answer: the caller keeps it)."""
         reply = self.reply = Reply(turn)
-        reply.task = self.spawn(self._respond(reply, user_text))
+        reply.task = self.spawn(self._respond(reply, user_text, history or self.session.history, chat))
         return reply
 
-    async def _respond(self, reply: Reply, user_text: str) -> None:
-        s = self.session
+    async def _respond(self, reply: Reply, user_text: str, history: History, chat: Chat | None) -> None:
         try:
-            await s.replies.run(reply, s.history.messages(user_text), functools.partial(s.history.ahead, user_text))
+            await self.session.replies.run(reply, history.messages(user_text),
+                                           functools.partial(history.ahead, user_text), chat)
         finally:
             if reply.released.is_set():  # else a speculation that was dropped: it never happened
                 await self._reply_done(reply, user_text, "ok" if reply.finished else "superseded" if reply.superseded
-                                       else "failed" if reply.failure else "interrupted")
+                                       else "failed" if reply.failure else "interrupted", history)
 
-    async def _reply_done(self, reply: Reply, user_text: str, status: str) -> None:
+    async def _reply_done(self, reply: Reply, user_text: str, status: str, history: History | None = None) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
         s = self.session
         s.stages.scheduler.stop_waiting(s)
@@ -396,7 +400,7 @@ class Floor:
         # not for it at all, would have every later turn refused too: the client is told it is gone)
         refused = reply.failure is not None and reply.failure.kind == "client"
         if user_text and not reply.superseded and not refused:
-            s.history.add(user_text, heard)
+            (history or s.history).add(user_text, heard)
         s.emit(Work(reply.turn, now, reply.work), wire=False)
         with s.outbox.holding() as held:
             s.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))

@@ -19,7 +19,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import assert_never
 
 from voice import modes
@@ -30,13 +30,16 @@ from voice.faults import StageFailure, transcript_within
 from voice.history import History
 from voice.latency import LatencyTracker
 from voice.limits import watch_session
+from voice.lm import Chat
 from voice.outbox import Outbox
-from voice.reply import Floor, ReplyRunner
+from voice.playback import Playback
+from voice.reply import Floor, Reply, ReplyRunner
 from voice.stages import Stages
 from voice.tools import Timers
 from voice.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooLong, TurnEvent, TurnTaker
 
 log = logging.getLogger("voice.session")
+STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)
 
@@ -199,10 +202,13 @@ class Session:
             reply.task.cancel()
             self.floor.reply = None
 
-    # --- turns a client drives (the Realtime API) ----------------------------------------------
+    # --- what a front may ask of the session (nothing else of it is theirs to touch) ---------------
 
     def text_turn(self, text: str) -> int:
         """A turn typed instead of spoken: it is answered like a transcript. Its number."""
+        return self._typed_turn(text).turn
+
+    def _typed_turn(self, text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
         now = time.monotonic()
         self.floor.barge_in(now)
         turn = self.turns.new_turn()
@@ -210,8 +216,89 @@ class Session:
         self.call_log.transcript(turn, text)
         self.emit(Transcript(turn, now, text, True))
         self.stages.scheduler.start_waiting(self)
-        self.floor.start(turn, text).released.set()
+        reply = self.floor.start(turn, text, history, chat)
+        reply.released.set()
+        return reply
+
+    def instruct(self, system_prompt: str) -> None:
+        """The LM's instructions from the next reply on (Realtime's `instructions`, a system item)."""
+        self.history.system_prompt = system_prompt
+
+    def offer_tools(self, tools: list[dict]) -> None:
+        """Functions the client runs itself (Realtime's `session.tools`, chat-completions shape),
+        offered to the LM from the next reply on: a call of one ends the reply."""
+        self.replies.client_tools = tools
+
+    def cancel_reply(self) -> bool:
+        """Stop the reply being made or played, as the user talking over it would (Realtime's
+        `response.cancel`); False if there is none."""
+        if self.floor.reply is None:
+            return False
+        self.floor.barge_in(time.monotonic())
+        return True
+
+    def heard_only(self, text: str) -> None:
+        """Only `text` of the last reply was heard (Realtime's `conversation.item.truncate`): the
+        LM sees only that from now on."""
+        self.history.heard_only(text)
+
+    def take_unanswered(self) -> str:
+        """The user's last words that got no answer yet (a reply that called the client's
+        functions), taken out of the history: the next turn asks them again with the outputs."""
+        return self.history.take_unanswered()
+
+    def reply_playback(self) -> Playback | None:
+        """What of the current reply is on the wire and heard (None: no reply has the floor)."""
+        return self.floor.reply.playback if self.floor.reply is not None else None
+
+    # --- requests: Wyoming's programs (a session opened with requests=True, voice/modes.py) -------
+
+    def dictate(self) -> int:
+        """Start a dictation (one in flight is dropped, unanswered: `superseded`). Its turn."""
+        self._forget_answered_reply()
+        assert isinstance(self.turns, modes.Dictation), "a session that serves requests (requests=True)"
+        before, dropped = self.turn, self.turns.dictating
+        self._on_turn(self.turns.start(time.monotonic()))
+        if dropped and before in self.call_log.open_turns:
+            self.unreplied(before, "", "superseded")
+        return self.turn
+
+    def recite(self, texts: AsyncIterator[str]) -> int:
+        """A turn that speaks `texts` as they come (no LM). Its turn."""
+        self._forget_answered_reply()
+        turn = self.turns.new_turn()
+        self.call_log.started(turn)
+        self.stages.scheduler.start_waiting(self)  # until its first audio, the client waits
+        self.floor.recite(turn, texts)
         return turn
+
+    async def answer_in(self, text: str, history: History, chat: Chat) -> int:
+        """A typed turn in the conversation `history` and `chat` hold (the caller keeps them; the
+        session's own is untouched), answered as text only; returns once its turn is recorded."""
+        self._forget_answered_reply()
+        reply = self._typed_turn(text, history, chat)
+        assert reply.task is not None  # started with the reply
+        await asyncio.wait({reply.task})
+        return reply.turn
+
+    async def drop_request(self) -> None:
+        """The client's request failed: drop what is in flight (a dictation, its final transcript, a
+        reply), and let a cancelled reply record itself."""
+        self.clear_speech()
+        reply = self.floor.reply
+        tasks = [t for t in (reply.task if reply else None, self.final_task, *self.partial_tasks)
+                 if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+        self.stages.scheduler.stop_waiting(self)
+
+    def _forget_answered_reply(self) -> None:
+        """The last request is answered: its reply (audio the client has, not plays) is no barge-in's."""
+        reply = self.floor.reply
+        if reply is not None and (reply.task is None or reply.task.done()):
+            self.floor.reply = None
 
     def end_speech(self) -> bool:
         """The client says the user stopped talking; False if nobody was."""

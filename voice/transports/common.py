@@ -12,7 +12,7 @@ session's events into its wire. Everything between is here, once:
                   however it ends, `finish`: cancel its tasks, `session.close`, release.
 
 What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming's connections run
-here too, their session one that serves requests (voice/modes.py: listen, speak, answer).
+here too, their session one that serves requests (its dictate, recite, answer_in: voice/modes.py).
 """
 
 from __future__ import annotations

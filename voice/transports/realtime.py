@@ -35,7 +35,6 @@ import binascii
 import copy
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -156,8 +155,8 @@ class RealtimeFront:
             changes["voice"] = body.voice_given()  # any name: this server has one voice (joe), used for all
         self.settings.update(changes)
         if self.session is not None:
-            self.session.history.system_prompt = self.settings["instructions"]
-            self.session.replies.client_tools = self.offered()
+            self.session.instruct(self.settings["instructions"])
+            self.session.offer_tools(self.offered())
         return [{"type": "session.updated", "session": self.session_object()}]
 
     def _tools(self, tools: list[FunctionTool]) -> list[dict]:
@@ -197,7 +196,7 @@ class RealtimeFront:
             self.session = Session(self.stages, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
                                    meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
-            self.session.replies.client_tools = self.offered()
+            self.session.offer_tools(self.offered())
             self.conversation.open(self.session, self)
         return self.session
 
@@ -329,14 +328,14 @@ class RealtimeFront:
                                 "string_above_max_length", "item.content")
         self.settings["instructions"] = instructions
         if self.session is not None:
-            self.session.history.system_prompt = instructions
+            self.session.instruct(instructions)
 
     async def on_response_create(self, event: ResponseCreate) -> list[dict]:
         items = self.items
         if items.pending_outputs:  # the answer to a function call: the question again, with the outputs
             runs, items.pending_outputs = items.pending_outputs, []
             session = self.ensure_session()  # the question again, folded with them as voice/tools.py does
-            question = [{"role": "user", "content": session.history.take_unanswered()}]
+            question = [{"role": "user", "content": session.take_unanswered()}]
             session.text_turn(with_results(question, runs)[-1]["content"].strip())
             return []
         if not items.pending_text:
@@ -346,22 +345,20 @@ class RealtimeFront:
         return []
 
     async def on_response_cancel(self, event: ResponseCancel) -> list[dict]:
-        if self.session is None or self.session.floor.reply is None:
+        if self.session is None or not self.session.cancel_reply():  # as the user talking over it would
             raise RealtimeError("no response is in progress", "response_cancel_not_active")
-        self.session.floor.barge_in(time.monotonic())  # as the user talking over it would
         return []
 
     async def on_truncate(self, event: ItemTruncate) -> list[dict]:
         heard, out = self.items.truncate(event.item_id, event.audio_end_ms)
         assert self.session is not None  # it gave the response
-        self.session.history.heard_only(heard)  # what the LM sees next: only what was heard
+        self.session.heard_only(heard)  # what the LM sees next: only what was heard
         return out
 
     # --- the session's events -> server events (AudioOutput) ----------------------------------
 
     def _playback(self) -> Playback | None:
-        session = self.session
-        return session.floor.reply.playback if session is not None and session.floor.reply else None
+        return self.session.reply_playback() if self.session is not None else None
 
     async def send(self, ev: Event) -> None:
         items, turn = self.items, ev.turn

@@ -23,9 +23,9 @@ within `idle_timeout_s`, each write must be read within it too, and a connection
 socket back on every way out.
 
 This file is only the codec: Wyoming's events and its request model (one request at a time, each
-answered before the next event is read). The work is a `Session` that serves requests
-(voice/modes.py: listen, speak, answer) on the conversation runner every front uses
-(voice/transports/common.py): admission, the call records (transport "wyoming", a connection
+answered before the next event is read). The work is a `Session` that serves requests (its
+`dictate`, `recite` and `answer_in`: voice/session.py, voice/modes.py) on the conversation runner
+every front uses (voice/transports/common.py): admission, the call records (transport "wyoming", a connection
 with a request is a session, each request a turn), latency and /metrics, stage faults, the
 scheduler and the end of each turn are the session's, as for /ws (docs/HOME_ASSISTANT.md).
 """
@@ -57,7 +57,7 @@ from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
 from engine.common.wire import WireError, decode_json
-from voice import events, modes
+from voice import events
 from voice.asr import SAMPLE_RATE
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
 from voice.auth import source_allowed
@@ -377,7 +377,7 @@ class Connection:
             raise RequestFailed("unsupported_language", f"this server transcribes {asr.language!r}, not "
                                                         f"{self.language!r}")
         session = self.open()
-        self.begin("listen", modes.listen(session))
+        self.begin("listen", session.dictate())
         self.resampler = StreamResampler(SAMPLE_RATE)
         await self.write(TranscriptStart(language=asr.language or None).event())
 
@@ -416,7 +416,7 @@ class Connection:
                 yield more
 
         await self.write(AudioStart(rate=session.out_rate, width=2, channels=1).event())
-        self.begin("speak", modes.speak(session, stream()), streamed=texts is None)
+        self.begin("speak", session.recite(stream()), streamed=texts is None)
 
     async def answer(self, transcript: Transcript) -> None:
         """The LM's reply to a transcript, in the conversation its context names."""
@@ -429,7 +429,7 @@ class Connection:
         session = self.open()
         await self.write(HandledStart(context=context).event())
         self.begin("answer", session.turn + 1, context=context)
-        await modes.answer(session, transcript.text, history, chat)
+        await session.answer_in(transcript.text, history, chat)
         await self.answered()
 
     # --- the wire out (AudioOutput) -------------------------------------------------------------
@@ -544,7 +544,7 @@ class Connection:
         self.error(failure.code, failure.message)
         session = self.session
         if session is not None:
-            await modes.stop(session)
+            await session.drop_request()
             if session.turn in session.call_log.open_turns:
                 session.unreplied(session.turn, "", failure.code)
         try:

@@ -1,0 +1,87 @@
+"""The shape of the code, read from its source (no imports run): what a front may touch of a
+session, and which module imports which (docs: /work/shared/DESIGN.md's "arrows point down").
+
+Checked with `ast` over the files themselves, so a test fails the moment a front reaches inside a
+Session again, or an import (a type-only one included) closes a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The session and its own parts: the only code that may touch what the Session keeps inside.
+SESSION_FILES = {"voice/session.py", "voice/reply.py"}
+SESSION_INSIDES = {"floor", "replies", "history"}  # besides every `_private` member
+
+
+def _python_files(root: Path, *folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (root / folder).rglob("*.py"))
+
+
+def _is_session_type(annotation: ast.expr | None) -> bool:
+    """`Session`, `Session | None`, `"Session"`, `Optional[Session]`..."""
+    if annotation is None:
+        return False
+    words = ast.unparse(annotation).replace("'", " ").replace('"', " ").replace("[", " ").replace("]", " ")
+    return "Session" in words.replace("|", " ").split()
+
+
+def _session_names(tree: ast.Module) -> set[str]:
+    """Names that hold a Session in this module: built from `Session(...)`, annotated as one, or
+    taken from the open sessions (`stages.live`)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and ast.unparse(node.value.func) == "Session":
+            names |= {ast.unparse(t) for t in node.targets}
+        elif isinstance(node, (ast.AnnAssign, ast.arg)) and _is_session_type(node.annotation):
+            names.add(ast.unparse(node.target) if isinstance(node, ast.AnnAssign) else node.arg)
+        elif isinstance(node, (ast.For, ast.comprehension)) and ast.unparse(node.iter).endswith(".live"):
+            names.add(ast.unparse(node.target))
+    return names
+
+
+def reaches_inside(root: Path) -> list[str]:
+    """Every place outside the session's own files that touches a Session's `.floor`, `.replies`,
+    `.history` or a `_private` member: `file:line expression`."""
+    found = []
+    for path in _python_files(root, "voice", "bench"):
+        rel = path.relative_to(root).as_posix()
+        if rel in SESSION_FILES:
+            continue
+        tree = ast.parse(path.read_text(), rel)
+        sessions = _session_names(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if not (node.attr in SESSION_INSIDES or private):
+                continue
+            receiver = ast.unparse(node.value)
+            if receiver in sessions or receiver.split(".")[-1].lower().endswith("session"):
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return sorted(found, key=lambda place: (place.split(":")[0], int(place.split(":")[1].split(" ")[0])))
+
+
+def test_no_front_reaches_inside_a_session():
+    """A front asks the session (instruct, offer_tools, cancel_reply, heard_only, answer_in, ...);
+    what the session keeps (its floor, reply runner, history, private members) is its own."""
+    assert reaches_inside(ROOT) == []
+
+
+def test_the_rule_sees_a_front_reaching_inside(tmp_path: Path):
+    """The rule finds each way a front used to reach in (realtime.py and modes.py before)."""
+    front = tmp_path / "voice" / "transports" / "front.py"
+    front.parent.mkdir(parents=True)
+    (tmp_path / "bench").mkdir()
+    front.write_text("def f(self, stages, session: Session | None):\n"
+                     "    self.session.history.system_prompt = 'x'\n"
+                     "    session.floor.barge_in(0)\n"
+                     "    session._on_turn([])\n"
+                     "    s = Session(stages)\n"
+                     "    s.replies.chat = None\n"
+                     "    busy = [x.floor for x in stages.live]\n"
+                     "    self.floor = 0  # a VAD's noise floor is not a session's\n")
+    assert [line.split(" ")[0] for line in reaches_inside(tmp_path)] == [
+        f"voice/transports/front.py:{n}" for n in (2, 3, 4, 6, 7)]

@@ -160,18 +160,19 @@ def test_a_contender_stops_the_reply_it_began_over_never_its_own():
 
     async def scenario() -> tuple[list, bool, bool]:
         sent: list = []
-        session = SimpleNamespace(id="s", stages=SimpleNamespace(metrics=SimpleNamespace(
-            barge_ins=SimpleNamespace(inc=lambda: None))), emit=lambda ev, wire=True, track=True: sent.append(ev))
-        floor = Floor(session)  # type: ignore[arg-type]
+        floor = Floor("s", None, None, None, None, None, None, None,  # type: ignore[arg-type]
+                      SimpleNamespace(inc=lambda: None))  # (what a barge-in needs: its counter)
         running = lambda: asyncio.create_task(asyncio.sleep(10))  # noqa: E731 - a reply still being made
         floor.reply = old = Reply(1, task=running())
-        floor.speech_started(2, time.monotonic(), 0)
+        sent += floor.speech_started(2, time.monotonic(), 0)
         assert floor.contender == 2 and not sent  # no words yet: the reply goes on
-        assert floor.heard_words(2, "go forward", time.monotonic())  # words: the reply it began over stops
+        assert floor.heard_words(2, "go forward")  # words: the reply it began over stops
+        sent += floor.talked_over(2, time.monotonic())  # (as the session does on words heard)
         assert floor.reply is None and [type(ev) for ev in sent] == [Clear]
         floor.reply = own = Reply(2, task=running())  # turn 2's own (speculative) reply
-        assert floor.heard_words(2, "go forward ten", time.monotonic())  # a late partial
-        floor.talked_over(2, time.monotonic())
+        assert floor.heard_words(2, "go forward ten")  # a late partial
+        sent += floor.talked_over(2, time.monotonic())
+        sent += floor.talked_over(2, time.monotonic())
         await asyncio.sleep(0.05)  # a cancelled task ends on its next step
         assert old.task is not None and own.task is not None
         return sent, old.task.cancelled(), own.task.cancelled()  # (asyncio.run cancels what is left after)

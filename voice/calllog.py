@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
 from voice import records as rec
 from voice.events import Error, Event, LatencyReport
-
-if TYPE_CHECKING:
-    from voice.reply import Reply
 
 log = logging.getLogger("voice.session")
 MAX_TURN_ERRORS = 20  # errors kept in one turn's row
@@ -70,7 +66,8 @@ class CallLog:
             self.uid, turn, meta.get("started"), time.time(), status, transcript, reply, heard, interrupted,
             apologised, latency, meta.get("errors", []), tools))
 
-    async def reply_done(self, reply: Reply, status: str, transcript: str, heard: str, held: list[Event]) -> bool:
+    async def reply_done(self, turn: int, status: str, transcript: str, reply: str, heard: str, interrupted: bool,
+                         apologised: bool, tools: list[dict], held: list[Event]) -> bool:
         """`replied` for a session's reply; its latency report is among the events `held` back for it."""
         latency = next((e.to_wire() for e in held if isinstance(e, LatencyReport)), None)
         if latency is not None:
@@ -78,10 +75,7 @@ class CallLog:
             latency.pop("turn", None)
             if self.stages_key:
                 latency["stages"] = latency["stages_ms"]
-        playback = reply.playback
-        apologised = playback.apology_at is not None and playback.emitted > playback.apology_at
-        return await self.replied(reply.turn, status, transcript, reply.text.strip(), heard, not reply.finished,
-                                  apologised, latency, [run.record() for run in reply.tools])
+        return await self.replied(turn, status, transcript, reply, heard, interrupted, apologised, latency, tools)
 
     def closed(self, reason: str, turns: int) -> None:
         """The session ended: turns still open (the user was speaking, the final transcript was

@@ -18,22 +18,31 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
+
+from prometheus_client import Counter
 
 from voice.asr import echoes, has_words
+from voice.calllog import CallLog
 from voice.config import Config
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
 from voice.faults import StageFailure, blocks_within, synthesis_within
 from voice.history import History
 from voice.lm import Chat
+from voice.outbox import Outbox
 from voice.playback import Playback
-from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
+from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Scheduler
 from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter, SpeechSynthesizer
+from voice.turns import TurnTaker
 
-if TYPE_CHECKING:
-    from voice.session import Session
+
+class Send(Protocol):
+    """The session's way out (voice/session.py's `emit`): to the client if `wire`, to the latency
+    tracker if `track`; False if the client was not sent it."""
+
+    def __call__(self, ev: Event, wire: bool = True, track: bool = True) -> bool: ...
 
 # A reply whose audio is about to run out (less than this left to play, nothing being synthesised)
 # speaks the words it has, at least this many, without waiting for the phrase's punctuation: a cut
@@ -366,25 +375,36 @@ class ReplyRunner:
 class Floor:
     """The assistant's side of one conversation (voice/session.py): the reply that has the floor,
     from its start to its record, what of it reaches the wire and is heard, the user talking over
-    it (barge-in), and announcements between turns. It is its ReplyRunner's sink."""
+    it (barge-in), and announcements between turns. It is its ReplyRunner's sink.
 
-    def __init__(self, session: Session):
-        self.session = session
+    It gets the session's parts it works with, never the Session: the user's turns (whose turn it
+    is, when they heard us), the history, the outbox, the call log, the scheduler (where the
+    session's `name` waits), and `send`, the session's way to the client and the latency tracker.
+    What the session asks of it at a point of the user's turn (`speech_started`, `talked_over`,
+    `barge_in`, `audio_sent`) returns the events to send, as the TurnTaker's `push` does; the
+    replies it runs as tasks send theirs as they go."""
+
+    def __init__(self, name: str, turns: TurnTaker, history: History, outbox: Outbox, call_log: CallLog,
+                 scheduler: Scheduler, send: Send, fault: Callable[[StageFailure], None], barge_ins: Counter):
+        self.name, self.turns, self.history, self.outbox, self.call_log = name, turns, history, outbox, call_log
+        self.scheduler, self.send, self.fault, self.barge_ins = scheduler, send, fault, barge_ins
+        self.replies: ReplyRunner  # the session's, whose sink this is: set once both are built
         self.reply: Reply | None = None
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
+        self.closed = False
 
     def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
         """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
         and `chat` hold (Wyoming's answer: the caller keeps it)."""
         reply = self.reply = Reply(turn)
-        reply.task = self.spawn(self._respond(reply, user_text, history or self.session.history, chat))
+        reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
     async def _respond(self, reply: Reply, user_text: str, history: History, chat: Chat | None) -> None:
         try:
-            await self.session.replies.run(reply, history.messages(user_text),
-                                           functools.partial(history.ahead, user_text), chat)
+            await self.replies.run(reply, history.messages(user_text), functools.partial(history.ahead, user_text),
+                                   chat)
         finally:
             if reply.released.is_set():  # else a speculation that was dropped: it never happened
                 await self._reply_done(reply, user_text, "ok" if reply.finished else "superseded" if reply.superseded
@@ -392,25 +412,29 @@ class Floor:
 
     async def _reply_done(self, reply: Reply, user_text: str, status: str, history: History | None = None) -> None:
         """Record the turn, then send its reply_done and latency (held back until the record is committed)."""
-        s = self.session
-        s.stages.scheduler.stop_waiting(s)
+        self.scheduler.stop_waiting(self.name)
         now = time.monotonic()
         heard = reply.text.strip() if reply.finished else reply.playback.heard(now)
         # (a superseded turn's words are in the next one's; a refused one's, too long for the LM or
         # not for it at all, would have every later turn refused too: the client is told it is gone)
         refused = reply.failure is not None and reply.failure.kind == "client"
         if user_text and not reply.superseded and not refused:
-            (history or s.history).add(user_text, heard)
-        s.emit(Work(reply.turn, now, reply.work), wire=False)
-        with s.outbox.holding() as held:
-            s.emit(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
-        if not await s.call_log.reply_done(reply, status, user_text, heard, held):
-            s.error("record_failed", "this turn could not be written to the call records")
-        if not s.closed:
-            s.outbox.release(held)
+            (history or self.history).add(user_text, heard)
+        self.send(Work(reply.turn, now, reply.work), wire=False)
+        with self.outbox.holding() as held:
+            self.send(ReplyDone(reply.turn, now, reply.text.strip(), heard, not reply.finished))
+        playback = reply.playback
+        if not await self.call_log.reply_done(
+                reply.turn, status, user_text, reply.text.strip(), heard, not reply.finished,
+                playback.apology_at is not None and playback.emitted > playback.apology_at,
+                [run.record() for run in reply.tools], held):
+            self.send(Error(reply.turn, time.monotonic(), "record_failed",
+                            "this turn could not be written to the call records"))
+        if not self.closed:
+            self.outbox.release(held)
 
     def recite(self, turn: int, texts: AsyncIterator[str]) -> Reply:
-        """A reply that speaks `texts` as they come (voice/modes.py's speak), recorded as any."""
+        """A reply that speaks `texts` as they come (Wyoming's speak), recorded as any."""
         reply = self.reply = Reply(turn)
         reply.released.set()
         reply.task = self.spawn(self._recited(reply, texts))
@@ -418,28 +442,23 @@ class Floor:
 
     async def _recited(self, reply: Reply, texts: AsyncIterator[str]) -> None:
         try:
-            await self.session.replies.recite(reply, texts)
+            await self.replies.recite(reply, texts)
         finally:
             await self._reply_done(reply, "", "ok" if reply.finished else "failed" if reply.failure
                                    else "interrupted")
 
     async def listened(self, turn: int, transcript: str) -> None:
-        """A turn that only listens (voice/modes.py's listen) ends at its final transcript: recorded
+        """A turn that only listens (Wyoming's listen) ends at its final transcript: recorded
         with it, its reply_done and latency report sent, nothing said."""
         reply = Reply(turn, finished=True)
         reply.released.set()
         await self._reply_done(reply, transcript, "ok")
 
     async def asr_failed(self, turn: int, failure: StageFailure) -> None:
-        """The turn ends with the error and the apology, unless the user has spoken again since."""
-        s = self.session
-        if turn != s.turn:
-            s.stages.fault(failure)
-            s.unreplied(turn, "", "asr_failed")
-            return
+        """The current turn ends with the error and the apology."""
         reply = self.reply = Reply(turn, task=asyncio.current_task())
         reply.released.set()
-        s.replies.fail(reply, failure)
+        self.replies.fail(reply, failure)
         try:
             await reply.playback.played()
         finally:
@@ -451,9 +470,14 @@ class Floor:
         task.add_done_callback(self.tasks.discard)
         return task
 
+    def close(self) -> list[asyncio.Task]:
+        """The session closes: nothing more is released to its outbox. The tasks to cancel."""
+        self.closed = True
+        return [*self.tasks, *([self.reply.task] if self.reply is not None and self.reply.task else [])]
+
     # --- what the user hears ------------------------------------------------------------------
 
-    def speech_started(self, turn: int, now: float, resumes: int) -> None:
+    def speech_started(self, turn: int, now: float, resumes: int) -> list[Event]:
         """The user started talking. Going on with the utterance whose reply they have not heard yet,
         that reply stops at once (its words are in this turn's transcript too). Over any other reply
         still pending or playing, this turn is a contender: it stops the reply only once it is speech
@@ -462,81 +486,78 @@ class Floor:
         reply, self.contender = self.reply, None
         if reply is not None and resumes and reply.turn == resumes:
             reply.superseded = True
-            self.barge_in(now)
-        elif reply is not None and self._interruptible(reply, now):
+            return self.barge_in(now)
+        if reply is not None and self._interruptible(reply, now):
             self.contender = turn
+        return []
 
-    def talked_over(self, turn: int, now: float) -> None:
-        """`turn` has been voiced long enough to be speech (voice/turns.py's Talking): a barge-in."""
-        if turn == self.contender:
-            self._contended(turn, now)
+    def talked_over(self, turn: int, now: float) -> list[Event]:
+        """`turn` is speech (voice/turns.py's Talking, or words heard: `heard_words`): if it is the
+        contender, the reply it began over stops, never the turn's own (a late partial can land
+        after its speculative reply started)."""
+        if turn == self.contender and self.reply is not None and self.reply.turn != turn:
+            return self.barge_in(now)
+        return []
 
-    def heard_words(self, turn: int, text: str, now: float, final: bool = False) -> bool:
+    def heard_words(self, turn: int, text: str, final: bool = False) -> bool:
         """`turn`'s transcript so far (`final`: all of it) is `text`: is it a turn to answer? One begun over
         a reply must hold words, not Whisper's near-silence "you" (voice/asr.py's has_words) nor mostly the
-        reply's own (its echo through a speakerphone: `echoes`), and then it is a barge-in; else it is no
-        speech, and the reply goes on."""
+        reply's own (its echo through a speakerphone: `echoes`), and then it talks over the reply
+        (`talked_over`); else it is no speech, and the reply goes on."""
         if turn != self.contender:
             return True
-        if not has_words(text) or self.reply is not None and echoes(text, self.reply.text, final):
-            return False
-        self._contended(turn, now)
-        return True
+        return has_words(text) and not (self.reply is not None and echoes(text, self.reply.text, final))
 
-    def _contended(self, turn: int, now: float) -> None:
-        """The contender `turn` is speech: the reply it began over stops, never the turn's own (a late
-        partial can land after its speculative reply started)."""
-        if self.reply is not None and self.reply.turn != turn:
-            self.barge_in(now)
-
-    def playing(self, now: float) -> bool:
+    def playing(self, now: float, echo_tail_s: float = ECHO_TAIL_S) -> bool:
         """Is a reply playing at the user's end, or has it just stopped (its echo may still come back)?"""
-        return self.reply is not None and self.reply.playback.playing(now - ECHO_TAIL_S)
+        return self.reply is not None and self.reply.playback.playing(now - echo_tail_s)
+
+    def replying(self) -> bool:
+        """A reply is being made or played."""
+        return self.reply is not None and self.reply.task is not None and not self.reply.task.done()
 
     @staticmethod
     def _interruptible(reply: Reply, now: float) -> bool:
         """Is `reply` still being made, or played?"""
         return reply.task is not None and not reply.task.done() or reply.playback.playing(now)
 
-    def barge_in(self, now: float) -> None:
+    def barge_in(self, now: float) -> list[Event]:
         """Stop the reply pending or playing (the user's speech, a Realtime `response.cancel`, a
-        typed turn) and drop queued audio."""
+        typed turn): the client drops its queued audio (a `Clear`)."""
         reply = self.reply
         if reply is None or not self._interruptible(reply, now):
-            return
+            return []
         if reply.task is not None and not reply.task.done():
             cancel(reply.task)
-        self.session.stages.metrics.barge_ins.inc()
-        session_log.info("session=%s turn=%d barge-in", self.session.id, reply.turn)
-        self.emit(Clear(reply.turn, now))
+        self.barge_ins.inc()
+        session_log.info("session=%s turn=%d barge-in", self.name, reply.turn)
         self.reply = None
+        return [Clear(reply.turn, now)]
 
-    def audio_sent(self, turn: int, text: str, seconds: float) -> None:
-        """The transport put a phrase's audio on the wire (called once per phrase)."""
+    def audio_sent(self, turn: int, text: str, seconds: float) -> list[Event]:
+        """The transport put a phrase's audio on the wire (called once per phrase): at the first,
+        an `AudioSent` for the latency tracker (none for an announcement: no latency of its own)."""
         reply = self.reply
         if reply is None or reply.turn != turn:
-            return
+            return []
         now, playback = time.monotonic(), reply.playback
+        out: list[Event] = []
         if playback.started is None and not playback.apology_started():
             playback.started = now
-            self.session.turns.heard()  # speech from now on is a new utterance, not the last one resumed
-            self.emit(AudioSent(turn, now), wire=False, track=not reply.announcement)
+            self.turns.heard()  # speech from now on is a new utterance, not the last one resumed
+            out = [] if reply.announcement else [AudioSent(turn, now)]
         playback.sent(text, now, seconds)
+        return out
 
     async def announce(self, text: str) -> None:
-        """Say `text` between turns (a timer that is due): once nobody is speaking or being answered.
-        The user talking over it interrupts it like a reply."""
-        s = self.session
-        while not s.closed and (s.busy or (self.reply is not None and self.reply.playback.playing(time.monotonic()))):
-            await asyncio.sleep(0.2)
-        if s.closed:
-            return
-        reply = self.reply = Reply(s.turn, task=asyncio.current_task(), announcement=True)
+        """Say `text` now (a timer that is due; the session waits until nobody is speaking or being
+        answered). The user talking over it interrupts it like a reply."""
+        reply = self.reply = Reply(self.turns.turn, task=asyncio.current_task(), announcement=True)
         reply.released.set()
-        session_log.info("session=%s announces: %s", s.id, text)
-        self.emit(Announcement(s.turn, time.monotonic(), text))
+        session_log.info("session=%s announces: %s", self.name, text)
+        self.send(Announcement(reply.turn, time.monotonic(), text))
         try:
-            await s.replies.announce(reply, text)
+            await self.replies.announce(reply, text)
         finally:
             if self.reply is reply:
                 self.reply = None
@@ -544,7 +565,7 @@ class Floor:
     # --- the sink (ReplySink) -----------------------------------------------------------------
 
     def emit(self, ev: Event, wire: bool = True, track: bool = True) -> bool:
-        return self.session.emit(ev, wire, track)
+        return self.send(ev, wire, track)
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
@@ -552,8 +573,4 @@ class Floor:
 
     def first_audio(self) -> None:
         """The reply's first audio is synthesised: nothing of ours is urgent any more."""
-        self.session.stages.scheduler.stop_waiting(self.session)
-
-    def fault(self, failure: StageFailure) -> None:
-        """A stage failed or overran its timeout (for /healthz and the metrics)."""
-        self.session.stages.fault(failure)
+        self.scheduler.stop_waiting(self.name)

@@ -10,6 +10,10 @@ what reached the wire: what the user heard. Beside the line: the call log writes
 `reply_done` is sent; the history is what the LM sees; `watch_session` (voice/limits.py) sets `ending` past a limit; a
 failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILITY.md). From the end of the user's
 speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
+
+A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `instruct`,
+`offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`); its parts get their
+collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import assert_never
 from voice import modes
 from voice.calllog import CallLog
 from voice.config import Config
-from voice.events import Error, Event, SpeechStarted, SpeechStopped, Transcript
+from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.faults import StageFailure, transcript_within
 from voice.history import History
 from voice.latency import LatencyTracker
@@ -62,11 +66,14 @@ class Session:
         self.turns = (modes.Dictation if requests else TurnTaker)(cfg, stages.whisper, in_rate, self.id)
         self.end_of_turn = stages.end_of_turn(cfg)
         self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
-        self.floor = Floor(self)  # the assistant's side: the reply being made or heard (voice/reply.py)
-        self.timers = Timers(self.floor.announce, stages.tools.zone)
-        self.replies = ReplyRunner(cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate,
-                                   lm_mode, None if requests else stages.apology.get(out_rate), self.floor, self.id,
-                                   stages.tools, self.timers, requests)
+        # the assistant's side: the reply being made or heard (voice/reply.py)
+        self.floor = Floor(self.id, self.turns, self.history, self.outbox, self.call_log, stages.scheduler, self.emit,
+                           stages.fault, stages.metrics.barge_ins)
+        self.timers = Timers(self._announce, stages.tools.zone)
+        self.replies = self.floor.replies = ReplyRunner(
+            cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
+            None if requests else stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers,
+            requests)
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
@@ -101,11 +108,11 @@ class Session:
         for ev in events:
             match ev:
                 case SpeechStarted(turn, now, resumes):  # the user started talking, maybe over a reply
-                    self.floor.speech_started(turn, now, resumes)
+                    self._send(self.floor.speech_started(turn, now, resumes))
                     self.call_log.started(turn)
                     self.emit(ev)
                 case Talking(turn, now):  # speech, not a blip: a reply it talks over stops
-                    self.floor.talked_over(turn, now)
+                    self._send(self.floor.talked_over(turn, now))
                 case Partial(turn, text):
                     task = asyncio.create_task(self._partial(turn, text))
                     self.partial_tasks.add(task)
@@ -121,7 +128,7 @@ class Session:
                 case SpeechStopped():
                     self.emit(ev)
                 case Final(turn, transcript, ended, resumes):
-                    self.stages.scheduler.start_waiting(self)  # until the first audio, this user hears nothing
+                    self.stages.scheduler.start_waiting(self.id)  # until the first audio, this user hears nothing
                     if self.read_ahead is not None:  # it would compete with the reply for the cores
                         self.read_ahead.cancel()
                     self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes))
@@ -142,7 +149,7 @@ class Session:
 
     async def _partial(self, turn: int, text: Awaitable[str | None]) -> None:
         said = await text
-        if said and self.turns.listening(turn) and self.floor.heard_words(turn, said, time.monotonic()):
+        if said and self.turns.listening(turn) and self._heard_words(turn, said):
             self.emit(Transcript(turn, time.monotonic(), said, False))
             if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
                 self.read_ahead = self.floor.spawn(self.replies.prepare(self.history.messages(said)))
@@ -156,12 +163,16 @@ class Session:
         except StageFailure as failure:
             log.warning("session=%s turn=%d %s", self.id, turn, failure.message)
             await ended.wait()
-            await self.floor.asr_failed(turn, failure)
+            if turn == self.turn:
+                await self.floor.asr_failed(turn, failure)
+            else:  # the user has spoken again since: no apology
+                self.stages.fault(failure)
+                self.unreplied(turn, "", "asr_failed")
             return
         if turn != self.turn:
             self._superseded(turn, text, ended, resumes)
             return
-        text = text if self.floor.heard_words(turn, text, time.monotonic(), final=True) else ""  # else a blip or echo
+        text = text if self._heard_words(turn, text, final=True) else ""  # else a blip or echo
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text)
@@ -181,6 +192,26 @@ class Session:
         else:
             self.unreplied(turn, "", "no_speech")
 
+    def _heard_words(self, turn: int, text: str, final: bool = False) -> bool:
+        """Is `turn`'s transcript so far a turn to answer (voice/reply.py's `Floor.heard_words`)? If
+        so, and it began over a reply, that reply stops."""
+        if not self.floor.heard_words(turn, text, final):
+            return False
+        self._send(self.floor.talked_over(turn, time.monotonic()))
+        return True
+
+    def _send(self, events: list[Event]) -> None:
+        """The floor's events: a `Clear` to the client, an `AudioSent` to the latency tracker only."""
+        for ev in events:
+            self.emit(ev, wire=not isinstance(ev, AudioSent))
+
+    async def _announce(self, text: str) -> None:
+        """A timer that is due speaks up between turns: once nobody is speaking or being answered."""
+        while not self.closed and (self.busy or self.floor.playing(time.monotonic(), echo_tail_s=0.0)):
+            await asyncio.sleep(0.2)
+        if not self.closed:
+            await self.floor.announce(text)
+
     def _superseded(self, turn: int, text: str, ended: asyncio.Event, resumes: int) -> None:
         """A later turn began before this one's final was out: the final still goes out (one per
         turn, after its speech_stopped); the later turn answers (and resumes it, if it does)."""
@@ -190,12 +221,12 @@ class Session:
 
     def unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""
-        self.stages.scheduler.stop_waiting(self)
+        self.stages.scheduler.stop_waiting(self.id)
         self.tracker.forget(turn)
         self.call_log.unreplied(turn, transcript, status)
 
     def _drop_speculation(self) -> None:
-        self.stages.scheduler.stop_waiting(self)
+        self.stages.scheduler.stop_waiting(self.id)
         reply = self.floor.reply
         if reply is not None and not reply.released.is_set():
             assert reply.task is not None  # started with the reply
@@ -210,12 +241,12 @@ class Session:
 
     def _typed_turn(self, text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
         now = time.monotonic()
-        self.floor.barge_in(now)
+        self._send(self.floor.barge_in(now))
         turn = self.turns.new_turn()
         self.call_log.started(turn)
         self.call_log.transcript(turn, text)
         self.emit(Transcript(turn, now, text, True))
-        self.stages.scheduler.start_waiting(self)
+        self.stages.scheduler.start_waiting(self.id)
         reply = self.floor.start(turn, text, history, chat)
         reply.released.set()
         return reply
@@ -234,7 +265,7 @@ class Session:
         `response.cancel`); False if there is none."""
         if self.floor.reply is None:
             return False
-        self.floor.barge_in(time.monotonic())
+        self._send(self.floor.barge_in(time.monotonic()))
         return True
 
     def heard_only(self, text: str) -> None:
@@ -268,7 +299,7 @@ class Session:
         self._forget_answered_reply()
         turn = self.turns.new_turn()
         self.call_log.started(turn)
-        self.stages.scheduler.start_waiting(self)  # until its first audio, the client waits
+        self.stages.scheduler.start_waiting(self.id)  # until its first audio, the client waits
         self.floor.recite(turn, texts)
         return turn
 
@@ -292,7 +323,7 @@ class Session:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-        self.stages.scheduler.stop_waiting(self)
+        self.stages.scheduler.stop_waiting(self.id)
 
     def _forget_answered_reply(self) -> None:
         """The last request is answered: its reply (audio the client has, not plays) is no barge-in's."""
@@ -312,7 +343,7 @@ class Session:
 
     def audio_sent(self, turn: int, text: str, seconds: float) -> None:
         """The runner put a phrase's first audio on the wire: heard from now (voice/reply.py's Floor)."""
-        self.floor.audio_sent(turn, text, seconds)
+        self._send(self.floor.audio_sent(turn, text, seconds))
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
@@ -353,7 +384,7 @@ class Session:
 
     def replying(self) -> bool:
         """A reply is being made or played."""
-        return self.floor.reply is not None and self.floor.reply.task is not None and not self.floor.reply.task.done()
+        return self.floor.replying()
 
     @property
     def busy(self) -> bool:
@@ -365,12 +396,11 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.stages.scheduler.stop_waiting(self)
+        self.stages.scheduler.stop_waiting(self.id)
         cancelled = []
         self.timers.cancel_all()
-        reply_task = self.floor.reply.task if self.floor.reply else None
-        for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.judge_task,
-                     reply_task, self.watchdog, *self.floor.tasks):
+        for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.judge_task, self.watchdog,
+                     *self.floor.close()):
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
                 cancelled.append(task)

@@ -85,3 +85,81 @@ def test_the_rule_sees_a_front_reaching_inside(tmp_path: Path):
                      "    self.floor = 0  # a VAD's noise floor is not a session's\n")
     assert [line.split(" ")[0] for line in reaches_inside(tmp_path)] == [
         f"voice/transports/front.py:{n}" for n in (2, 3, 4, 6, 7)]
+
+
+def import_graph(root: Path, *packages: str) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports, type-only imports (`if TYPE_CHECKING:`) and
+    imports inside functions included: an arrow is an arrow, whenever it is followed."""
+    modules: dict[str, Path] = {}
+    for path in _python_files(root, *packages):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:  # the longest module name it starts with (`from voice import vad`: voice.vad)
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    imported.add(target)
+        graph[name] = imported
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's circles: its strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while (top := stack.pop()) != node:
+                component.append(top)
+            if component:
+                found.append(sorted([node, *component]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_circles_in_voice():
+    """session -> reply -> modes -> limits -> calllog -> stages -> session was one circle, closed by
+    type-only imports; the parts now get their collaborators and the shared types sit lower."""
+    assert circles(import_graph(ROOT, "voice")) == []
+
+
+def test_circles_are_found(tmp_path: Path):
+    """The check sees a circle closed only by a type-only import, and a relative one."""
+    package = tmp_path / "voice"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from voice.b import B\n")
+    (package / "b.py").write_text("from . import a\n")
+    (package / "c.py").write_text("import voice.a\n")
+    assert circles(import_graph(tmp_path, "voice")) == [["voice.a", "voice.b"]]
+

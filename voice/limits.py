@@ -14,13 +14,12 @@ import ctypes.util
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from voice.config import LimitsConfig
+from voice.config import Config, LimitsConfig
 
 if TYPE_CHECKING:
     from voice.latency import Metrics
-    from voice.session import Session
 
 log = logging.getLogger("voice.limits")
 
@@ -122,7 +121,19 @@ class Admission:
         log.warning("session refused: %s (%d open)", reason, self.total)
 
 
-async def watch_session(session: Session) -> None:
+class Watched(Protocol):
+    """What `watch_session` reads of a session (voice/session.py), and how it ends one."""
+
+    config: Config
+    closed: bool
+    ending: asyncio.Event
+    opened: float
+    last_audio: float
+
+    def terminate(self, code: str, message: str, close_code: int = 1008) -> None: ...
+
+
+async def watch_session(session: Watched) -> None:
     """A session's own limits, checked while it lasts: its total duration and audio idleness.
     Past either, the session is `terminate`d (the transport then closes the connection)."""
     lim = session.config.limits

@@ -121,7 +121,7 @@ def main() -> int:
     rows = []
     for r in range(a.repeat):
         for kind, question in QUESTIONS:
-            audio = resample(synth._render(question, synth.voice_rate).astype("float32") / 32768.0,
+            audio = resample(synth.render(question, synth.voice_rate).astype("float32") / 32768.0,
                              synth.voice_rate, 16000)
             lead = bytes(2 * int(16000 * a.lead_s))
             pcm = lead + float_to_int16(audio).astype("<i2").tobytes() + bytes(16000)  # 0.5 s of silence after

@@ -47,6 +47,9 @@ class FakeWhisper:
             raise self.fail
         return self.text
 
+    def transcribe_final(self, audio):
+        return self.transcribe(audio)
+
 
 class FakeChat:
     def __init__(self, lm: "FakeLM"):
@@ -101,6 +104,18 @@ class FakeLM:
     def chat(self) -> FakeChat:
         return FakeChat(self)
 
+    def fits(self, messages) -> bool:
+        return True
+
+    def serve(self, max_prefill_s, tools) -> None:
+        return None
+
+    def describe(self) -> dict[str, str] | None:
+        return None
+
+    def health(self) -> dict | None:
+        return None
+
 
 class FakeSynth:
     """A 300 Hz tone, 60 ms per character, at the rate asked for."""
@@ -111,7 +126,7 @@ class FakeSynth:
         self.fail: Exception | None = None
         self.delay_s = 0.0
 
-    def _render(self, text: str, out_rate: int) -> np.ndarray:
+    def render(self, text: str, out_rate: int) -> np.ndarray:
         n = int(out_rate * 0.06 * max(len(text), 1))
         return (np.sin(np.arange(n) * 2 * np.pi * 300 / out_rate) * 8000).astype(np.int16)
 
@@ -120,7 +135,7 @@ class FakeSynth:
             await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        return self._render(text, out_rate)
+        return self.render(text, out_rate)
 
 
 def fake_stages(config: Config | None = None, whisper=None, synthesizer=None, lm=None) -> Stages:

@@ -163,3 +163,46 @@ def test_circles_are_found(tmp_path: Path):
     (package / "c.py").write_text("import voice.a\n")
     assert circles(import_graph(tmp_path, "voice")) == [["voice.a", "voice.b"]]
 
+
+
+def feature_probes(root: Path) -> list[str]:
+    """`getattr(x, "name", default)` / `hasattr(x, "name")` on a stage or the service's context, a
+    private member of one, and `isinstance(..., LocalLM | RemoteLM)`, in production code: what a
+    Protocol should say instead."""
+    stages = ("stages", "lm", "synthesizer", "whisper", "model", "session")
+    found = []
+    for path in _python_files(root, "voice"):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and ast.unparse(node.value).split(".")[-1].lstrip("_") in stages:  # a stage's private member
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                continue
+            subject = ast.unparse(node.args[0])
+            probe = node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and subject.split(".")[-1].lstrip("_") in stages
+            concrete = node.func.id == "isinstance" and len(node.args) == 2 \
+                and any(name in ast.unparse(node.args[1]) for name in ("LocalLM", "RemoteLM"))
+            if probe or concrete:
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_stages_are_asked_through_their_protocols():
+    """What the service needs of its LM, synthesizer and ASR is a Protocol (voice/lm.py, tts.py,
+    asr.py): no feature probes, no type checks on a concrete LM, no private calls from outside."""
+    assert feature_probes(ROOT) == []
+
+
+def test_the_fakes_implement_the_protocols():
+    """Tests' stand-ins have every member the Protocol names (what production code may call)."""
+    from fakes import FakeLM, FakeSynth, FakeWhisper
+
+    from voice.asr import Transcriber
+    from voice.lm import LanguageModel
+    from voice.tts import SpeechSynthesizer
+
+    for protocol, fake in ((LanguageModel, FakeLM()), (SpeechSynthesizer, FakeSynth()), (Transcriber, FakeWhisper())):
+        members = {n for n in (*vars(protocol), *protocol.__annotations__) if not n.startswith("_")}
+        assert members and [m for m in sorted(members) if not hasattr(fake, m)] == [], protocol.__name__

@@ -60,6 +60,18 @@ class FaultyLM:
     def chat(self):
         return FaultyChat(self.real.chat())
 
+    def fits(self, messages):
+        return self.real.fits(messages)
+
+    def serve(self, max_prefill_s, tools):
+        self.real.serve(max_prefill_s, tools)
+
+    def describe(self):
+        return self.real.describe()
+
+    def health(self):
+        return self.real.health()
+
 
 class FaultyChat:
     def __init__(self, real):
@@ -96,6 +108,9 @@ class FaultyWhisper:
         if Faults.mode == "asr_hang" and not prefix:
             time.sleep(4.0)  # a stuck decode (it does end: the ASR worker is shared)
         return self.real.transcribe(audio, prefix)
+
+    def transcribe_final(self, audio):
+        return self.transcribe(audio)  # (the faults, on the real one's fast decode)
 
 
 class FaultySynth:

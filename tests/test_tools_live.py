@@ -33,7 +33,7 @@ def server(real_stages, tmp_path_factory):
 def spoken(srv, text: str) -> bytes:
     """`text` in our Piper voice, as 16 kHz PCM16 (what a microphone client sends)."""
     synth = srv.stages.synthesizer
-    audio = synth._render(text, synth.voice_rate).astype("float32") / 32768.0
+    audio = synth.render(text, synth.voice_rate).astype("float32") / 32768.0
     return float_to_int16(resample(audio, synth.voice_rate, 16000)).astype("<i2").tobytes()
 
 

@@ -47,6 +47,10 @@ class Transcriber(Protocol):
 
     def transcribe(self, audio: np.ndarray, prefix: str = "") -> str: ...
 
+    def transcribe_final(self, audio: np.ndarray) -> str:
+        """The end-of-turn transcript of the whole utterance (Whisper may decode it again, surer)."""
+        ...
+
 
 # faster-whisper `base` (multilingual, MIT): model.bin split across two packages, the small files in the first
 WHISPER_BASE = PackagedFile("whisper-base/model.bin", numbered_pieces(
@@ -297,10 +301,7 @@ class StreamingTranscriber:
             done = loop.create_future()
             done.set_result("")
             return done
-        final = getattr(self._model, "transcribe_final", None)  # a model without one (tests' fakes): transcribe
-        if final is not None:
-            return asyncio.wrap_future(self._model.worker.submit(final, audio), loop=loop)
-        return asyncio.wrap_future(self._model.worker.submit(self._model.transcribe, audio, ""), loop=loop)
+        return asyncio.wrap_future(self._model.worker.submit(self._model.transcribe_final, audio), loop=loop)
 
     def audio(self) -> np.ndarray:
         """The utterance's audio so far (16 kHz float)."""

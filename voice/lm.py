@@ -86,6 +86,25 @@ class LanguageModel(Protocol):
 
     def chat(self) -> Chat: ...
 
+    def fits(self, messages: list[dict]) -> bool:
+        """Do `messages` and a whole reply fit the LM's context, by its own tokenizer? (True where
+        it cannot count: the history's bound in characters is then the only one, voice/history.py.)"""
+        ...
+
+    def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
+        """Get ready to serve sessions, before the first: a prompt that would take longer than
+        `max_prefill_s` to read is refused up front, and the grammar of calls of `tools` is built."""
+        ...
+
+    def describe(self) -> dict[str, str] | None:
+        """What runs, for /healthz's `decoding` and the start-up log: the mode, why, the kernels
+        (None: an endpoint elsewhere decides)."""
+        ...
+
+    def health(self) -> dict | None:
+        """An endpoint's own health for /healthz's `lm_health` (None: the LM is this process's)."""
+        ...
+
 
 class LocalLM:
     """The in-process engine (llama.cpp's kernels or PyTorch), shared by all sessions; how it decodes (drafted
@@ -143,6 +162,18 @@ class LocalLM:
         """Do `messages` and a whole reply fit the engine's context, by its own tokenizer? (The
         history's bound beyond characters: voice/history.py.)"""
         return len(self.engine.prompt_ids(messages)) + self.decode.max_new_tokens <= self.engine.max_seq_len
+
+    def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
+        # a prompt this machine cannot read before the first block's timeout is refused up front
+        self.engine.max_prefill_s = max_prefill_s
+        # anyone may start talking: a long prompt is read a slice at a time, and one that would
+        # take more than half the time a reply may wait is refused (the rest is for the others)
+        self.engine.may_share = True
+        if tools:
+            self.tool_grammar(tools)  # llguidance's vocabulary, built once, before any turn
+
+    def health(self) -> dict | None:
+        return None
 
     def tool_grammar(self, tools: list[dict]) -> tuple[list[Tool], str, Tensor]:
         """(engine tools, the grammar of a reply that may call them, the tokens that start a call),
@@ -241,7 +272,16 @@ class RemoteLM:
     def chat(self) -> "RemoteChat":
         return RemoteChat(self)
 
-    def health(self) -> dict:
+    def fits(self, messages: list[dict]) -> bool:
+        return True  # its tokenizer is the endpoint's: the history's bound in characters holds
+
+    def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
+        return None  # the endpoint is served by its own process
+
+    def describe(self) -> dict[str, str] | None:
+        return None
+
+    def health(self) -> dict | None:
         return {"ok": self.ok, "url": self.config.url, "consecutive_failures": self.failures,
                 "last_error": self.last_error, "since": round(self.since, 3)}
 

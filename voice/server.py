@@ -181,13 +181,13 @@ class VoiceApp:
             body["status"] = "loading"
             return JSONResponse(body)
         body["sessions"] = len(stages.live)
-        describe = getattr(stages.lm, "describe", None)  # the in-process LM: what runs and why
-        if describe is not None:
-            body["decoding"] = describe()
-        lm_health = getattr(stages.lm, "health", None)
+        decoding = stages.lm.describe()  # the in-process LM: what runs and why
+        if decoding is not None:
+            body["decoding"] = decoding
+        lm_health = stages.lm.health()  # an endpoint elsewhere: is it up
         if lm_health is not None:
-            body["lm_health"] = lm_health()
-            if not body["lm_health"]["ok"]:
+            body["lm_health"] = lm_health
+            if not lm_health["ok"]:
                 body["status"] = "degraded"
         faults = stages.recent_faults()
         if faults:

@@ -61,7 +61,7 @@ class Session:
         self.call_log = CallLog(stages.records, self.uid, self.id, stages.metrics.errors)
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
-                               cfg.lm.history_turns, cfg.lm.max_prompt_chars, getattr(stages.lm, "fits", None))
+                               cfg.lm.history_turns, cfg.lm.max_prompt_chars, stages.lm.fits)
         self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/modes.py)
         self.turns = (modes.Dictation if requests else TurnTaker)(cfg, stages.whisper, in_rate, self.id)
         self.end_of_turn = stages.end_of_turn(cfg)

@@ -16,7 +16,7 @@ from voice.config import Config
 from voice.endofturn import EndOfTurn, SmartTurn
 from voice.latency import Metrics
 from voice.limits import Admission
-from voice.lm import LanguageModel, LocalLM, load_lm
+from voice.lm import LanguageModel, load_lm
 from voice.faults import StageFailure
 from voice.scheduler import Scheduler
 from voice.tools import Toolbox
@@ -51,17 +51,9 @@ class Stages:
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
         stages = cls(config, whisper, synthesizer, lm, scheduler)
         stages.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
-        if isinstance(lm, LocalLM):
-            # a prompt this machine cannot read before the first block's timeout is refused up front
-            lm.engine.max_prefill_s = config.faults.lm_first_block_timeout_s
-            # anyone may start talking: a long prompt is read a slice at a time, and one that would
-            # take more than half the time a reply may wait is refused (the rest is for the others)
-            lm.engine.may_share = True
-            if stages.tools:
-                lm.tool_grammar(stages.tools.openai())  # llguidance's vocabulary, built once, before any turn
-        weights = lm.engine.loaded.weights if isinstance(lm, LocalLM) else "remote"
-        log.info("models loaded in %.1f s (lm backend=%s model=%s weights=%s mode=%s)", time.perf_counter() - t,
-                 config.lm.backend, config.lm.model, weights, lm.mode)
+        lm.serve(config.faults.lm_first_block_timeout_s, stages.tools.openai() if stages.tools else [])
+        log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s: %s)", time.perf_counter() - t,
+                 config.lm.backend, config.lm.model, lm.mode, lm.describe() or "decided by the endpoint")
         return stages
 
     def end_of_turn(self, config: Config) -> EndOfTurn:
@@ -87,7 +79,7 @@ def apologies(synthesizer: SpeechSynthesizer, text: str) -> dict[int, bytes]:
     """The apology as PCM16 at every rate a client may ask for: synthesised once, resampled per rate."""
     if not text.strip():
         return {}
-    pcm = synthesizer._render(text, synthesizer.voice_rate)
+    pcm = synthesizer.render(text, synthesizer.voice_rate)
     audio = pcm.astype("float32") / 32768.0
     return {rate: float_to_int16(resample(audio, synthesizer.voice_rate, rate)).astype("<i2").tobytes()
             for rate in RATES}

@@ -21,7 +21,7 @@ from voice.config import TtsConfig
 from voice.scheduler import Scheduler, Worker
 
 
-LEAD_MS, TAIL_MS = 10, 30  # silence kept before a phrase, and after one cut between words (`Synthesizer._render`)
+LEAD_MS, TAIL_MS = 10, 30  # silence kept before a phrase, and after one cut between words (`Synthesizer.render`)
 
 # Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
 _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
@@ -138,8 +138,9 @@ class SpeechSynthesizer(Protocol):
 
     async def synthesize(self, text: str, out_rate: int, urgent: Callable[[], bool] = ...) -> np.ndarray: ...
 
-    def _render(self, text: str, out_rate: int) -> np.ndarray:
-        """Blocking, at once: the apology cache (`voice.stages.apologies`) is rendered at start-up."""
+    def render(self, text: str, out_rate: int) -> np.ndarray:
+        """Blocking, at once, on the caller's thread: the apology cache (`voice.stages.apologies`) is
+        rendered at start-up, before any session."""
         ...
 
 
@@ -163,9 +164,9 @@ class Synthesizer:
         """`urgent()`: someone will hear silence soon without this (asked until it starts)."""
         if not text.strip():
             return np.zeros(0, dtype=np.int16)
-        return await asyncio.wrap_future(self.worker.submit(self._render, text, out_rate, urgent=urgent))
+        return await asyncio.wrap_future(self.worker.submit(self.render, text, out_rate, urgent=urgent))
 
-    def _render(self, text: str, out_rate: int) -> np.ndarray:
+    def render(self, text: str, out_rate: int) -> np.ndarray:
         """Piper voices each phrase as if it stood alone: ~45 ms of silence before it and 120-200 ms
         after, which at a cut between words (no punctuation: the splitter's first phrase, a long
         phrase's pieces) is a seam a listener hears. Cut to 10 ms before and, at such a cut,

@@ -78,11 +78,9 @@ class AudioOutput(Protocol):
 
 # --- admission -------------------------------------------------------------------------------
 
-def acquire(stages: Stages, principal: str, per_key: bool) -> Ticket | None:
-    """An admission ticket for one more session (None where the service admits without limits);
-    LimitError when there is no room."""
-    admission = getattr(stages, "admission", None)
-    return admission.acquire(principal, per_key) if admission is not None else None
+def acquire(stages: Stages, principal: str, per_key: bool) -> Ticket:
+    """An admission ticket for one more session; LimitError when there is no room."""
+    return stages.admission.acquire(principal, per_key)
 
 
 async def admit(ws: WebSocket, stages: Stages, auth: Auth | None,

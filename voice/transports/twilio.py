@@ -33,7 +33,6 @@ log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
 MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
 MAX_MARKS = 1000  # marks sent and not yet echoed that we remember
-MAX_TEXT_BYTES = 65536  # one message (session.max_text_bytes); Twilio's are a few hundred bytes
 MAX_DTMF = 1000  # digits remembered per call
 DTMF_DIGITS = "0123456789*#ABCD"
 
@@ -74,9 +73,9 @@ class TwilioCall:
                 return "stop"
 
     async def handle(self, text: str) -> str | None:
-        max_bytes = getattr(self.stages.config.session, "max_text_bytes", MAX_TEXT_BYTES)
         try:
-            msg = decode_json(text, max_bytes=max_bytes)  # the one decoder of every front (engine.common.wire)
+            # the one decoder of every front (engine.common.wire)
+            msg = decode_json(text, max_bytes=self.stages.config.session.max_text_bytes)
         except WireError as err:
             self.drop("bad_json", err.message[:100])
             return None

@@ -204,7 +204,7 @@ class Conversations:
             return self.kept[conversation_id]
         lm = self.stages.config.lm
         history = History(lm.system_prompt, lm.history_turns, lm.max_prompt_chars,
-                          getattr(self.stages.lm, "fits", None))
+                          self.stages.lm.fits)
         self.kept[conversation_id] = found = (history, self.stages.lm.chat())
         while len(self.kept) > self.size:
             _, (_, chat) = self.kept.popitem(last=False)

@@ -28,20 +28,17 @@ import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter, tree_depths
+from engine.draft import Drafter, LookupDrafter, Proposal, TreeDrafter
 from engine.grammar import Constraint
-from engine.model import KVCache, Segment, visibility_mask
-from engine.runtime import ContextOverflow, Model
+from engine.model import settle
+from engine.runtime import CacheState, ContextOverflow, Forward, Model
 from engine.sampling import tempered
-
-if TYPE_CHECKING:
-    from engine.llamacpp import Slot
 
 
 @dataclass
@@ -94,62 +91,6 @@ class Block:
     t: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
-class CacheState:
-    """One conversation's KV cache and the tokens whose rows in it are final: PyTorch's `caches`,
-    or a `slot` (its sequence) in llama.cpp's shared cache."""
-
-    caches: list[KVCache]
-    hidden: Tensor | None = None  # [capacity, dim]: the base's last hidden state at each position (for drafters)
-    ids: list[int] = field(default_factory=list)
-    # (start, end) of cached stretches whose rows attend forward within the stretch (block_causal
-    # blocks): cutting one would keep rows that saw dropped tokens, so reuse stops at its start
-    blocks: list[tuple[int, int]] = field(default_factory=list)
-    slot: Slot | None = None
-
-    @classmethod
-    def new(cls, model: Model, max_seq_len: int | None = None) -> "CacheState":
-        state = cls([], None)
-        model.open_cache(state, max_seq_len)
-        return state
-
-    @property
-    def capacity(self) -> int:
-        return self.slot.capacity if self.slot is not None else self.caches[0].k.shape[2]
-
-    def clear(self) -> None:
-        """Forget every cached token (all rows become scratch): as good as a new state, without allocating."""
-        self.ids.clear()
-        self.blocks.clear()
-        if self.slot is not None:
-            self.slot.model.forget(self.slot)
-
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """How much of `prompt` is already cached (at least its last token always stays new)."""
-        keep = 0
-        for a, b in zip(self.ids, prompt[:-1]):
-            if a != b:
-                break
-            keep += 1
-        for start, end in self.blocks:
-            if start < keep < end:
-                return start
-        return keep
-
-    def fork(self, model: Model, into: "CacheState | None" = None) -> "CacheState":
-        """A state holding this one's cached tokens (their cache rows copied), to go on separately:
-        `into` (an idle state of the same model and capacity, e.g. from a pool), else a new one."""
-        other = into if into is not None else CacheState.new(model, self.capacity)
-        model.copy_cache(self, other, len(self.ids))
-        other.ids, other.blocks = list(self.ids), list(self.blocks)
-        return other
-
-    def reuse_for(self, prompt: list[int]) -> list[int]:
-        """Keep the longest cached prefix of `prompt`, drop the rest of the cache; return what is new."""
-        keep = self.cached_prefix(prompt)
-        del self.ids[keep:]
-        self.blocks = [b for b in self.blocks if b[1] <= keep]
-        return prompt[keep:]
 
 
 # --- commit rules ------------------------------------------------------------------------------
@@ -249,103 +190,6 @@ COMMIT_RULES: dict[str, Callable[[DecodeConfig], CommitRule] | None] = {
 
 
 # --- the one forward -------------------------------------------------------------------------
-
-@dataclass
-class Forward:
-    """One sequence's forward: write `clean` into its cache after `state.ids`, and denoise
-    `draft` after it. Decoders yield these; a driver runs them alone or batched."""
-
-    state: CacheState
-    clean: list[int]
-    clean_is_block: bool = False
-    draft: list[int] = field(default_factory=list)
-    context: str = "causal"
-    draft_causal: bool = False  # verify: drafted tokens run as causal rows (True) instead of a mask block
-    parents: list[int] | None = None  # verify: the draft is a tree (see `Proposal.parents`); None: a chain
-
-    def segment(self) -> Segment:
-        state, clean, draft = self.state, self.clean, self.draft
-        if self.parents is not None:
-            return self._tree_segment()
-        start = len(state.ids)
-        n_clean, n_draft = len(clean), len(draft)
-        end = start + n_clean + n_draft
-        self._check(end)
-        device = state.caches[0].k.device  # the model's: everything a forward reads lives there
-        pos = torch.arange(start, end, device=device)
-        if self.context == "bidirectional":
-            visible = torch.full((n_clean + n_draft,), end, device=device)
-        elif self.context == "block_causal" and self.clean_is_block:
-            visible = torch.full((n_clean + n_draft,), end, device=device)
-            visible[:n_clean] = start + n_clean
-        elif self.draft_causal:
-            visible = pos + 1
-        else:
-            visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end, device=device)])
-        rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft, device=device)
-        alone: list[tuple[Tensor | None, int]] | None = (
-            [(None, n) for n in range(start + 1, end + 1)] if self.draft_causal and n_draft else None)
-        return Segment(torch.tensor(clean + draft, dtype=torch.long, device=device), pos,
-                       visibility_mask(visible, end), state.caches, rows, alone=alone)
-
-    def _tree_segment(self) -> Segment:
-        """The last committed token, then a draft tree's tokens (parents first). A token at depth d
-        sits at position start + d, but its key and value are written past the deepest path (its
-        *home*); before its row attends, its path is laid out at start + 1 .. start + d, so the row
-        sees exactly what an AR step at that position would (see `Attention.attend`)."""
-        assert self.parents is not None  # a tree
-        state, start = self.state, len(self.state.ids)
-        depth = tree_depths(self.parents)
-        homes = self._tree_homes(start, max(depth, default=0))
-        end = (homes[-1] + 1) if homes else start + 1
-        self._check(end)
-        device = state.caches[0].k.device
-        pos = torch.tensor([start] + [start + d for d in depth], device=device)
-        slots = torch.tensor([start] + homes, device=device)
-        paths: list[list[int]] = []
-        for parent in self.parents:
-            paths.append((paths[parent] if parent >= 0 else []) + [homes[len(paths)]])
-        alone: list[tuple[Tensor | None, int]] = [(None, start + 1)]
-        alone += [(torch.tensor(p, device=device), start + 1 + len(p)) for p in paths]
-        visible = torch.tensor([n for _, n in alone], device=device)
-        return Segment(torch.tensor(self.clean + self.draft, dtype=torch.long, device=device), pos,
-                       visibility_mask(visible, end), state.caches, torch.arange(len(pos), device=device),
-                       slots, alone)
-
-    def _tree_homes(self, start: int, deepest: int) -> list[int]:
-        """Where the tree's tokens' keys and values are written: past the deepest path's slots."""
-        return [start + 1 + deepest + i for i in range(len(self.draft))]
-
-    def _check(self, end: int) -> None:
-        if end > self.state.capacity:
-            raise ContextOverflow(f"conversation needs {end} tokens but the context holds {self.state.capacity}")
-
-    def settle(self, path: list[int]) -> None:
-        """After a tree forward: move the accepted tokens' cache entries and hidden states (`path`:
-        their indices in `draft`, root first) to their positions, right after the committed token."""
-        assert self.parents is not None  # a tree
-        state = self.state
-        start = len(state.ids) - 1  # `commit` has recorded the committed token
-        homes = self._tree_homes(start, max(tree_depths(self.parents), default=0))
-        device = state.caches[0].k.device
-        slots = torch.tensor([homes[i] for i in path], dtype=torch.long, device=device)
-        for cache in state.caches:
-            cache.lay_out(slots, start + 1)
-        if state.hidden is not None:  # `commit` wrote draft row i's state at start + 1 + i
-            state.hidden[start + 1:start + 1 + len(path)] = state.hidden[[start + 1 + i for i in path]]
-
-    def commit(self, logits: Tensor, hidden: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-        """Record the clean tokens as cached; split the logits into (last clean row, draft rows).
-        `hidden`: the rows' last hidden states (None from llama.cpp, whose states keep none)."""
-        state, n_clean = self.state, len(self.clean)
-        if state.hidden is not None:  # rows past the clean ones stay scratch until a verify step keeps them
-            assert hidden is not None  # a PyTorch forward returns them
-            state.hidden[len(state.ids):len(state.ids) + len(hidden)] = hidden.float()
-        if self.context == "block_causal" and self.clean_is_block and n_clean > 1:
-            state.blocks.append((len(state.ids), len(state.ids) + n_clean))
-        state.ids.extend(self.clean)
-        logits = logits.float().cpu()  # the commit rules run on the CPU, beside the sampler's generator
-        return (logits[0] if n_clean else None), (logits[1 if n_clean else 0:] if self.draft else None)
 
 
 @torch.inference_mode()
@@ -450,7 +294,7 @@ def verify_steps(state: CacheState, new_prompt: list[int], cfg: DecodeConfig, dr
         stop = next((i + 1 for i, token in enumerate(committed) if token in stop_ids), len(committed))
         committed, path = committed[:stop], path[:stop]
         if drafted.parents is not None:
-            forward.settle(path)
+            settle(forward, path)
         state.ids.extend(committed[:len(path)])
         produced += len(committed)
         done = committed[-1] in stop_ids or produced >= cfg.max_new_tokens

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model import RMSNorm
+from engine.runtime import tree_depths
 from engine.sampling import tempered
 
 
@@ -102,14 +103,6 @@ class TreeDrafter(Drafter, Protocol):
     def drafts_trees(self) -> bool: ...
 
     def propose_tree(self, embed: nn.Module, hidden: Tensor, ids: list[int], k: int, nodes: int) -> Proposal: ...
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Each tree token's depth: 1 for a child of the last committed token."""
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(depth[parent] + 1 if parent >= 0 else 1)
-    return depth
 
 
 def sure_prefix(confidence: list[float], threshold: float) -> int:

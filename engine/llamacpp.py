@@ -48,16 +48,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from engine.runtime import ContextOverflow, Interrupted
-
-if TYPE_CHECKING:
-    from engine.decode import CacheState, Forward
+from engine.runtime import CacheState, ContextOverflow, Forward, Interrupted
 
 log = logging.getLogger("engine.llamacpp")
 
@@ -287,11 +284,14 @@ class Slot:
         self.last_used = time.monotonic()
         self.state = weakref.ref(state)
 
+    def forget(self) -> None:
+        self.model.forget(self)
+
 
 def _slot_of(state: CacheState) -> Slot:
     """A state's slot: `LlamaCppModel.open_cache` gave it one."""
     assert state.slot is not None
-    return state.slot
+    return cast(Slot, state.slot)
 
 
 class LlamaCppModel:

@@ -9,14 +9,13 @@ Hugging Face checkpoints (minus the leading `model.`) so loading is a plain stat
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from engine.decode import CacheState, Forward
+from engine.runtime import CacheState, Forward, tree_depths
 
 
 @dataclass
@@ -205,20 +204,20 @@ class Transformer(nn.Module):
     def open_cache(self, state: CacheState, capacity: int | None) -> None:
         """Preallocated keys and values per layer, and the last hidden state per position (a
         draft head reads them)."""
-        state.caches = self.new_caches(1, capacity)
+        state.caches = [*self.new_caches(1, capacity)]
         k = state.caches[0].k
         state.hidden = torch.empty(k.shape[2], self.args.dim, device=k.device)
 
     def copy_cache(self, src: CacheState, dst: CacheState, n: int) -> None:
         assert src.hidden is not None and dst.hidden is not None  # open_cache gave both
-        for mine, theirs in zip(src.caches, dst.caches):
+        for mine, theirs in zip(_caches(src), _caches(dst)):
             theirs.k[:, :, :n], theirs.v[:, :, :n] = mine.k[:, :, :n], mine.v[:, :, :n]
         dst.hidden[:n] = src.hidden[:n]
 
     def step(self, forwards: list[Forward], interruptible: bool = False) -> list[tuple[Tensor, Tensor | None]]:
         """The forwards' segments in one pass (`forward_segments`): (logits, hidden states) each.
         A PyTorch forward is not stopped halfway (`interrupt` does nothing)."""
-        return self(segments=[f.segment() for f in forwards])
+        return self(segments=[segment(f) for f in forwards])
 
     def interrupt(self) -> None:
         pass
@@ -305,3 +304,77 @@ def visibility_mask(visible: Tensor, kv_len: int) -> Tensor:
     bidirectional: visible = sequence length.
     """
     return torch.arange(kv_len, device=visible.device)[None, :] < visible[:, None]
+
+
+# --- a Forward's rows, as this transformer runs them ------------------------------------------
+
+def _caches(state: CacheState) -> list[KVCache]:
+    """The state's cache, as `Transformer.open_cache` made it."""
+    return cast("list[KVCache]", state.caches)
+
+
+def segment(forward: Forward) -> Segment:
+    """A forward's rows as the transformer runs them: tokens, positions, mask, its cache."""
+    state, clean, draft = forward.state, forward.clean, forward.draft
+    if forward.parents is not None:
+        return _tree_segment(forward)
+    start = len(state.ids)
+    n_clean, n_draft = len(clean), len(draft)
+    end = start + n_clean + n_draft
+    forward.check_fits(end)
+    device = state.caches[0].k.device  # the model's: everything a forward reads lives there
+    pos = torch.arange(start, end, device=device)
+    if forward.context == "bidirectional":
+        visible = torch.full((n_clean + n_draft,), end, device=device)
+    elif forward.context == "block_causal" and forward.clean_is_block:
+        visible = torch.full((n_clean + n_draft,), end, device=device)
+        visible[:n_clean] = start + n_clean
+    elif forward.draft_causal:
+        visible = pos + 1
+    else:
+        visible = torch.cat([pos[:n_clean] + 1, torch.full((n_draft,), end, device=device)])
+    rows = torch.arange(n_clean - 1 if n_clean else 0, n_clean + n_draft, device=device)
+    alone: list[tuple[Tensor | None, int]] | None = (
+        [(None, n) for n in range(start + 1, end + 1)] if forward.draft_causal and n_draft else None)
+    return Segment(torch.tensor(clean + draft, dtype=torch.long, device=device), pos,
+                   visibility_mask(visible, end), _caches(state), rows, alone=alone)
+
+
+def _tree_segment(forward: Forward) -> Segment:
+    """The last committed token, then a draft tree's tokens (parents first). A token at depth d
+    sits at position start + d, but its key and value are written past the deepest path (its
+    *home*); before its row attends, its path is laid out at start + 1 .. start + d, so the row
+    sees exactly what an AR step at that position would (see `Attention.attend`)."""
+    assert forward.parents is not None  # a tree
+    state, start = forward.state, len(forward.state.ids)
+    depth = tree_depths(forward.parents)
+    homes = forward.tree_homes(start, max(depth, default=0))
+    end = (homes[-1] + 1) if homes else start + 1
+    forward.check_fits(end)
+    device = state.caches[0].k.device
+    pos = torch.tensor([start] + [start + d for d in depth], device=device)
+    slots = torch.tensor([start] + homes, device=device)
+    paths: list[list[int]] = []
+    for parent in forward.parents:
+        paths.append((paths[parent] if parent >= 0 else []) + [homes[len(paths)]])
+    alone: list[tuple[Tensor | None, int]] = [(None, start + 1)]
+    alone += [(torch.tensor(p, device=device), start + 1 + len(p)) for p in paths]
+    visible = torch.tensor([n for _, n in alone], device=device)
+    return Segment(torch.tensor(forward.clean + forward.draft, dtype=torch.long, device=device), pos,
+                   visibility_mask(visible, end), _caches(state), torch.arange(len(pos), device=device),
+                   slots, alone)
+
+
+def settle(forward: Forward, path: list[int]) -> None:
+    """After a tree forward: move the accepted tokens' cache entries and hidden states (`path`:
+    their indices in `draft`, root first) to their positions, right after the committed token."""
+    assert forward.parents is not None  # a tree
+    state = forward.state
+    start = len(state.ids) - 1  # `commit` has recorded the committed token
+    homes = forward.tree_homes(start, max(tree_depths(forward.parents), default=0))
+    device = state.caches[0].k.device
+    slots = torch.tensor([homes[i] for i in path], dtype=torch.long, device=device)
+    for cache in _caches(state):
+        cache.lay_out(slots, start + 1)
+    if state.hidden is not None:  # `commit` wrote draft row i's state at start + 1 + i
+        state.hidden[start + 1:start + 1 + len(path)] = state.hidden[[start + 1 + i for i in path]]

@@ -44,19 +44,19 @@ def test_a_forward_is_built_on_the_cache_device():
     import torch
 
     from engine.decode import CacheState, Forward
-    from engine.model import KVCache
+    from engine.model import KVCache, segment
     caches = [KVCache(1, 2, 32, 8, torch.bfloat16, torch.device("meta")) for _ in range(2)]
     state = CacheState(caches, None, [1, 2, 3])
     for draft_causal in (False, True):
-        segment = Forward(state, [4, 5], False, [6, 7, 8], "causal", draft_causal).segment()
-        assert {t.device.type for t in (segment.tokens, segment.pos, segment.mask, segment.logits_rows)} == {"meta"}
-        assert segment.mask.shape == (5, 8)
-    chain = Forward(state, [4, 5], False, [6, 7, 8], "causal", True).segment()
+        rows = segment(Forward(state, [4, 5], False, [6, 7, 8], "causal", draft_causal))
+        assert {t.device.type for t in (rows.tokens, rows.pos, rows.mask, rows.logits_rows)} == {"meta"}
+        assert rows.mask.shape == (5, 8)
+    chain = segment(Forward(state, [4, 5], False, [6, 7, 8], "causal", True))
     assert chain.alone == [(None, n) for n in (4, 5, 6, 7, 8)] and chain.slots is None
     # a tree (6 and 7 both follow 4, 8 follows 7): rows at their depths' positions, keys written past
     # the deepest path, each row seeing its own path laid out after the cached prefix
     on_cpu = CacheState([KVCache(1, 2, 32, 8, torch.float32) for _ in range(2)], None, [1, 2, 3])
-    tree = Forward(on_cpu, [4], False, [6, 7, 8], "causal", True, parents=[-1, -1, 1]).segment()
+    tree = segment(Forward(on_cpu, [4], False, [6, 7, 8], "causal", True, parents=[-1, -1, 1]))
     assert tree.pos.tolist() == [3, 4, 4, 5] and tree.slots.tolist() == [3, 6, 7, 8]
     assert [(p if p is None else p.tolist(), n) for p, n in tree.alone] == [(None, 4), ([6], 5), ([7], 5), ([7, 8], 6)]
     assert tree.mask.shape == (4, 9)

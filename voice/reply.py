@@ -1,5 +1,10 @@
 """One reply: LM blocks -> phrases -> synthesis -> reply events, each stage under its timeout.
 
+One path for a phrase, in ReplyRunner's words: a block's text is added to the reply (`_add_text`),
+each phrase it completes queued (`_queue_phrase`) for the reply's `_speaker` task, which
+synthesises it and hands it over (`_synthesize_phrase`). `recite` feeds the same path with given
+text (no LM); `announce` speaks one text whole (a timer that is due).
+
 The LM streams blocks; a PhraseSplitter cuts them into phrases that a second task synthesises
 while later blocks are still being decoded. A speculative reply (started on the transcript
 taken during the VAD hangover) runs the same way, but nothing of it reaches the client until
@@ -155,7 +160,7 @@ class ReplyRunner:
         it as soon as the reply is decoded, while it is spoken (`prepare_next`). `chat`: the
         conversation it is a turn of, if not the session's own (Wyoming's answer)."""
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
-        speaker = asyncio.create_task(self._speak(reply, phrases))
+        speaker = asyncio.create_task(self._speaker(reply, phrases))
         try:
             try:
                 await self._generate(reply, messages, phrases, speaker, chat or self.chat)
@@ -198,7 +203,7 @@ class ReplyRunner:
                         self.name, reply.turn)
             await self._blocks(reply, chat, messages, splitter, phrases, speaker, None)
         if rest := splitter.flush():
-            self._give(reply, rest, phrases)
+            self._queue_phrase(reply, rest, phrases)
 
     async def _blocks(self, reply: Reply, chat: Chat, messages: list[dict], splitter: PhraseSplitter,
                       phrases: asyncio.Queue, speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
@@ -222,7 +227,7 @@ class ReplyRunner:
                         if not complete and reply.phrased and not reply.unvoiced \
                                 and reply.playback.runs_dry(time.monotonic(), DRY_CUT_S):
                             complete = splitter.words(DRY_CUT_WORDS)
-                        self._say(reply, block.text, complete, phrases)
+                        self._add_text(reply, block.text, complete, phrases)
                         await reply.released.wait()
                         self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
                                                  block.steps))
@@ -236,15 +241,15 @@ class ReplyRunner:
         return calls
 
     @staticmethod
-    def _say(reply: Reply, text: str, complete: list[str], phrases: asyncio.Queue) -> None:
+    def _add_text(reply: Reply, text: str, complete: list[str], phrases: asyncio.Queue) -> None:
         """`text` is the reply's next block; `complete` the phrases it completes, for the speaker."""
         reply.blocks += 1
         reply.text += text
         for phrase in complete:
-            ReplyRunner._give(reply, phrase, phrases)
+            ReplyRunner._queue_phrase(reply, phrase, phrases)
 
     @staticmethod
-    def _give(reply: Reply, phrase: str, phrases: asyncio.Queue) -> None:
+    def _queue_phrase(reply: Reply, phrase: str, phrases: asyncio.Queue) -> None:
         """Hand a phrase to the speaker."""
         phrases.put_nowait(phrase)
         reply.unvoiced += 1
@@ -263,7 +268,7 @@ class ReplyRunner:
             _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
             if pending and cfg.filler.strip():
                 filler = cfg.filler.strip()
-                self._say(reply, filler + " ", [filler], phrases)  # a phrase of its own
+                self._add_text(reply, filler + " ", [filler], phrases)  # a phrase of its own
                 self.sink.emit(ReplyText(reply.turn, time.monotonic(), filler + " ", reply.blocks))
             await asyncio.gather(*tasks)
         finally:
@@ -305,13 +310,13 @@ class ReplyRunner:
         tts = self.config.tts
         splitter = PhraseSplitter(tts.min_chars, tts.first_words, tts.max_phrase_chars)
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
-        speaker = asyncio.create_task(self._speak(reply, phrases, paced=True))
+        speaker = asyncio.create_task(self._speaker(reply, phrases, paced=True))
         try:
             async for text in texts:
-                self._say(reply, text, splitter.push(text), phrases)
+                self._add_text(reply, text, splitter.push(text), phrases)
                 if text:
                     self.sink.emit(ReplyText(reply.turn, time.monotonic(), text, reply.blocks))
-            self._give(reply, splitter.flush(), phrases)
+            self._queue_phrase(reply, splitter.flush(), phrases)
             phrases.put_nowait(None)
             await speaker
             reply.finished = True
@@ -320,14 +325,15 @@ class ReplyRunner:
         finally:
             speaker.cancel()
 
-    async def _speak(self, reply: Reply, phrases: asyncio.Queue, paced: bool = False) -> None:
+    async def _speaker(self, reply: Reply, phrases: asyncio.Queue, paced: bool = False) -> None:
+        """The reply's speaker task: each queued phrase synthesised and handed over, in order, until None."""
         while (phrase := await phrases.get()) is not None:
             try:
-                await self._voice(reply, phrase, paced)
+                await self._synthesize_phrase(reply, phrase, paced)
             finally:
                 reply.unvoiced -= 1
 
-    async def _voice(self, reply: Reply, phrase: str, paced: bool) -> None:
+    async def _synthesize_phrase(self, reply: Reply, phrase: str, paced: bool) -> None:
         """One phrase: synthesised and handed to the transport."""
         if not phrase.strip():
             return

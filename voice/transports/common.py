@@ -6,7 +6,7 @@ session's events into its wire. Everything between is here, once:
     AudioInput    receive(): read the wire until the peer goes, its audio into `session.push_audio`
     AudioOutput   play(audio, heard), clear(), send(event), close(code, reason): the wire out
     admit / run_admitted / acquire   authenticate and admit (a websocket; SIP admits a dialog)
-    Conversation  the flow of one conversation: `open` a Session, the one drain of its outbox onto
+    ConversationRunner   the flow of one conversation: `open` a Session, the one drain of its outbox onto
                   the output, each phrase reported heard when its first frame is on the wire,
                   and when the session is `ending` (a limit, shutdown): stop reading, flush, close;
                   however it ends, `finish`: cancel its tasks, `session.close`, release.
@@ -57,7 +57,7 @@ FLUSH_S = {
 class AudioInput(Protocol):
     async def receive(self) -> str | None:
         """Read the peer until it goes: its audio frames into `session.push_audio` (opening the
-        session with `Conversation.open` once it can), anything else to the front's codec. Returns
+        session with `ConversationRunner.open` once it can), anything else to the front's codec. Returns
         why the conversation ended (None: the peer went)."""
 
 
@@ -149,8 +149,9 @@ async def close_ws(ws: WebSocket, code: int = 1000, reason: str | None = None) -
 
 # --- the runner ------------------------------------------------------------------------------
 
-class Conversation:
-    """One conversation on one front: the session, the one drain of its outbox, its end."""
+class ConversationRunner:
+    """One conversation on one front: the session, the one drain of its outbox, its end. (Not
+    engine/stream.py's `Conversation`, a conversation's LM cache.)"""
 
     def __init__(self, flush_s: float, input: AudioInput | None = None):
         self.flush_s, self.input = flush_s, input  # (SIP feeds its session from its own task: no input)

@@ -27,7 +27,7 @@ from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, Event, Ready, TtsAudio
 from voice.session import Session
 from voice.stages import Stages
-from voice.transports.common import FLUSH_S, Conversation, close_ws, fail, run_admitted
+from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, fail, run_admitted
 
 log = logging.getLogger("voice.native")
 ENCODINGS = ("pcm_s16le",)
@@ -101,7 +101,7 @@ def _is_int(value: object) -> bool:
 async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
     async def serve(principal: str) -> None:
         await ws.accept()
-        await NativeFront(ws, stages, principal).conversation.serve()
+        await NativeFront(ws, stages, principal).runner.serve()
     await run_admitted(ws, stages, auth, serve)
 
 
@@ -111,7 +111,7 @@ class NativeFront:
     def __init__(self, ws: WebSocket, stages: Stages, principal: str):
         self.ws, self.stages, self.principal = ws, stages, principal
         self.session: Session | None = None
-        self.conversation = Conversation(FLUSH_S["native"], self)
+        self.runner = ConversationRunner(FLUSH_S["native"], self)
 
     async def receive(self) -> str | None:
         """The start (refused with an error and a close), `ready`, then audio and control frames."""
@@ -127,9 +127,9 @@ class NativeFront:
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
         session = self.session = Session(self.stages, start["in_rate"], start["out_rate"], "native",
                                          start["system_prompt"], start["lm_mode"], principal=self.principal, peer=peer)
-        self.conversation.session = session  # counted as open from here: closed whatever happens
+        self.runner.session = session  # counted as open from here: closed whatever happens
         await ws.send_json(Ready(0, time.monotonic(), session_id=session.id, sample_rate=start["out_rate"]).to_wire())
-        self.conversation.open(session, self)
+        self.runner.open(session, self)
         await _receive(ws, session)
         return None
 

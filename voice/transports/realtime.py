@@ -52,7 +52,7 @@ from voice.events import (Error, Event, ReplyDone, ReplyText, SpeechStarted, Spe
 from voice.session import Session
 from voice.stages import Stages
 from voice.tools import with_results
-from voice.transports.common import FLUSH_S, Conversation, close_ws, run_admitted
+from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.native import system_prompt_problem
 from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend, FunctionCallOutput, FunctionTool,
                                               ItemCreate, ItemTruncate, NoFields, ResponseCancel, ResponseCreate,
@@ -79,7 +79,7 @@ class RealtimeFront:
         self.id = new_id("sess")
         self.config = stages.config
         self.session: Session | None = None
-        self.conversation = Conversation(FLUSH_S["realtime"], self)
+        self.runner = ConversationRunner(FLUSH_S["realtime"], self)
         self.settings: dict[str, Any] = {
                          "instructions": self.config.lm.system_prompt, "voice": "joe", "input": "audio/pcm",
                          "output": "audio/pcm", "turn_detection": {
@@ -197,7 +197,7 @@ class RealtimeFront:
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
                                    meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
             self.session.offer_tools(self.offered())
-            self.conversation.open(self.session, self)
+            self.runner.open(self.session, self)
         return self.session
 
     # --- client events -> the session ---------------------------------------------------------
@@ -206,7 +206,7 @@ class RealtimeFront:
         """`session.created`, then every client event, answered, until the peer goes. A connection
         that never sends audio or asks for a response is closed after `limits.idle_timeout_s`."""
         await self.emit([{"type": "session.created", "session": self.session_object()}])
-        self.conversation.tasks.append(asyncio.create_task(self._close_if_idle()))
+        self.runner.tasks.append(asyncio.create_task(self._close_if_idle()))
         while True:
             msg = await self.ws.receive()
             if msg["type"] == "websocket.disconnect":
@@ -424,5 +424,5 @@ async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> Non
         beta = "realtime=v1" in ws.headers.get("openai-beta", "")
         front = RealtimeFront(ws, stages, principal, beta, ws.query_params.get("model", "diffusion-voice"))
         await ws.accept()
-        await front.conversation.serve()
+        await front.runner.serve()
     await run_admitted(ws, stages, auth, serve)

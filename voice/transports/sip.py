@@ -26,7 +26,7 @@ from voice.limits import LimitError, Ticket
 from voice.session import Session
 from voice.stages import Stages
 from voice.transports import rtp, sdp
-from voice.transports.common import FLUSH_S, Conversation, acquire
+from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
 from voice.transports.telephony import FRAME_SAMPLES, RATE, CallSummary, PacedOutput, calls, count_drop
@@ -78,7 +78,7 @@ class Call:
         self.rtp_sock: asyncio.DatagramTransport | None = None
         self.rtcp_sock: asyncio.DatagramTransport | None = None
         self.session: Session | None = None
-        self.conversation = Conversation(FLUSH_S["sip"])  # the session is fed from `audio_in` by `_feed`
+        self.runner = ConversationRunner(FLUSH_S["sip"])  # the session is fed from `audio_in` by `_feed`
         self.audio_in: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=AUDIO_QUEUE)
         self.jitter = rtp.JitterBuffer()
         self.dtmf = rtp.DtmfReceiver()
@@ -173,9 +173,9 @@ class Call:
                                meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec})
         self.record.session_id = self.session.id
         out = PacedOutput(self.session, self.record, self._send_frame, self._hang_up, phrase_end=self._phrase_sent)
-        self.conversation.tasks += [out.pacer, asyncio.create_task(self._feed()),
+        self.runner.tasks += [out.pacer, asyncio.create_task(self._feed()),
                                     asyncio.create_task(self._watch_media())]
-        self.conversation.open(self.session, out)
+        self.runner.open(self.session, out)
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -208,7 +208,7 @@ class Call:
             if sock is not None:
                 sock.close()
         self.ep.release_rtp(self.rtp_port)
-        await self.conversation.finish(reason, self.ticket)
+        await self.runner.finish(reason, self.ticket)
         calls.close(self.record, reason)
 
 
@@ -423,7 +423,7 @@ class SipEndpoint:
         self.calls[call.id] = call
         self.reply(req, source, 100)
         call.last_provisional = self.reply(req, source, 180, call.local_tag, [("contact", self.contact(req))])
-        call.conversation.tasks.append(asyncio.create_task(self._answer(call, source)))
+        call.runner.tasks.append(asyncio.create_task(self._answer(call, source)))
 
     def _check_offer(self, req: SipMessage) -> tuple[int, list, sdp.Answer | None]:
         if req.get("require"):

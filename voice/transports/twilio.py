@@ -26,7 +26,7 @@ from voice.audio import ulaw_decode, ulaw_encode
 from voice.auth import Auth
 from voice.session import Session
 from voice.stages import Stages
-from voice.transports.common import FLUSH_S, Conversation, close_ws, run_admitted
+from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.telephony import RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
@@ -40,7 +40,7 @@ DTMF_DIGITS = "0123456789*#ABCD"
 class TwilioCall:
     def __init__(self, ws: WebSocket, stages: Stages, principal: str = "twilio"):
         self.ws, self.stages, self.principal = ws, stages, principal
-        self.conversation = Conversation(FLUSH_S["twilio"], self)
+        self.runner = ConversationRunner(FLUSH_S["twilio"], self)
         self.registry = stages.metrics.registry
         self.session: Session | None = None
         self.record: CallSummary | None = None
@@ -57,7 +57,7 @@ class TwilioCall:
         await self.ws.accept()
         reason = "disconnect"
         try:
-            reason = await self.conversation.serve()
+            reason = await self.runner.serve()
         finally:
             await self.end(reason)
 
@@ -128,8 +128,8 @@ class TwilioCall:
                                 tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
         out = PacedOutput(self.session, self.record, self.send_media, self._close, phrase_end=self.send_mark,
                           cleared=self.send_clear, lead_s=LEAD_S)
-        self.conversation.tasks.append(out.pacer)
-        self.conversation.open(self.session, out)
+        self.runner.tasks.append(out.pacer)
+        self.runner.open(self.session, out)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
@@ -228,7 +228,7 @@ class TwilioCall:
     async def end(self, reason: str) -> None:
         if self.session is not None:
             reason = self.session.end_reason or reason
-        await self.conversation.finish(reason)
+        await self.runner.finish(reason)
         if self.record is not None:
             calls.close(self.record, reason)
         if reason == "stop":

@@ -67,7 +67,7 @@ from voice.limits import LimitError, Ticket, give_back_freed_memory
 from voice.lm import Chat
 from voice.session import Session
 from voice.stages import Stages
-from voice.transports.common import FLUSH_S, Conversation, acquire
+from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 
 if TYPE_CHECKING:
     from wyoming.zeroconf import HomeAssistantZeroconf
@@ -243,7 +243,7 @@ class Connection:
         self.id = f"w{next(_connection_ids)}"
         peer = writer.get_extra_info("peername") or ("", 0)
         self.peer = f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
-        self.conversation = Conversation(FLUSH_S["wyoming"], self)
+        self.runner = ConversationRunner(FLUSH_S["wyoming"], self)
         self.session: Session | None = None  # opened with the first request (Home Assistant polls `describe`)
         self.ticket: Ticket | None = None  # acquired with the session
         self.request: Request | None = None
@@ -256,7 +256,7 @@ class Connection:
 
     async def run(self) -> None:
         try:
-            await self.conversation.serve()
+            await self.runner.serve()
         finally:
             await self.release()
 
@@ -354,7 +354,7 @@ class Connection:
             session = Session(self.stages, SAMPLE_RATE, self.stages.synthesizer.voice_rate, "wyoming",
                               principal="wyoming", peer=self.peer, requests=True)
             session.call_log.stages_key = True
-            self.session = self.conversation.open(session, self)
+            self.session = self.runner.open(session, self)
         return self.session
 
     def begin(self, program: str, turn: int, **details: Any) -> Request:
@@ -537,7 +537,7 @@ class Connection:
     async def fail(self, failure: RequestFailed) -> None:
         """Stop what this connection was doing, then say why (the error is the last event sent)."""
         self.ended = True
-        drain = self.conversation.drain
+        drain = self.runner.drain
         if drain is not None:
             drain.cancel()
             await asyncio.wait({drain})

@@ -369,3 +369,32 @@ def test_a_transcription_is_a_session_turn_like_a_ws_one(server):
     [turn] = session["turns"]
     assert (turn["status"], turn["transcript"]) == ("ok", "what time is it")
     assert "asr" in turn["latency"]["stages_ms"] and turn["latency"]["stages"] == turn["latency"]["stages_ms"]
+
+
+def test_an_answer_runs_in_the_callers_conversation_and_leaves_the_sessions_alone():
+    """Home Assistant's conversation agent: the answer's turn reads and extends the history the
+    caller keeps, through its chat; the session's own history and chat are never swapped out, not
+    even while the answer is made (before, they were, for the length of the call)."""
+    from voice.history import History
+    from voice.session import Session
+
+    lm = FakeLM()
+    lm.delay_s = 0.05  # a reply that takes a while: the session is looked at while it is made
+    stages = fake_stages(make_config(), lm=lm)
+
+    async def scenario() -> tuple[list[dict], list[dict], bool]:
+        session = Session(stages, 16000, stages.synthesizer.voice_rate, "wyoming", requests=True)
+        own_history, own_chat = session.history, session.replies.chat
+        history, chat = History("Be brief.", 8), lm.chat()
+        answer = asyncio.create_task(session.answer_in("what time is it", history, chat))
+        await asyncio.sleep(0.1)  # the reply is being made
+        untouched = session.history is own_history and session.replies.chat is own_chat and not answer.done()
+        await answer
+        await session.close()
+        return list(history), list(own_history), untouched
+
+    theirs, own, untouched = asyncio.run(scenario())
+    assert untouched
+    assert [m["role"] for m in theirs] == ["user", "assistant"] and theirs[0]["content"] == "what time is it"
+    assert theirs[1]["content"] == "Sure, here is a short reply."
+    assert own == []

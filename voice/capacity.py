@@ -79,7 +79,7 @@ class Capacity:
 
     def strained(self) -> bool:
         """Is the load near what the cores give? (Best-effort work backs off: voice.scheduler.)"""
-        return self.load > self.usable * STRAINED
+        return self.load > self.cores * (self.max_load or 1.0) * STRAINED  # (max_load 0: admission by counts only)
 
     def sessions_max(self) -> int:
         """How many sessions fit at what each costs (at least one: an instance that admits nobody

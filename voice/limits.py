@@ -111,9 +111,8 @@ class Admission:
 
         `per_key`: whether `max_sessions_per_key` applies (only to authenticated principals)."""
         lim = self.limits
-        refusal = self.full()
+        refusal = self.refusal()
         if refusal is not None:
-            self._refuse("capacity" if refusal.code == "too_many_sessions" else refusal.code)
             raise refusal
         if self.total >= lim.max_sessions:
             self._refuse("max_sessions")
@@ -126,6 +125,13 @@ class Admission:
         self.total += 1
         self.active[principal] += 1
         return Ticket(self, principal)
+
+    def refusal(self) -> LimitError | None:
+        """`full()`, counted and logged as a refusal when it refuses."""
+        refusal = self.full()
+        if refusal is not None:
+            self._refuse("capacity" if refusal.code == "too_many_sessions" else refusal.code)
+        return refusal
 
     def _release(self, principal: str) -> None:
         self.total -= 1

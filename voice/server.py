@@ -171,7 +171,8 @@ class VoiceApp:
             refusal = self.loaded().admission.full()
         if refusal is None or "websocket.http.response" not in ws.scope.get("extensions", {}):
             return False  # (a server without the denial extension: admission refuses it after the upgrade)
-        log.warning("refused %s before the upgrade: %s: %s", ws.url.path, refusal.code, refusal.message)
+        if not self.draining:
+            self.loaded().admission.refusal()  # counted and logged
         body = {"error": {"code": refusal.code, "message": refusal.message, "retry_after_s": refusal.retry_after_s}}
         await ws.send_denial_response(JSONResponse(body, status_code=503,
                                                    headers={"retry-after": str(refusal.retry_after_s)}))
@@ -182,8 +183,8 @@ class VoiceApp:
             await native.handle(ws, self.loaded(), self.auth)
 
     async def ws_realtime(self, ws: WebSocket) -> None:
-        from voice.transports import realtime
-        if not await self.refused_before_upgrade(ws):
+        if not await self.refused_before_upgrade(ws):  # at once: before the first import of the front
+            from voice.transports import realtime
             await realtime.handle(ws, self.loaded(), self.auth)
 
     async def ws_twilio(self, ws: WebSocket) -> None:

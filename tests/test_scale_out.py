@@ -242,7 +242,7 @@ def turn_rows(url: str) -> list[dict]:
 
 def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
     """Issue 59: voice1 has room for one session (its measured capacity, `limits.session_cores`
-    set so that one fills it), voice2 for several. Two callers through HAProxy take one instance
+    set so that one fills it), voice2 for all (`max_load = 0`: whatever these shared cores give). Two callers through HAProxy take one instance
     each; voice1 is then full: its agent says "drain" (HAProxy shows it DRAIN) and /healthz says
     it admits nobody, so the third and fourth callers go to voice2. All four are answered; when
     voice1's caller leaves, it takes calls again."""
@@ -256,7 +256,8 @@ def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
                   "server": {"agent_port": agents[0]}, "lm": lm, "records": {"path": ""},
                   "limits": {"session_cores": 64.0}}), tmp_path),
               "voice2": voice_serve(ports[1], voice_config(tmp_path / "voice2.toml", {
-                  "server": {"agent_port": agents[1]}, "lm": lm, "records": {"path": ""}}), tmp_path)}
+                  "server": {"agent_port": agents[1]}, "lm": lm, "records": {"path": ""},
+                  "limits": {"max_load": 0.0}}), tmp_path)}  # by the counts only: room for all four here
     lb = None
     try:
         engine.wait_ready()

@@ -1,8 +1,12 @@
 """How many sessions this instance carries, measured while it runs rather than configured.
 
-Every stage of every session runs on this process's threads, so the process's CPU time per wall
-second (`time.process_time`) is the work it is doing, in cores; the cores it may use
-(`os.sched_getaffinity`) times `limits.max_load` is what it can give without replies falling
+Every stage of every session runs on this process's threads, so what those threads ask of the
+cores per wall second is the work it is doing, in cores: the time they ran plus the time they sat
+runnable waiting for a core (Linux's per-thread schedstat; `time.process_time` where there is
+none). The waiting counts because it is demand the cores did not meet, whether our own threads
+crowd each other or another tenant of the machine takes the cores (on this shared 2-core VM, under
+three benchmarks, the instance's threads waited 2.2 s for every second they ran). The cores it may
+use (`os.sched_getaffinity`) times `limits.max_load` is what it can give without replies falling
 behind their audio. What one open session costs is learned from the same samples (the load over
 the sessions open), quick to rise and slow to fall, so a lull of silent sessions does not invite a
 crowd that then all talks at once. Until a session has been measured, `limits.session_cores`
@@ -29,6 +33,35 @@ STRAINED = 0.75  # past this share of the usable cores, best-effort work (partia
 RISE, FALL = 0.3, 0.02  # per sample: how fast the cost of a session follows a higher / a lower measurement
 
 
+class ThreadDemand:
+    """Seconds this process's threads have run or waited runnable for a core since it was made,
+    summed over its threads (schedstat), counting each thread's growth since it was last seen, so a
+    thread that ends takes nothing back; without schedstat, the process's CPU time alone."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self.total_ns = 0
+
+    def __call__(self) -> float:
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return time.process_time()
+        now: dict[str, int] = {}
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ran, waited = f.read().split()[:2]
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile
+            now[tid] = int(ran) + int(waited)
+            self.total_ns += now[tid] - self.seen.get(tid, 0)
+        if not now:
+            return time.process_time()
+        self.seen = now
+        return self.total_ns / 1e9
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -38,11 +71,11 @@ def usable_cores() -> int:
 
 class Capacity:
     def __init__(self, limits: LimitsConfig, cores: int | None = None,
-                 cpu: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic):
+                 cpu: Callable[[], float] | None = None, clock: Callable[[], float] = time.monotonic):
         self.cores = cores or usable_cores()
         self.max_load, self.retry_after_s = limits.max_load, limits.retry_after_s
-        self.cpu, self.clock = cpu, clock
-        self.load = 0.0  # cores busy with this process's work, averaged over LOAD_WINDOW_S
+        self.cpu, self.clock = cpu or ThreadDemand(), clock
+        self.load = 0.0  # cores' worth of this process's work (run + waited for), averaged over LOAD_WINDOW_S
         self.session_cores = limits.session_cores  # what one open session costs, in cores (learned)
         self.measured = False  # session_cores is still the configured guess
         self._lock = threading.Lock()
@@ -55,8 +88,9 @@ class Capacity:
 
     @property
     def usable(self) -> float:
-        """The cores' time the sessions may take: what the cores give, less room for bursts."""
-        return self.cores * self.max_load
+        """The cores' time the sessions may take: what the cores give, less room for bursts (all of
+        it with max_load 0, where admission goes by the counts only and this is for /healthz)."""
+        return self.cores * (self.max_load or 1.0)
 
     def sample(self, sessions: int) -> None:
         """Take the process's CPU time since the last sample (at most one per SAMPLE_S / 2)."""
@@ -79,7 +113,7 @@ class Capacity:
 
     def strained(self) -> bool:
         """Is the load near what the cores give? (Best-effort work backs off: voice.scheduler.)"""
-        return self.load > self.cores * (self.max_load or 1.0) * STRAINED  # (max_load 0: admission by counts only)
+        return self.load > self.usable * STRAINED
 
     def sessions_max(self) -> int:
         """How many sessions fit at what each costs (at least one: an instance that admits nobody
@@ -90,7 +124,7 @@ class Capacity:
         """Room for one more beside `sessions` open: by their cost, and by the load measured now
         (a load already past what the cores give says the estimate is low, whatever it is)."""
         self.sample(sessions)
-        if sessions == 0:
+        if sessions == 0 or not self.max_load:
             return True
         return sessions + 1 <= self.sessions_max() and self.load < self.usable
 

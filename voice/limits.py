@@ -100,7 +100,7 @@ class Admission:
         if self.draining:
             return LimitError("shutting_down", "the server is shutting down; try again in a moment", 1001, 1)
         capacity = self.capacity
-        if capacity is not None and capacity.max_load and not capacity.admits(self.total):
+        if capacity is not None and not capacity.admits(self.total):
             return LimitError("too_many_sessions", f"the server is at its capacity ({self.total} sessions, "
                                                    f"{capacity.load:.1f} of {capacity.cores} cores busy); try again "
                                                    f"in {capacity.retry_after_s} s", 1013, capacity.retry_after_s)

@@ -205,3 +205,12 @@ def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real
     assert idle_agent.startswith("ready ") and int(idle_agent[6:-1]) > 80, idle_agent
     assert max(loads) > idle["capacity"]["load_cores"] + 0.3, (idle, loads)  # the session's work, measured
     assert talking["sessions"] == 1 and talking["headroom"] < idle["headroom"] - 0.2, (idle, talking)
+
+
+def test_the_default_clock_is_this_process_threads_demand():
+    capacity = Capacity(LimitsConfig(max_load=0.9, session_cores=0.6))
+    end = time.monotonic() + 0.8
+    while time.monotonic() < end:  # one thread busy
+        sum(i * i for i in range(10_000))
+    capacity.sample(0)
+    assert capacity.load > 0.1 and capacity.report(0)["admitting"]

@@ -79,7 +79,7 @@ class Capacity:
         self.session_cores = limits.session_cores  # what one open session costs, in cores (learned)
         self.measured = False  # session_cores is still the configured guess
         self._lock = threading.Lock()
-        self._last = (clock(), cpu())
+        self._last = (clock(), self.cpu())
 
     def reset(self) -> None:
         """Measure from now (the models' loading is not the sessions' work)."""

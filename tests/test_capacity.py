@@ -161,6 +161,7 @@ def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_stage
             (503, "too_many_sessions", 3, "3"), (path, body)
         assert ms < 100, (path, ms)
     assert stages.metrics.refused.labels("capacity")._value.get() == 3
+    print("\nrefused in " + ", ".join(f"{path} {ms:.1f} ms" for path, (ms, *_) in refusals.items()))
 
 
 @pytest.mark.slow

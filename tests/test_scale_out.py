@@ -243,7 +243,7 @@ def turn_rows(url: str) -> list[dict]:
 def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
     """Issue 59: voice1 has room for one session (its measured capacity, `limits.session_cores`
     set so that one fills it), voice2 for all (`max_load = 0`: whatever these shared cores give). Two callers through HAProxy take one instance
-    each; voice1 is then full: its agent says "drain" (HAProxy shows it DRAIN) and /healthz says
+    each; voice1 is then full: its agent says "drain" (HAProxy shows it "DRAIN (agent)") and /healthz says
     it admits nobody, so the third and fourth callers go to voice2. All four are answered; when
     voice1's caller leaves, it takes calls again."""
     require_system(haproxy_binary(), "HAProxy is not installed (apt-get install haproxy)")
@@ -274,9 +274,11 @@ def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
 
         async def scenario() -> tuple[list[Caller], dict, dict]:
             first = [await call("c1"), await call("c2")]
-            assert sorted(c.instance for c in first) == ["voice1", "voice2"]
+            assert sorted(c.instance for c in first) == ["voice1", "voice2"], [
+                f"{name}: " + " ".join(f"{k}={row[k]}" for k in ("status", "weight", "scur", "agent_desc", "wredis"))
+                for name, row in lb.servers().items()]
             full = http_get(f"http://127.0.0.1:{ports[0]}/healthz")[1]
-            drained = await asyncio.to_thread(lb.wait_status, "voice1", "DRAIN", 5.0)
+            drained = await asyncio.to_thread(lb.wait_status, "voice1", "DRAIN (agent)", 5.0)
             later = [await call("c3"), await call("c4")]
             assert [c.instance for c in later] == ["voice2", "voice2"]
             callers = first + later

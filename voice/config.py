@@ -458,7 +458,7 @@ class LimitsConfig:
     # Capacity (voice/capacity.py): a session is admitted while the open ones, at their measured cost, and the
     # measured load leave room for one more within max_load of the cores; 0 = admit by max_sessions only.
     max_load: float = 0.9  # the share of the cores' time the sessions may take
-    session_cores: float = 0.6  # what one session costs (cores) until one is measured
+    session_cores: float = 0.8  # what one session costs (cores) until one is measured: 2 cores hold 2 at a cold start
     retry_after_s: int = 5  # the retry hint a session refused for capacity gets (Retry-After)
     max_sessions_per_key: int = 8  # concurrent sessions per API key (auth on only); 0 = no limit
     max_session_s: float = 3600.0  # a session is closed after this long (session_too_long); 0 = never

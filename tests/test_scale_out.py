@@ -242,10 +242,11 @@ def turn_rows(url: str) -> list[dict]:
 
 def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
     """Issue 59: voice1 has room for one session (its measured capacity, `limits.session_cores`
-    set so that one fills it), voice2 for all (`max_load = 0`: whatever these shared cores give). Two callers through HAProxy take one instance
-    each; voice1 is then full: its agent says "drain" (HAProxy shows it "DRAIN (agent)") and /healthz says
-    it admits nobody, so the third and fourth callers go to voice2. All four are answered; when
-    voice1's caller leaves, it takes calls again."""
+    set so that one fills it), voice2 for all (`max_load = 0`: whatever these shared cores give).
+    Two callers through HAProxy take one instance each; voice1 is then full: its agent says
+    "drain" (HAProxy shows it "DRAIN (agent)") and /healthz says it admits nobody, so the third
+    and fourth callers go to voice2. All four are answered; when voice1's caller leaves, it takes
+    calls again."""
     require_system(haproxy_binary(), "HAProxy is not installed (apt-get install haproxy)")
     engine_port, ports, agents, lb_port = free_port(), (free_port(), free_port()), (free_port(), free_port()), \
         free_port()

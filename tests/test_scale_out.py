@@ -104,7 +104,9 @@ def test_two_instances_behind_haproxy(tmp_path, postgres_url, require_system):
         "lm": {"backend": "openai", "url": f"http://127.0.0.1:{engine_port}/v1", "model": "small", "mode": "ar",
                "max_new_tokens": 16},
         "records": {"url": postgres_url},
-        "limits": {"shutdown_grace_s": 60.0}})
+        # admission by the counts: five processes share these 2 cores, and what is tested here is the
+        # topology (test_a_full_instance_gets_no_new_callers tests admission by capacity)
+        "limits": {"shutdown_grace_s": 60.0, "max_load": 0.0}})
     voices = {"voice1": voice_serve(ports[0], config, tmp_path, env),
               "voice2": voice_serve(ports[1], config, tmp_path, env)}
     lb = None

@@ -10,6 +10,7 @@ HAProxy agent's answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
@@ -119,8 +120,11 @@ def test_the_phrase_about_to_run_dry_is_synthesised_first():
 
 # --- the real service -------------------------------------------------------------------------
 
-def _capacity_server(real_stages, limits: dict):
-    """The real service whose Stages admit by a Capacity of `limits` (real_stages' have none)."""
+@contextlib.contextmanager
+def _serving_with_capacity(real_stages, limits: dict, agent_port: int = 0):
+    """The real service whose Stages admit by a Capacity of `limits` (real_stages' have none):
+    (port, stages). The shared scheduler is given back as it was (its partials not held back by
+    this test's load)."""
     from fakes import REAL_REPLY_TOKENS
     from liveserver import serving
     from voice.server import build_app
@@ -128,11 +132,17 @@ def _capacity_server(real_stages, limits: dict):
 
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    config.server.agent_port = agent_port
     for key, value in limits.items():
         setattr(config.limits, key, value)
     base = real_stages(config)
+    load_high = base.scheduler.load_high
     stages = Stages(config, base.whisper, base.synthesizer, base.lm, base.scheduler, Capacity(config.limits))
-    return serving(build_app(config, stages)), stages
+    try:
+        with serving(build_app(config, stages)) as port:
+            yield port, stages
+    finally:
+        base.scheduler.load_high = load_high
 
 
 @pytest.mark.slow
@@ -141,8 +151,7 @@ def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_stage
     from websockets.exceptions import InvalidStatus
 
     from fakes import Client
-    server, stages = _capacity_server(real_stages, {"session_cores": 64.0, "retry_after_s": 3})  # room for one
-    with server as port:
+    with _serving_with_capacity(real_stages, {"session_cores": 64.0, "retry_after_s": 3}) as (port, stages):
         async def scenario() -> dict[str, tuple[float, int, dict, str]]:
             first = await Client.open(f"ws://127.0.0.1:{port}/ws")
             refusals = {}
@@ -171,9 +180,6 @@ def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real
     from cluster import free_port
     from fakes import Client, speech
     agent_port = free_port()
-    server, stages = _capacity_server(real_stages, {"session_cores": 0.6})
-    stages.config.server.agent_port = agent_port
-    stages.config.server.host = "127.0.0.1"
 
     def healthz(port: int) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
@@ -183,7 +189,7 @@ def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real
         with socket.create_connection(("127.0.0.1", agent_port), timeout=5) as s:
             return s.makefile().readline().strip()
 
-    with server as port:
+    with _serving_with_capacity(real_stages, {"session_cores": 0.6}, agent_port) as (port, stages):
         time.sleep(2.5)  # the idle load settles (models loaded before; the sampler runs each second)
         idle = healthz(port)
         idle_agent = agent()

@@ -27,7 +27,7 @@ from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDon
 from voice.faults import StageFailure, blocks_within, synthesis_within
 from voice.lm import Chat
 from voice.playback import Playback
-from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S
+from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due
 from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter, SpeechSynthesizer
 
@@ -325,8 +325,8 @@ class ReplyRunner:
             return
         playback = reply.playback
         reply.did("tts_asked")
-        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
-            not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults,
+                                     urgent=Due(playback.runs_out, TTS_HORIZON_S))
         reply.did("tts_first_audio")
         self.sink.first_audio()
         await reply.released.wait()

@@ -289,7 +289,9 @@ async def count_http(t: Tally, port: int, label: str, data: bytes, timeout: floa
         t.statuses["reset while uploading over the cap"] += 1
         return None
     t.statuses[status if status is not None else how] += 1
-    if status is not None and status >= 500:
+    if status == 503 and b"too_many_sessions" in body:
+        t.statuses["503 too_many_sessions (a refusal at capacity, not a fault)"] += 1
+    elif status is not None and status >= 500:
         t.http_5xx += 1
         t.defect("http_5xx", label, data, body[:300].decode("utf-8", "replace"))
     if status is None:

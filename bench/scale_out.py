@@ -46,9 +46,9 @@ RATE = 16000
 def sweep_entry(url: str, files: list[Path], refs: dict[str, str], n: int, budget_ms: float) -> dict:
     """N sessions at once against `url` (voice.clients.bench.run_concurrent), summarised."""
     before = loadavg()
-    turns = asyncio.run(run_concurrent(url, files, refs, RATE, None, n))
-    entry = summarise(turns) | {"sessions": n, "loadavg_before": before, "loadavg_after": loadavg(),
-                                "per_turn": [t.__dict__ for t in turns]}
+    turns, refused = asyncio.run(run_concurrent(url, files, refs, RATE, None, n))
+    entry = summarise(turns) | {"sessions": n, "refused": len(refused), "loadavg_before": before,
+                                "loadavg_after": loadavg(), "per_turn": [t.__dict__ for t in turns]}
     entry["within_budget"] = entry["v2v_ms_p95"] is not None and entry["v2v_ms_p95"] <= budget_ms \
         and entry["answered"] == entry["turns"]
     return entry

@@ -143,13 +143,16 @@ class HAProxy(Child):
     """HAProxy with configs/haproxy.cfg in front of two voice instances on loopback `backends`,
     clients on loopback `port`; `servers()` reads its runtime API."""
 
-    def __init__(self, port: int, backends: tuple[int, int], log_dir: Path):
+    def __init__(self, port: int, backends: tuple[int, int], log_dir: Path, agents: tuple[int, int] | None = None):
+        """`agents`: the instances' `[server] agent_port`s (None: ports nobody answers, so unweighed)."""
         binary = haproxy_binary()
         if binary is None:
             raise RuntimeError("HAProxy is not installed (apt-get install haproxy)")
         self.port, self.socket_path = port, str(log_dir / "haproxy.sock")
         env = {**os.environ, "VOICE_LB_BIND": f"127.0.0.1:{port}", "VOICE_LB_SOCKET": self.socket_path,
                "VOICE_1": f"127.0.0.1:{backends[0]}", "VOICE_2": f"127.0.0.1:{backends[1]}"}
+        agents = agents or (free_port(), free_port())
+        env |= {"VOICE_1_AGENT": str(agents[0]), "VOICE_2_AGENT": str(agents[1])}
         check = subprocess.run([binary, "-c", "-q", "-f", str(HAPROXY_CFG)], env=env, capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"configs/haproxy.cfg does not check: {check.stdout}{check.stderr}")

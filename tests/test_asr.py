@@ -118,6 +118,19 @@ def test_partials_slow_down_while_others_talk_at_the_same_time():
     assert len(model.calls) == 1
 
 
+def test_partials_back_off_near_capacity():
+    """Issue 59: while the instance is strained (its measured load near what the cores give) no
+    partial is decoded; finals and replies keep the cores. Once the load falls, partials resume."""
+    model = ScriptedModel("ten of clubs")
+    transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))
+    transcriber.insert_audio_chunk(np.zeros(CHUNK, dtype=np.float32))
+    model.worker.scheduler.load_high = lambda: True
+    assert asyncio.run(transcriber.process_iter()) is None and model.calls == []
+    model.worker.scheduler.load_high = lambda: False
+    asyncio.run(transcriber.process_iter())
+    assert len(model.calls) == 1
+
+
 def test_reset_during_a_decode_keeps_it_out_of_the_next_utterance():
     model = ScriptedModel("ten of clubs", "ten of clubs")
     transcriber = StreamingTranscriber(model, AsrConfig(partial_interval_ms=100))

@@ -104,7 +104,9 @@ def test_two_instances_behind_haproxy(tmp_path, postgres_url, require_system):
         "lm": {"backend": "openai", "url": f"http://127.0.0.1:{engine_port}/v1", "model": "small", "mode": "ar",
                "max_new_tokens": 16},
         "records": {"url": postgres_url},
-        "limits": {"shutdown_grace_s": 60.0}})
+        # admission by the counts: five processes share these 2 cores, and what is tested here is the
+        # topology (test_a_full_instance_gets_no_new_callers tests admission by capacity)
+        "limits": {"shutdown_grace_s": 60.0, "max_load": 0.0}})
     voices = {"voice1": voice_serve(ports[0], config, tmp_path, env),
               "voice2": voice_serve(ports[1], config, tmp_path, env)}
     lb = None
@@ -238,3 +240,62 @@ def turn_rows(url: str) -> list[dict]:
         return conn.execute("SELECT s.principal, t.turn, t.status, t.reply, t.heard FROM turns t "
                             "JOIN sessions s ON s.uid = t.session_uid").fetchall()
 
+
+
+def test_a_full_instance_gets_no_new_callers(tmp_path, require_system):
+    """Issue 59: voice1 has room for one session (its measured capacity, `limits.session_cores`
+    set so that one fills it), voice2 for all (`max_load = 0`: whatever these shared cores give).
+    Two callers through HAProxy take one instance each; voice1 is then full: its agent says
+    "drain" (HAProxy shows it "DRAIN (agent)") and /healthz says it admits nobody, so the third
+    and fourth callers go to voice2. All four are answered; when voice1's caller leaves, it takes
+    calls again."""
+    require_system(haproxy_binary(), "HAProxy is not installed (apt-get install haproxy)")
+    engine_port, ports, agents, lb_port = free_port(), (free_port(), free_port()), (free_port(), free_port()), \
+        free_port()
+    engine = engine_serve(engine_port, tmp_path, model="small", max_new_tokens=16)
+    lm = {"backend": "openai", "url": f"http://127.0.0.1:{engine_port}/v1", "model": "small", "mode": "ar",
+          "max_new_tokens": 16}
+    voices = {"voice1": voice_serve(ports[0], voice_config(tmp_path / "voice1.toml", {
+                  "server": {"agent_port": agents[0]}, "lm": lm, "records": {"path": ""},
+                  "limits": {"session_cores": 64.0}}), tmp_path),
+              "voice2": voice_serve(ports[1], voice_config(tmp_path / "voice2.toml", {
+                  "server": {"agent_port": agents[1]}, "lm": lm, "records": {"path": ""},
+                  "limits": {"max_load": 0.0}}), tmp_path)}  # by the counts only: room for all four here
+    lb = None
+    try:
+        engine.wait_ready()
+        for voice in voices.values():
+            voice.wait_ready()
+        lb = HAProxy(lb_port, ports, tmp_path, agents)
+        lb.wait_ready(30)
+        assert lb.wait_status("voice1", "UP") and lb.wait_status("voice2", "UP")
+
+        async def call(name: str) -> Caller:
+            client = await Client.open(lb.ws + "/ws")
+            client.listen(speed=1.0)
+            return Caller(name, client)
+
+        async def scenario() -> tuple[list[Caller], dict, dict]:
+            first = [await call("c1"), await call("c2")]
+            assert sorted(c.instance for c in first) == ["voice1", "voice2"], [
+                f"{name}: " + " ".join(f"{k}={row[k]}" for k in ("status", "weight", "scur", "agent_desc", "wredis"))
+                for name, row in lb.servers().items()]
+            full = http_get(f"http://127.0.0.1:{ports[0]}/healthz")[1]
+            drained = await asyncio.to_thread(lb.wait_status, "voice1", "DRAIN (agent)", 5.0)
+            later = [await call("c3"), await call("c4")]
+            assert [c.instance for c in later] == ["voice2", "voice2"]
+            callers = first + later
+            await asyncio.gather(*(c.exchange(clip) for c, clip in zip(callers, ("001.wav", "002.wav", "003.wav",
+                                                                                 "004.wav"))))
+            await next(c for c in first if c.instance == "voice1").client.shut()
+            back = await asyncio.to_thread(lb.wait_status, "voice1", "UP", 10.0)
+            return callers, full, drained | {"back": back["status"]}
+        callers, full, drained = asyncio.run(scenario())
+    finally:
+        for child in [lb, *voices.values(), engine]:
+            if child is not None:
+                child.close()
+    assert full["capacity"]["admitting"] is False and full["headroom"] == 0.0, full
+    assert all(c.done[1]["text"] and not c.done[1].get("interrupted") for c in callers), [c.done for c in callers]
+    print(f"\nvoice1 full at {full['sessions']} session: HAProxy {drained['status']}, callers 3 and 4 on voice2; "
+          f"back {drained['back']} once its caller left")

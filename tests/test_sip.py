@@ -680,3 +680,26 @@ def test_baresip_calls_in_and_hears_the_reply(service, require_system, tmp_path)
     print(f"\nbaresip heard: {text!r}; the server said: {reply!r}; latency (ms): {record.latency[0]}")
     assert words(text), "the reply baresip recorded has no words in it"
     assert words(text) & words(reply), f"heard {text!r}, but the server said {reply!r}"
+
+
+def test_invite_past_capacity_gets_503_with_retry_after(service):
+    """Issue 59: at the instance's measured capacity an INVITE is answered 503 with when to try
+    again (a proxy tries another server), where a count limit is 486 Busy Here."""
+    class Full:  # a measured capacity with no room left
+        retry_after_s, load, cores = 7, 1.9, 2
+
+        def admits(self, sessions: int) -> bool:
+            return False
+    admission = service.stages.admission
+    admission.capacity = Full()
+    phone = Phone(service)
+    try:
+        branch = phone.request("INVITE", phone.offer("0", ["0 PCMU/8000"]))
+        _, r = phone.final()
+        assert (r.status, r.h("retry-after")) == (503, "7") and "capacity" in r.h("warning"), r
+        phone.to_tag = r.to_tag
+        phone.request("ACK", branch=branch, cseq=1)
+        assert sip_record(phone.call_id) is None, "no call, no session"
+    finally:
+        admission.capacity = None
+        phone.close()

@@ -398,3 +398,17 @@ def test_an_answer_runs_in_the_callers_conversation_and_leaves_the_sessions_alon
     assert [m["role"] for m in theirs] == ["user", "assistant"] and theirs[0]["content"] == "what time is it"
     assert theirs[1]["content"] == "Sure, here is a short reply."
     assert own == []
+
+
+def test_a_request_past_capacity_gets_too_many_sessions_with_when_to_retry(server):
+    """Issue 59: at the instance's measured capacity a Wyoming request (its session opens with it)
+    gets the `too_many_sessions` error saying when to try again."""
+    class Full:  # a measured capacity with no room left
+        retry_after_s, load, cores = 7, 1.9, 2
+
+        def admits(self, sessions: int) -> bool:
+            return False
+    server.stages.admission.capacity = Full()
+    got = talk(server, Synthesize(text="Hello there.").event(), until="error")
+    refused = Error.from_event(got[-1])
+    assert refused.code == "too_many_sessions" and "try again in 7 s" in refused.text, refused

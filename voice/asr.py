@@ -261,8 +261,9 @@ class StreamingTranscriber:
         optional (the final transcript will tell), so a failed decode is logged and gives None."""
         worker = self._model.worker
         interval = SAMPLE_RATE * self.config.partial_interval_ms // 1000 * max(len(self._model.speaking), 1)
-        if self._samples - self._decoded_samples < interval or worker.busy or worker.scheduler.busy():
-            return None  # partials are best effort: never queue one behind work someone waits for
+        if self._samples - self._decoded_samples < interval or worker.busy or worker.scheduler.busy() \
+                or worker.scheduler.strained():
+            return None  # best effort: never queued behind work someone waits for, none near capacity
         self._decoded_samples = self._samples
         utterance = self._utterance
         committed = " ".join(self._committed)

@@ -19,6 +19,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     web_dir: str = ""  # empty: the repository's web/ folder
+    agent_port: int = 0  # HAProxy's agent-check: a TCP port answering the capacity left (voice/server.py); 0 = none
 
 
 @dataclass
@@ -453,7 +454,12 @@ class ToolsConfig:
 class LimitsConfig:
     """Maxima with clear errors (PROTOCOL.md); 0 = no limit where it says so."""
 
-    max_sessions: int = 32  # concurrent sessions over all transports; more are refused (too_many_sessions)
+    max_sessions: int = 32  # concurrent sessions over all transports, whatever the capacity; more are refused
+    # Capacity (voice/capacity.py): a session is admitted while the open ones, at their measured cost, and the
+    # measured load leave room for one more within max_load of the cores; 0 = admit by max_sessions only.
+    max_load: float = 0.9  # the share of the cores' time the sessions may take
+    session_cores: float = 0.8  # what one session costs (cores) until one is measured: 2 cores hold 2 at a cold start
+    retry_after_s: int = 5  # the retry hint a session refused for capacity gets (Retry-After)
     max_sessions_per_key: int = 8  # concurrent sessions per API key (auth on only); 0 = no limit
     max_session_s: float = 3600.0  # a session is closed after this long (session_too_long); 0 = never
     idle_timeout_s: float = 60.0  # no audio at all for this long closes the session (idle_timeout); 0 = never
@@ -466,6 +472,9 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.outbox_max_events < 10:
             raise ValueError("limits.max_sessions must be at least 1 and limits.outbox_max_events at least 10")
+        if not 0 <= self.max_load <= 1 or self.session_cores <= 0 or self.retry_after_s < 1:
+            raise ValueError("limits.max_load must be within 0-1, limits.session_cores positive and "
+                             "limits.retry_after_s at least 1")
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Limits: how many sessions may run, in all and per API key, and whether we are draining
-(admission); how long one session may last and stay silent (`watch_session`).
+"""Limits: how many sessions may run, by the instance's measured capacity (voice/capacity.py), in
+all and per API key, and whether we are draining (admission); how long one session may last and
+stay silent (`watch_session`).
 
 Every transport asks for a `Ticket` before it opens a session (a websocket right after it is
 authenticated, a SIP call at its INVITE) and releases it when the connection ends.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from voice.config import Config, LimitsConfig
 
 if TYPE_CHECKING:
+    from voice.capacity import Capacity
     from voice.latency import Metrics
 
 log = logging.getLogger("voice.limits")
@@ -63,11 +65,13 @@ def give_back_freed_memory() -> None:
 
 
 class LimitError(Exception):
-    """Refused: `code` is the error code for the client, `close_code` the websocket close code."""
+    """Refused: `code` is the error code for the client, `close_code` the websocket close code;
+    `retry_after_s`, when the same request may succeed later (each front says it its own way)."""
 
-    def __init__(self, code: str, message: str, close_code: int = 1008):
+    def __init__(self, code: str, message: str, close_code: int = 1008, retry_after_s: int | None = None):
         super().__init__(message)
         self.code, self.message, self.close_code = code, message, close_code
+        self.retry_after_s = retry_after_s
 
 
 class Ticket:
@@ -82,20 +86,33 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, limits: LimitsConfig, metrics: Metrics | None = None):
-        self.limits, self.metrics = limits, metrics
+    def __init__(self, limits: LimitsConfig, metrics: Metrics | None = None, capacity: Capacity | None = None):
+        """`capacity`: admit by measured capacity too (the real stages; None: by the counts only)."""
+        self.limits, self.metrics, self.capacity = limits, metrics, capacity
         self.active: collections.Counter[str] = collections.Counter()
         self.total = 0
         self.draining = False
+
+    def full(self) -> LimitError | None:
+        """Why one more session would be refused for the instance's load (None: it fits), before
+        anything about the session is known: websockets are refused with it before the upgrade."""
+        if self.draining:
+            return LimitError("shutting_down", "the server is shutting down; try again in a moment", 1001, 1)
+        capacity = self.capacity
+        if capacity is not None and not capacity.admits(self.total):
+            return LimitError("too_many_sessions", f"the server is at its capacity ({self.total} sessions, "
+                                                   f"{capacity.load:.1f} of {capacity.cores} cores busy); try again "
+                                                   f"in {capacity.retry_after_s} s", 1013, capacity.retry_after_s)
+        return None
 
     def acquire(self, principal: str, per_key: bool = True) -> Ticket:
         """A ticket for one more session of `principal`; LimitError when there is no room.
 
         `per_key`: whether `max_sessions_per_key` applies (only to authenticated principals)."""
         lim = self.limits
-        if self.draining:
-            self._refuse("shutting_down")
-            raise LimitError("shutting_down", "the server is shutting down; try again in a moment", 1001)
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         if self.total >= lim.max_sessions:
             self._refuse("max_sessions")
             raise LimitError("too_many_sessions", f"the server is at its limit of {lim.max_sessions} concurrent "
@@ -107,6 +124,13 @@ class Admission:
         self.total += 1
         self.active[principal] += 1
         return Ticket(self, principal)
+
+    def refusal(self) -> LimitError | None:
+        """`full()`, counted and logged as a refusal when it refuses."""
+        refusal = self.full()
+        if refusal is not None:
+            self._refuse("capacity" if refusal.code == "too_many_sessions" else refusal.code)
+        return refusal
 
     def _release(self, principal: str) -> None:
         self.total -= 1

@@ -9,6 +9,7 @@ audio is about to run dry (the reply's next work is urgent again), and when play
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,15 @@ class Playback:
         """Is the audio on the wire about to run out (less than `horizon_s` left to play)?"""
         end = self.end()
         return end is not None and end - now < horizon_s
+
+    def runs_out(self) -> float:
+        """When the listener's audio runs out, for the scheduler's deadline: -inf before the first
+        phrase is handed over (they hear silence now), inf while phrases are handed over but not
+        yet on the wire (audio is coming)."""
+        if not self.emitted:
+            return -math.inf
+        end = self.end()
+        return math.inf if end is None else end
 
     def playing(self, now: float) -> bool:
         end = self.end()

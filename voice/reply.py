@@ -37,7 +37,7 @@ from voice.history import History
 from voice.lm import Chat
 from voice.outbox import Outbox
 from voice.playback import Playback
-from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Scheduler
+from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due, Scheduler
 from voice.tools import Timers, Toolbox, ToolRun, with_results
 from voice.tts import PhraseSplitter, SpeechSynthesizer
 from voice.turns import TurnTaker
@@ -342,8 +342,8 @@ class ReplyRunner:
             return
         playback = reply.playback
         reply.did("tts_asked")
-        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=lambda: (
-            not playback.emitted or playback.runs_dry(time.monotonic(), TTS_HORIZON_S)))
+        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults,
+                                     urgent=Due(playback.runs_out, TTS_HORIZON_S))
         reply.did("tts_first_audio")
         self.sink.first_audio()
         await reply.released.wait()

@@ -7,7 +7,8 @@ transcripts are best effort.
 
 One `Scheduler` per service (`voice.stages.Stages` owns it and hands it to every stage):
 sessions tell it when they start and stop waiting in silence, and each stage runs its jobs on
-one `Worker` thread of it, urgent jobs first. A job nobody waits for is held back while anyone
+one `Worker` thread of it, urgent jobs first, the earliest playback deadline first among them
+(`Due`: the phrase whose audio runs out first). A job nobody waits for is held back while anyone
 waits, each for at most `max_defer_s`, so it is delayed, never starved. Workers sleep on a
 condition: a new job, the last waiting session's first audio, or a held job's deadline wakes
 them.
@@ -15,6 +16,7 @@ them.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,27 @@ TTS_HORIZON_S = 1.0
 
 def always() -> bool:
     return True
+
+
+@dataclass(frozen=True)
+class Due:
+    """A job's urgency by its listener's playback deadline: urgent once the audio queued for them
+    runs out within `horizon_s` of now. `runs_out()` is that moment (monotonic; -inf: they hear
+    silence already, waiting for the first phrase; inf: not urgent). Among urgent jobs a worker
+    runs the one whose audio runs out first, so the phrase about to run dry is synthesised before
+    one with audio still queued ahead of it."""
+
+    runs_out: Callable[[], float]
+    horizon_s: float
+
+    def __call__(self) -> bool:
+        return self.runs_out() - time.monotonic() < self.horizon_s
+
+
+def deadline(urgent: Callable[[], bool]) -> float:
+    """When an urgent job's listener runs out of audio (-inf: someone waits for it now, as for a
+    final transcript)."""
+    return urgent.runs_out() if isinstance(urgent, Due) else -math.inf
 
 
 @dataclass
@@ -54,6 +77,7 @@ class Scheduler:
         # told (on the stage's thread) when a stage starts a job someone waits for: the LM stops a
         # long prompt's chunk under way rather than share the cores with it (Engine.interrupt_long_prompts)
         self.on_waited_job: list[Callable[[], None]] = []
+        self.load_high: Callable[[], bool] = lambda: False  # see strained()
 
     def start_waiting(self, who: object) -> None:
         """`who` (a session) waits in silence for its reply's first audio."""
@@ -68,6 +92,11 @@ class Scheduler:
         if released:  # held-back jobs may go now
             for worker in self._workers:
                 worker.wake()
+
+    def strained(self) -> bool:
+        """Is the instance near its capacity? Then best-effort work (partial transcripts) backs off
+        before anything a listener hears does. Set by the service's capacity (voice.stages)."""
+        return self.load_high()
 
     def busy(self) -> bool:
         """Is anyone waiting in silence?"""
@@ -98,7 +127,8 @@ class Scheduler:
 class Worker:
     """One thread that runs a stage's jobs for every session, so sessions take turns on the
     cores instead of slowing each other down. `urgent()` is asked each time the thread picks a
-    job: urgent jobs go first (oldest first), the others by arrival, held while anyone waits."""
+    job: urgent jobs go first (the earliest deadline, then the oldest), the others by arrival, held
+    while anyone waits."""
 
     def __init__(self, scheduler: Scheduler, name: str) -> None:
         self.scheduler, self.name = scheduler, name
@@ -139,7 +169,10 @@ class Worker:
                 if not self._jobs:
                     self._ready.wait()
                     continue
-                job = next((job for job in self._jobs if job.urgent()), None)
+                urgent = [job for job in self._jobs if job.urgent()]
+                # the earliest deadline first (a listener already in silence, then the audio about to run
+                # out), the oldest first among equals
+                job = min(urgent, key=lambda job: (deadline(job.urgent), job.since)) if urgent else None
                 waited = job is not None
                 hold = 0.0 if job else self.scheduler.hold_s(self._jobs[0].since)
                 if job is None and hold == 0.0:

@@ -35,7 +35,9 @@ from starlette.websockets import WebSocket
 
 from engine.common.deadlines import guarded_http
 from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
+from voice.capacity import SAMPLE_S, Capacity
 from voice.config import Config
+from voice.limits import LimitError
 from voice.records import Records, RecordsError
 from voice.stages import Stages
 from voice.tools import webhook_secrets
@@ -112,6 +114,13 @@ class VoiceApp:
                 log.error("call records: %s (set records.path or records.url, or both \"\" for no records)", err)
                 raise
             records_owned = True
+        tasks: list[asyncio.Task] = []
+        agent: asyncio.Server | None = None
+        if stages.capacity is not None:
+            stages.capacity.reset()
+            tasks.append(asyncio.create_task(_measure(stages.capacity, stages.live)))
+            if config.server.agent_port:
+                agent = await asyncio.start_server(self.agent, config.server.host, config.server.agent_port)
         if config.lm.backend == "openai" and config.lm.probe_interval_s:
             self.probe = asyncio.create_task(_probe(cast("RemoteLM", stages.lm), config.lm.probe_interval_s))
         sip = None
@@ -132,6 +141,10 @@ class VoiceApp:
             yield
         finally:
             await self.drain(0.0)  # if VoiceServer didn't already (then this does nothing)
+            for task in tasks:
+                task.cancel()
+            if agent is not None:
+                agent.close()
             if self.probe is not None:
                 self.probe.cancel()
             if sip is not None:
@@ -147,26 +160,35 @@ class VoiceApp:
         assert self.stages is not None  # loaded at startup, before any connection is served
         return self.stages
 
-    async def refused_while_draining(self, ws: WebSocket) -> bool:
-        """While draining, answer a new websocket HTTP 503 before the upgrade: a load balancer retries
-        it on another instance (an error after the upgrade it could not)."""
-        if not self.draining or "websocket.http.response" not in ws.scope.get("extensions", {}):
+    async def refused_before_upgrade(self, ws: WebSocket) -> bool:
+        """While draining or at capacity, answer a new websocket HTTP 503 with Retry-After before the
+        upgrade, at once: a load balancer retries it on another instance (an error after the upgrade
+        it could not), and a client knows when to try again."""
+        if self.draining:
+            refusal: LimitError | None = LimitError("shutting_down", "the server is shutting down; try again in a "
+                                                    "moment", 1001, 1)
+        else:
+            refusal = self.loaded().admission.full()
+        if refusal is None or "websocket.http.response" not in ws.scope.get("extensions", {}):
             return False  # (a server without the denial extension: admission refuses it after the upgrade)
-        body = {"error": {"code": "shutting_down", "message": "the server is shutting down; try again in a moment"}}
-        await ws.send_denial_response(JSONResponse(body, status_code=503, headers={"retry-after": "1"}))
+        if not self.draining:
+            self.loaded().admission.refusal()  # counted and logged
+        body = {"error": {"code": refusal.code, "message": refusal.message, "retry_after_s": refusal.retry_after_s}}
+        await ws.send_denial_response(JSONResponse(body, status_code=503,
+                                                   headers={"retry-after": str(refusal.retry_after_s)}))
         return True
 
     async def ws_native(self, ws: WebSocket) -> None:
-        if not await self.refused_while_draining(ws):
+        if not await self.refused_before_upgrade(ws):
             await native.handle(ws, self.loaded(), self.auth)
 
     async def ws_realtime(self, ws: WebSocket) -> None:
-        from voice.transports import realtime
-        if not await self.refused_while_draining(ws):
+        if not await self.refused_before_upgrade(ws):  # at once: before the first import of the front
+            from voice.transports import realtime
             await realtime.handle(ws, self.loaded(), self.auth)
 
     async def ws_twilio(self, ws: WebSocket) -> None:
-        if not await self.refused_while_draining(ws):
+        if not await self.refused_before_upgrade(ws):
             await twilio.handle(ws, self.loaded(), self.auth)
 
     async def healthz(self, request: Request) -> JSONResponse:
@@ -181,6 +203,9 @@ class VoiceApp:
             body["status"] = "loading"
             return JSONResponse(body)
         body["sessions"] = len(stages.live)
+        if stages.capacity is not None:  # measured: what a load balancer (or its agent-check) goes by
+            body["capacity"] = stages.capacity.report(len(stages.live))
+            body["headroom"] = body["capacity"]["headroom"]
         decoding = stages.lm.describe()  # the in-process LM: what runs and why
         if decoding is not None:
             body["decoding"] = decoding
@@ -201,6 +226,23 @@ class VoiceApp:
             body["status"] = "shutting_down"
             return JSONResponse(body, status_code=503)
         return JSONResponse(body)
+
+    async def agent(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """HAProxy's agent-check (`[server] agent_port`): one line, the share of new sessions this
+        instance should get ("ready 40%": its headroom as the server's weight) or "drain" (full:
+        no new sessions, those open carry on). Draining for shutdown is /healthz's 503."""
+        stages = self.loaded()
+        line = "drain\n"
+        if stages.admission.full() is None:
+            headroom = stages.capacity.headroom(len(stages.live)) if stages.capacity is not None else 1.0
+            line = f"ready {max(1, round(headroom * 100))}%\n"
+        try:
+            writer.write(line.encode())
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
 
     def bearer(self, request: Request) -> str:
         if not self.auth.enabled:
@@ -240,6 +282,13 @@ def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = 
 def _auth_error(err: AuthError) -> JSONResponse:
     return JSONResponse({"error": {"code": err.code, "message": err.message}}, status_code=err.status,
                         headers={"www-authenticate": "Bearer"} if err.status == 401 else None)
+
+
+async def _measure(capacity: Capacity, live: set) -> None:
+    """The capacity's load, sampled while the app runs (admission and /healthz read it)."""
+    while True:
+        capacity.sample(len(live))
+        await asyncio.sleep(SAMPLE_S)
 
 
 async def _probe(lm: RemoteLM, interval: float) -> None:

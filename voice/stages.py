@@ -12,6 +12,7 @@ import time
 from voice import records as rec
 from voice.asr import Transcriber, Whisper
 from voice.audio import RATES, float_to_int16, resample
+from voice.capacity import Capacity
 from voice.config import Config
 from voice.endofturn import EndOfTurn, SmartTurn
 from voice.latency import Metrics
@@ -28,13 +29,17 @@ FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage fa
 
 class Stages:
     def __init__(self, config: Config, whisper: Transcriber, synthesizer: SpeechSynthesizer, lm: LanguageModel,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, capacity: Capacity | None = None):
+        """`capacity`: admit by measured capacity (the real models: `load`); None, by the counts only."""
         self.config = config
         self.whisper, self.synthesizer, self.lm = whisper, synthesizer, lm
         self.scheduler = scheduler or Scheduler()
         self.metrics = Metrics()
         self.apology = apologies(synthesizer, config.faults.apology)
-        self.admission = Admission(config.limits, self.metrics)
+        self.capacity = capacity
+        if capacity is not None:
+            self.scheduler.load_high = capacity.strained
+        self.admission = Admission(config.limits, self.metrics, capacity)
         self.records: rec.Records | None = None  # the app opens them (voice.server)
         self.live: set = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
@@ -49,7 +54,7 @@ class Stages:
         whisper = Whisper(config.asr, scheduler.worker("asr"))
         synthesizer = Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts"))
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
-        stages = cls(config, whisper, synthesizer, lm, scheduler)
+        stages = cls(config, whisper, synthesizer, lm, scheduler, Capacity(config.limits))
         stages.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
         lm.serve(config.faults.lm_first_block_timeout_s, stages.tools.openai() if stages.tools else [])
         log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s: %s)", time.perf_counter() - t,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jiwer
 import numpy as np
 import websockets
+from websockets.exceptions import InvalidStatus
 
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.events import Error, LatencyReport, Ready, ReplyDone, Transcript, from_wire
@@ -232,9 +233,10 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
     else:
         sweep, per_turn = [], {}
         for n in sessions:
-            turns = asyncio.run(run_concurrent(url, files, refs, rate, lm_mode, n))
+            turns, refused = asyncio.run(run_concurrent(url, files, refs, rate, lm_mode, n))
             per_turn[n] = [t.__dict__ for t in turns]
-            summary = summarise(turns) | {"sessions": n}
+            summary = summarise(turns) | {"sessions": n, "refused": len(refused),
+                                          "refusal_ms_max": max(refused, default=None)}
             summary["within_budget"] = summary["v2v_ms_p95"] is not None and summary["v2v_ms_p95"] <= budget_ms \
                 and summary["answered"] == summary["turns"]
             sweep.append(summary)
@@ -242,7 +244,8 @@ def bench(url: str, audio_dir: Path, json_out: Path | None, rate: int = 16000, l
                   f"p95 {summary['v2v_ms_p95'] or float('nan'):7.0f} ms  mid-reply silence p95 "
                   f"{summary['gap_ms_p95'] or 0:5.0f} ms  turns over budget "
                   f"{summary['budget_violations']}/{summary['turns']}  errors {summary['errors']}  "
-                  f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget")
+                  f"{'within' if summary['within_budget'] else 'OVER'} the {budget_ms:.0f} ms p95 budget"
+                  + (f"  refused {len(refused)} (told in {max(refused):.0f} ms at most)" if refused else ""))
         result = {"summary": {"sweep": sweep, "max_sessions_within_budget": sessions_held(sweep),
                               "budget_ms": budget_ms}, "per_turn": per_turn}
         print(f"largest N with p95 within budget: {result['summary']['max_sessions_within_budget']}")
@@ -259,16 +262,27 @@ def sessions_held(sweep: list[dict]) -> int:
     for entry in sorted(sweep, key=lambda entry: entry["sessions"]):
         if not entry["within_budget"]:
             break
-        held = entry["sessions"]
+        held = max(held, entry["sessions"] - entry.get("refused", 0))  # those refused at capacity were not held
     return held
 
 
 async def run_concurrent(url: str, files: list[Path], refs: dict[str, str], rate: int, lm_mode: str | None,
-                         n: int) -> list[Turn]:
-    """N sessions at once, staggered like people who did not agree to speak in unison."""
+                         n: int) -> tuple[list[Turn], list[float]]:
+    """N sessions at once, staggered like people who did not agree to speak in unison: the turns of
+    those admitted, and how long each refused one took to be told (ms: an instance at capacity
+    answers the upgrade 503)."""
+    refused: list[float] = []
+
     async def one(i: int) -> list[Turn]:
         await asyncio.sleep(i * 0.7)
         order = files[i % len(files):] + files[:i % len(files)]
-        return await run_session(url, order, refs, rate, lm_mode, log=lambda *_: None)
+        start = time.perf_counter()
+        try:
+            return await run_session(url, order, refs, rate, lm_mode, log=lambda *_: None)
+        except InvalidStatus as err:
+            if err.response.status_code != 503:
+                raise
+            refused.append((time.perf_counter() - start) * 1000)
+            return []
     results = await asyncio.gather(*(one(i) for i in range(n)))
-    return [t for turns in results for t in turns]
+    return [t for turns in results for t in turns], refused

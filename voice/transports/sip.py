@@ -414,9 +414,11 @@ class SipEndpoint:
         try:
             ticket = acquire(self.stages, f"sip:{source[0]}", per_key=False)
         except LimitError as err:
-            status = 503 if err.code == "shutting_down" else 486
+            # draining or at capacity: 503 with when to try again (RFC 3261 21.5.4); a count limit: busy
+            status = 503 if err.retry_after_s else 486
+            retry = str(30 if err.code == "shutting_down" else err.retry_after_s)
             self._reject(req, source, status, [("warning", f'399 {AGENT} "{err.message[:80]}"')] +
-                         ([("retry-after", "30")] if status == 503 else []))
+                         ([("retry-after", retry)] if status == 503 else []))
             return
         call = Call(self, req, source, answer)
         call.ticket = ticket

@@ -1,0 +1,223 @@
+"""Capacity measured, admission by it, and the deadline order of the scheduler (issue 59).
+
+The fast half: `voice.capacity.Capacity` on a given CPU clock, `Admission` with it, and a stage
+worker's order among jobs whose listeners run out of audio at different moments. The live half
+(`slow`): the real service with the real models, refusing the session past its capacity within
+100 ms on every websocket front, /healthz's headroom dropping while a session talks, and the
+HAProxy agent's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+
+import pytest
+
+from voice.capacity import Capacity
+from voice.config import Config, LimitsConfig
+from voice.limits import Admission, LimitError
+from voice.scheduler import Due, Scheduler
+
+
+class Clock:
+    """A wall clock and a CPU clock that the test advances: `run(wall_s, busy_cores)`."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def run(self, wall_s: float, busy_cores: float) -> None:
+        self.wall += wall_s
+        self.cpu += wall_s * busy_cores
+
+
+def measured(limits: LimitsConfig, cores: int = 2) -> tuple[Capacity, Clock]:
+    clock = Clock()
+    return Capacity(limits, cores, cpu=lambda: clock.cpu, clock=lambda: clock.wall), clock
+
+
+def test_the_load_and_a_sessions_cost_come_from_the_cpu_time_used():
+    capacity, clock = measured(LimitsConfig(max_load=0.9, session_cores=0.2))
+    assert capacity.admits(0) and capacity.sessions_max() == 9  # 1.8 usable cores / the 0.2 guessed
+    for _ in range(30):  # one session keeps 1.2 cores busy for 30 s
+        clock.run(1.0, 1.2)
+        capacity.sample(1)
+    assert capacity.load == pytest.approx(1.2, abs=0.05)
+    assert capacity.session_cores == pytest.approx(1.2, abs=0.05) and capacity.measured
+    assert capacity.sessions_max() == 1 and not capacity.admits(1)
+    assert capacity.headroom(1) == pytest.approx(1 - 1.2 / 1.8, abs=0.03)
+
+
+def test_a_lull_does_not_invite_a_crowd():
+    """The cost of a session falls slowly: ten seconds of silence still count a talker as a talker."""
+    capacity, clock = measured(LimitsConfig(max_load=0.9, session_cores=0.2))
+    for _ in range(20):
+        clock.run(1.0, 0.9)
+        capacity.sample(1)
+    for _ in range(10):
+        clock.run(1.0, 0.05)
+        capacity.sample(1)
+    assert capacity.load < 0.2
+    assert capacity.session_cores > 0.6 and capacity.sessions_max() <= 2
+
+
+def test_a_load_past_what_the_cores_give_refuses_whatever_the_estimate():
+    capacity, clock = measured(LimitsConfig(max_load=0.5, session_cores=0.01))
+    for _ in range(10):
+        clock.run(1.0, 2.0)
+        capacity.sample(0)  # work with no session counted (a session closing, a long prompt): no cost learnt
+    assert capacity.sessions_max() == 100 and not capacity.admits(1)
+    assert capacity.admits(0)  # an instance that admits nobody serves nobody
+
+
+def test_admission_refuses_past_capacity_with_a_retry_hint():
+    limits = LimitsConfig(max_load=0.9, session_cores=1.0, retry_after_s=7)
+    capacity, _ = measured(limits)
+    admission = Admission(limits, capacity=capacity)
+    first = admission.acquire("a")
+    assert admission.full() is None or admission.total == 1
+    with pytest.raises(LimitError) as refused:
+        admission.acquire("b")
+    assert (refused.value.code, refused.value.close_code, refused.value.retry_after_s) == \
+        ("too_many_sessions", 1013, 7)
+    first.release()
+    admission.acquire("b").release()
+    off = Admission(LimitsConfig(max_load=0.0, session_cores=100.0), capacity=measured(limits)[0])
+    off.capacity.max_load = 0.0
+    tickets = [off.acquire(str(i)) for i in range(5)]  # max_load 0: by max_sessions only
+    assert len(tickets) == 5
+
+
+def test_the_phrase_about_to_run_dry_is_synthesised_first():
+    """Among urgent jobs, the earliest deadline goes first: a listener already in silence (a final
+    transcript, a first phrase), then the reply whose queued audio runs out soonest. Before, the
+    oldest urgent job went first whatever its listener had left to hear."""
+    worker = Scheduler().worker("tts")
+    started, order = threading.Event(), []
+    gate = threading.Event()
+
+    def block() -> None:
+        started.set()
+        gate.wait(5)
+    worker.submit(block)
+    assert started.wait(5)
+    now = time.monotonic()
+    jobs = [worker.submit(order.append, "plenty left", urgent=Due(lambda: now + 0.9, 1.0)),
+            worker.submit(order.append, "about to run dry", urgent=Due(lambda: now + 0.1, 1.0)),
+            worker.submit(order.append, "not urgent", urgent=Due(lambda: math.inf, 1.0)),
+            worker.submit(order.append, "first phrase", urgent=Due(lambda: -math.inf, 1.0)),
+            worker.submit(order.append, "final transcript")]
+    gate.set()
+    for job in jobs:
+        job.result(5)
+    assert order == ["first phrase", "final transcript", "about to run dry", "plenty left", "not urgent"]
+
+
+# --- the real service -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _serving_with_capacity(real_stages, limits: dict, agent_port: int = 0):
+    """The real service whose Stages admit by a Capacity of `limits` (real_stages' have none):
+    (port, stages). The shared scheduler is given back as it was (its partials not held back by
+    this test's load)."""
+    from fakes import REAL_REPLY_TOKENS
+    from liveserver import serving
+    from voice.server import build_app
+    from voice.stages import Stages
+
+    config = Config()
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    config.server.agent_port = agent_port
+    for key, value in limits.items():
+        setattr(config.limits, key, value)
+    base = real_stages(config)
+    load_high = base.scheduler.load_high
+    stages = Stages(config, base.whisper, base.synthesizer, base.lm, base.scheduler, Capacity(config.limits))
+    try:
+        with serving(build_app(config, stages)) as port:
+            yield port, stages
+    finally:
+        base.scheduler.load_high = load_high
+
+
+@pytest.mark.slow
+def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_stages):
+    import websockets
+    from websockets.exceptions import InvalidStatus
+
+    from fakes import Client
+    with _serving_with_capacity(real_stages, {"session_cores": 64.0, "retry_after_s": 3}) as (port, stages):
+        async def scenario() -> dict[str, tuple[float, int, dict, str]]:
+            first = await Client.open(f"ws://127.0.0.1:{port}/ws")
+            refusals = {}
+            for path in ("/ws", "/v1/realtime", "/twilio"):
+                start = time.perf_counter()
+                with pytest.raises(InvalidStatus) as refused:
+                    await websockets.connect(f"ws://127.0.0.1:{port}{path}", open_timeout=5)
+                response = refused.value.response
+                refusals[path] = ((time.perf_counter() - start) * 1000, response.status_code,
+                                  json.loads(response.body or b"{}"), response.headers.get("retry-after"))
+            await first.ws.close()
+            return refusals
+        refusals = asyncio.run(scenario())
+    for path, (ms, status, body, retry_after) in refusals.items():
+        assert (status, body["error"]["code"], body["error"]["retry_after_s"], retry_after) == \
+            (503, "too_many_sessions", 3, "3"), (path, body)
+        assert ms < 100, (path, ms)
+    assert stages.metrics.refused.labels("capacity")._value.get() == 3
+    print("\nrefused in " + ", ".join(f"{path} {ms:.1f} ms" for path, (ms, *_) in refusals.items()))
+
+
+@pytest.mark.slow
+def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real_stages):
+    import urllib.request
+
+    from cluster import free_port
+    from fakes import Client, speech
+    agent_port = free_port()
+
+    def healthz(port: int) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            return json.loads(r.read())
+
+    def agent() -> str:
+        with socket.create_connection(("127.0.0.1", agent_port), timeout=5) as s:
+            return s.makefile().readline().strip()
+
+    with _serving_with_capacity(real_stages, {"session_cores": 0.6}, agent_port) as (port, stages):
+        time.sleep(2.5)  # the idle load settles (models loaded before; the sampler runs each second)
+        idle = healthz(port)
+        idle_agent = agent()
+
+        async def scenario() -> tuple[dict, list[float]]:
+            c = await Client.open(f"ws://127.0.0.1:{port}/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav"))
+            loads = []
+            deadline = time.monotonic() + 60
+            while not any(isinstance(m, dict) and m.get("type") == "reply_done" for m in c.log):
+                assert time.monotonic() < deadline
+                loads.append((await asyncio.to_thread(healthz, port))["capacity"]["load_cores"])
+                await asyncio.sleep(0.5)
+            talking = await asyncio.to_thread(healthz, port)
+            await c.ws.close()
+            return talking, loads
+        talking, loads = asyncio.run(scenario())
+    assert idle["headroom"] > 0.8 and idle["capacity"]["admitting"], idle
+    assert idle_agent.startswith("ready ") and int(idle_agent[6:-1]) > 80, idle_agent
+    assert max(loads) > idle["capacity"]["load_cores"] + 0.3, (idle, loads)  # the session's work, measured
+    assert talking["sessions"] == 1 and talking["headroom"] < idle["headroom"] - 0.2, (idle, talking)
+
+
+def test_the_default_clock_is_this_process_threads_demand():
+    capacity = Capacity(LimitsConfig(max_load=0.9, session_cores=0.6))
+    end = time.monotonic() + 0.8
+    while time.monotonic() < end:  # one thread busy
+        sum(i * i for i in range(10_000))
+    capacity.sample(0)
+    assert capacity.load > 0.1 and capacity.report(0)["admitting"]

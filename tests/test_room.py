@@ -110,6 +110,32 @@ def test_the_replys_echo_is_not_speech_while_it_plays_the_user_over_it_is():
         assert start.t_audio_s - (len(user) + len(echo)) / RATE < 1.5 + 0.3  # within 0.3 s of the user's start
 
 
+def clean(name: str) -> bytes:
+    """A clean recording of tests/speech as the session gets it (its own noise floor, no room added)."""
+    audio, rate = read_wav(room_eval.SPEECH / name)
+    return float_to_pcm16(resample(audio, rate, RATE))
+
+
+def test_a_clean_utterances_quiet_syllables_hold_the_turn():
+    """The gate once dropped 001.wav's fading last syllable (voiced, only 2-6 dB above the recording's
+    floor, far under the user's level), so a 300 ms pause before 002.wav ended the turn (415 ms "silence"
+    against a 400 ms hangover): once the user is speaking, voiced audio above the room's loudest holds it."""
+    pause = bytes(2 * RATE * 3 // 10)  # 300 ms of digital silence
+    events = Endpointer(VadConfig(follow_user=True)).push(clean("001.wav") + pause + clean("002.wav") + bytes(2 * RATE))
+    assert [type(e) for e in events] == [VoiceStart, VoiceEnd], events
+
+
+def test_a_monologue_cut_at_the_limit_starts_no_new_speech_until_it_pauses():
+    """After `force_stop` the rest of 005.wav, a reply to its first part playing meanwhile (whose echo is
+    not known yet), must not start speech: its quieter words are still the user (tests/test_limits.py)."""
+    endpointer, pcm = Endpointer(VadConfig(follow_user=True)), clean("005.wav")
+    assert [type(e) for e in endpointer.push(pcm[:2 * RATE])] == [VoiceStart]
+    assert endpointer.force_stop() is not None
+    assert endpointer.push(pcm[2 * RATE:], playing=True) == []
+    assert endpointer.push(bytes(RATE), playing=True) == []
+    assert [type(e) for e in endpointer.push(clean("001.wav"))] == [VoiceStart]  # after the pause: a new turn
+
+
 def test_a_transcript_of_the_replys_own_words_is_its_echo():
     said = "The capital of France is Paris, a city on the Seine."
     assert echoes("the capital of France is Paris", said)

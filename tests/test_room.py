@@ -1,7 +1,7 @@
 """Heard in a room (issue 55): `voice room-eval` over the wire, one clip per room, around fake models
 (the turn-taking is the real VAD and turn code; the ASR says "eight of spades" for any audio, so a turn
 the room starts is a reply the room gets, and the TTS is a tone); and the endpointer's level gate on its
-own, on the same rooms, the shipped default beside it (`vad.follow_user = false`, the gate off)."""
+own, on the same rooms, the endpointer before it beside it (`vad.follow_user = false`, the gate off)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go
 
 @pytest.fixture(scope="module")
 def server():
-    config = make_config(vad={"follow_user": True})  # (off by default until it keeps clean speech whole)
+    config = make_config()  # the gate is on by default
     with LiveServer(config, fake_stages(config)) as srv:
         yield srv
 
@@ -70,7 +70,7 @@ def in_room(kind: str, below_db: float, clip: str = CLIP.name, lead_s: float = 1
 
 @pytest.mark.parametrize("below_db", [25, 15, 10])
 def test_background_talk_below_the_user_does_not_hold_their_turn_open(below_db):
-    """Issue 55: webrtcvad calls the talk speech, so the turn never ended (follow_user off: today's)."""
+    """Issue 55: webrtcvad calls the talk speech, so the turn never ended (follow_user off: before the gate)."""
     mix, speech_end = in_room("babble", below_db)
     for follow_user in (True, False):
         events = Endpointer(VadConfig(follow_user=follow_user)).push(float_to_pcm16(mix))
@@ -103,7 +103,7 @@ def test_the_replys_echo_is_not_speech_while_it_plays_the_user_over_it_is():
         for i in range(0, len(pcm), 640):  # as the reply plays: a barge-in is turn.barge_in_ms (600) voiced
             endpointer.push(pcm[i:i + 640], playing=True)
             voiced_ms = max(voiced_ms, endpointer.voiced_ms)
-        assert (voiced_ms < 600) == bool(follow_user), voiced_ms  # today: the echo barges in
+        assert (voiced_ms < 600) == bool(follow_user), voiced_ms  # without the gate the echo barges in
         endpointer.force_stop(suppress=False)
         over = echo[:len(user)] + user
         start = next(e for e in endpointer.push(float_to_pcm16(over), playing=True) if isinstance(e, VoiceStart))

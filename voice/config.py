@@ -30,10 +30,9 @@ class VadConfig:
     warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
     # A voiced frame is the user's only when it is loud like them: floor_margin_db above the room's floor,
     # or within user_margin_db of their speech level and room_margin_db above the floor (voice/vad.py's
-    # Levels; BENCHMARKS.md "Heard in a room"). Off by default for now: on clean recordings it ended turns
-    # mid-utterance (quiet syllables fell under both margins once the floor learnt the inter-word noise:
-    # tests/test_speculation.py, test_limits.py), so every voiced frame is the user's unless it is turned on
-    follow_user: bool = False
+    # Levels; BENCHMARKS.md "Heard in a room"); once they speak, a room the detector hears as silence lets
+    # its voiced frames hold them (clean speech stays whole). false: every voiced frame is the user's
+    follow_user: bool = True
     floor_margin_db: float = 10.0
     user_margin_db: float = 9.0
     room_margin_db: float = 4.0

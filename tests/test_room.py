@@ -146,6 +146,9 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
     question = "Would you like coffee or tea?"
     assert echoes("tea", question) and not echoes("tea", question, final=True)
     assert echoes("coffee or tea", question, final=True)
+    assert not echoes("tea please", question, final=True) and not echoes("tea coffee", question, final=True)
+    # ...but two of the reply's words in its order are its echo: "You had" ended a turn and cut the reply
+    assert echoes("You had.", "You had eight of spades, four of clubs.", final=True)
 
 
 def test_the_offline_evaluation_runs_the_endpointer_on_every_room():

@@ -100,7 +100,8 @@ class Levels:
             else:
                 self.recent.append(level)
                 self.floor = float(np.median(self.recent))
-                self.room_voiced.append(voiced)
+                if not in_speech:  # (inside speech only the room's unvoiced gaps are learnt: not a fair sample)
+                    self.room_voiced.append(voiced)
         return users
 
     @property

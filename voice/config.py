@@ -51,7 +51,7 @@ class VadConfig:
             raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
 
 
-TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined")
+TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined", "shape")
 
 
 @dataclass
@@ -61,6 +61,7 @@ class TurnConfig:
     `ceiling_ms`, where it is over regardless. `fixed`: the VAD's hangover alone (vad.hangover_ms)."""
 
     policy: str = "fixed"  # fixed | smart_turn (the audio) | lm (the transcript) | combined (the lower of both)
+    # | shape (the transcript reads finished: the hangover, else the ceiling)
     min_silence_ms: int = 200  # silence before the policy is first asked
     ceiling_ms: int = 1000  # silence after which the turn is over whatever the policy thinks
     threshold: float | None = None  # done at min_silence_ms from this probability on; None: the policy's calibrated

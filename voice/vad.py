@@ -56,6 +56,7 @@ class Levels:
     USER_RISE, USER_FALL = 0.2, 0.005  # of the user's level per frame of their speech louder / quieter than it
     SILENCE_DB = -90.0  # digital silence counts as this
     QUIET_ROOM = 0.25  # a room whose frames the detector voices less often than this is quiet: see `quiet_room`
+    ROOM_KNOWN = 25  # frames of the room before its voicing is judged (until then it counts as quiet)
     HOLD_S = 1.0  # in a quiet room, voiced audio this soon after the user's last frame loud like them is still theirs
     GAP_FRAMES = 5  # a pause in speech teaches the floor from its 5th frame on: before, the level holds the syllable
 
@@ -111,8 +112,10 @@ class Levels:
         onsets may be as quiet as the room's noise (a clean recording's last syllable 2-6 dB above its
         floor, `tests/test_room.py`), and level alone would cut them. In background talk the room is
         voiced too and the margins alone decide (webrtcvad can take a second to voice faint talk, hence
-        the bound)."""
-        return sum(self.room_voiced) < self.QUIET_ROOM * len(self.room_voiced) or not self.room_voiced
+        the bound). Until ROOM_KNOWN frames of it are heard it counts as quiet: a recording that starts
+        speaking at once has only its onset, which the detector voices, to judge it by."""
+        known = len(self.room_voiced)
+        return known < self.ROOM_KNOWN or sum(self.room_voiced) < self.QUIET_ROOM * known
 
     def _echo_threshold(self) -> float:
         """The least a frame heard while a reply plays must have to be the user's."""

@@ -142,6 +142,8 @@ class Call:
         self.record.dtmf.append(digit)
         self.record.counters["dtmf"] += 1
         log.info("sip call=%s session=%s DTMF %r (%s)", self.id, self.session.id if self.session else "-", digit, how)
+        if self.session is not None:
+            self.session.press(digit)
 
     async def _feed(self) -> None:
         assert self.session is not None  # opened before this task

@@ -193,11 +193,11 @@ class TwilioCall:
         if len(self.record.dtmf) >= MAX_DTMF:
             self.drop("dtmf_overflow", f"more than {MAX_DTMF} digits in one call")
             return
-        # The session has no DTMF input yet: record it and log it with the session id.
         self.record.dtmf.append(digit)
         self.record.counters["dtmf"] += 1
         log.info("twilio call=%s session=%s DTMF %r (track %s)", self.stream_sid, self.session.id, digit,
                  dtmf.get("track"))
+        self.session.press(digit)
 
     # --- to Twilio -------------------------------------------------------------------------
 

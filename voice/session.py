@@ -258,6 +258,8 @@ class Session:
         """A key pressed on the keypad (DTMF; one of voice/keypad.py's KEYS). It stops a reply as speech
         does; the sequence it ends (`#`, `session.keypad_max_digits` keys) is the user's turn, answered
         like a transcript, as is the one a pause of `session.keypad_pause_s` ends. That turn's number."""
+        if self.closed:
+            return None
         key = key.upper()
         if len(key) != 1 or key not in KEYS:
             self.error("bad_dtmf", f"a key is one of 0-9, *, #, A-D, not {key[:8]!r}")

@@ -29,7 +29,7 @@ from voice.transports import rtp, sdp
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
-from voice.transports.telephony import FRAME_SAMPLES, RATE, CallSummary, PacedOutput, calls, count_drop
+from voice.transports.telephony import FRAME_SAMPLES, MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.sip")
 ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
@@ -139,6 +139,9 @@ class Call:
                 count_drop(self.ep.registry, r, "sip", "rtp_overflow", f"seq {pkt.seq}")
 
     def _dtmf(self, digit: str, how: str) -> None:
+        if len(self.record.dtmf) >= MAX_DTMF:
+            count_drop(self.ep.registry, self.record, "sip", "dtmf_overflow", f"over {MAX_DTMF} keys in one call")
+            return
         self.record.dtmf.append(digit)
         self.record.counters["dtmf"] += 1
         log.info("sip call=%s session=%s DTMF %r (%s)", self.id, self.session.id if self.session else "-", digit, how)

@@ -33,6 +33,9 @@ FRAME_MS = 20
 FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 160
 
 
+MAX_DTMF = 1000  # keys remembered per call; more are dropped (`dtmf_overflow`)
+
+
 @dataclass
 class CallSummary:
     id: str  # Twilio streamSid / SIP Call-ID

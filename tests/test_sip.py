@@ -31,7 +31,7 @@ from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_
 from voice.config import Config
 from voice.server import build_app
 from voice.stages import Stages
-from voice.transports import rtp, sdp
+from voice.transports import rtp, sdp, sip
 from voice.transports.telephony import calls
 from fakes import REAL_REPLY_TOKENS
 from liveserver import serving
@@ -292,6 +292,8 @@ def test_rtp_packets_and_telephone_events():
         rtp.RtpPacket.parse(b"\x40" + b"\x00" * 11)  # version 1
     ev = rtp.TelephoneEvent.parse(bytes([11, 0x80 | 10, 0x03, 0x20]))
     assert (ev.digit, ev.end, ev.volume, ev.duration) == ("#", True, 10, 800)
+    signals = ("5", "*", "#", "b", "10", "11", "16")  # SIP INFO dtmf-relay: keys, or RFC 4733 event numbers
+    assert [sip.info_key(v) for v in signals] == ["5", "*", "#", "B", "*", "#", "event-16"]
     dtmf = rtp.DtmfReceiver()
     assert [dtmf.push(ts, bytes([5, 0, 0, 160])) for ts in (1000, 1000, 1000, 2000)] == ["5", None, None, "5"]
 
@@ -447,9 +449,10 @@ def test_rtp_checks_dtmf_and_a_second_call_unaffected(service):
         _, held = b.final()
         assert held.status == 200 and held.to_tag == b.to_tag and "a=recvonly" in held.body.decode()
         b.request("ACK", cseq=b.cseq)
-        b.request("INFO", "Signal=7\r\nDuration=160\r\n", ctype="application/dtmf-relay")
-        assert b.recv().status == 200
-        assert rec_b.dtmf == ["7"] and rec_b.counters["reinvites"] == 1
+        for signal in ("7", "11"):  # 11: `#` as its RFC 4733 event number, as some phones send it
+            b.request("INFO", f"Signal={signal}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+            assert b.recv().status == 200
+        assert rec_b.dtmf == ["7", "#"] and rec_b.counters["reinvites"] == 1
 
         # B goes quiet: after MEDIA_TIMEOUT_S the server hangs up with its own BYE
         bye = b.recv(MEDIA_TIMEOUT_S + 5)

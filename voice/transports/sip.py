@@ -217,6 +217,14 @@ class Call:
         calls.close(self.record, reason)
 
 
+def info_key(signal: str) -> str:
+    """A dtmf-relay `Signal=` value: the key itself (`5`, `*`, `#`), or, as some phones send it, its
+    RFC 4733 event number (`10` is `*`, `11` is `#`)."""
+    if signal.isdigit() and len(signal) <= 2:
+        return rtp.DTMF_EVENTS[int(signal)] if int(signal) < len(rtp.DTMF_EVENTS) else f"event-{int(signal)}"
+    return signal[:1].upper()
+
+
 class SipEndpoint:
     def __init__(self, stages: Stages, config: SipConfig, registry: CollectorRegistry | None = None):
         self.stages, self.config = stages, config
@@ -380,8 +388,8 @@ class SipEndpoint:
         if ctype.startswith("application/dtmf-relay"):  # Signal=5\r\nDuration=160
             for line in req.body.decode("utf-8", "replace").splitlines():
                 name, _, value = line.partition("=")
-                if name.strip().lower() == "signal" and value.strip():
-                    call._dtmf(value.strip()[:1].upper(), "sip-info")
+                if name.strip().lower() == "signal" and (value := value.strip()):
+                    call._dtmf(info_key(value), "sip-info")
         elif ctype.startswith("application/dtmf") and req.body.strip():
             call._dtmf(req.body.decode("utf-8", "replace").strip()[:1].upper(), "sip-info")
 

@@ -72,6 +72,29 @@ def test_an_unsure_verdict_ends_the_turn_at_its_wait():
     assert 0.35 <= stopped_at - pause_at <= 0.5  # 600 ms of silence, asked at 200
 
 
+def test_the_shape_policy_waits_for_a_transcript_that_trails_off():
+    """`turn.policy = "shape"`: a transcript that ends a sentence ends the turn at the VAD's hangover, one
+    that trails off ("Feels like...", no end mark) waits for the ceiling; no model is loaded."""
+    import numpy as np
+
+    from voice.config import TurnConfig, VadConfig
+    from voice.endofturn import EndOfTurn, reads_finished
+
+    policy = EndOfTurn(TurnConfig(policy="shape"), VadConfig())
+    assert policy.smart_turn is None and policy.reads_text
+
+    async def verdicts() -> list[Verdict]:
+        return [await policy.decide(np.zeros(3200, np.float32), 200, "Ten of clubs."),
+                await policy.decide(np.zeros(3200, np.float32), 400, "Ten of clubs."),
+                await policy.decide(np.zeros(3200, np.float32), 400, "Feels like..."),
+                await policy.decide(np.zeros(3200, np.float32), 400, "Can you remind me to call my")]
+
+    done_soon, done, trailing, unmarked = asyncio.run(verdicts())
+    assert (done_soon.done, done_soon.wait_ms) == (False, 400) and (done.done, done.wait_ms) == (True, 400)
+    assert (trailing.done, trailing.wait_ms) == (False, 1000) and (unmarked.done, unmarked.wait_ms) == (False, 1000)
+    assert reads_finished("What time is it?") and not reads_finished("") and not reads_finished("So, um...")
+
+
 def test_speech_resumed_before_the_reply_is_heard_continues_the_utterance():
     first, second = speech("001.wav"), speech("002.wav")
     t = taker(resume_ms=2000)

@@ -319,7 +319,8 @@ class StreamingTranscriber:
 # dBFS, for noise bursts up to -40 dBFS and for a breath; "you you" for a quarter second of a syllable.
 NEAR_SILENCE = (("you",), ("thank", "you"), ("thanks", "for", "watching"), ("thank", "you", "for", "watching"))
 ECHO_SHARE = 0.7  # a transcript over a reply this much made of the reply's words is its echo...
-ECHO_MIN_WORDS = 3  # ...unless it is a final this short: the user answering the reply's question ("tea")
+ECHO_MIN_WORDS = 3  # ...unless it is a final this short: the user answering the reply's question ("tea"),
+# but a short final that is a run of the reply's words in its order ("You had", its first two) is its echo
 
 
 def has_words(text: str) -> bool:
@@ -332,12 +333,14 @@ def has_words(text: str) -> bool:
 def echoes(text: str, said: str, final: bool = False) -> bool:
     """Whether `text` is mostly words of `said` (ECHO_SHARE of them): the reply being played, heard back
     through the user's microphone (a speakerphone), not the user talking over it. A partial may wait for
-    more words; a `final` of under ECHO_MIN_WORDS is the user's, or their one-word answer would be lost."""
+    more words; a `final` of under ECHO_MIN_WORDS is the user's, or their one-word answer would be lost,
+    unless it is two or more of the reply's words in a row, as the reply said them (the echo of "You had
+    eight..." ended as the final "You had" and cut the reply: `voice room-eval`'s echo room)."""
     words = [word for word in map(_normalise, text.split()) if word]
+    said_words = [word for word in map(_normalise, said.split()) if word]
     if final and len(words) < ECHO_MIN_WORDS:
-        return False
-    spoken = {word for word in map(_normalise, said.split()) if word}
-    return bool(words) and sum(word in spoken for word in words) >= ECHO_SHARE * len(words)
+        return len(words) > 1 and any(said_words[i:i + len(words)] == words for i in range(len(said_words)))
+    return bool(words) and sum(word in set(said_words) for word in words) >= ECHO_SHARE * len(words)
 
 
 def repeats_itself(text: str) -> bool:

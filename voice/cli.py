@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            "the room alone, the echo")
     p.add_argument("--config", default=None, help="TOML config, for --offline's [vad] and [turn]")
     p.add_argument("--vad", action="append", default=[], metavar="KEY=VALUE",
-                   help="--offline: a [vad] option over the config, e.g. follow_user=true (the gate, off by default)")
+                   help="--offline: a [vad] option over the config, e.g. follow_user=false (the gate off)")
     p.set_defaults(func=cmd_room_eval)
 
     p = sub.add_parser("spoken-eval", help="everyday questions spoken by other voices: WER, answers right, latency",

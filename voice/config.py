@@ -31,10 +31,9 @@ class VadConfig:
     warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
     # A voiced frame is the user's only when it is loud like them: floor_margin_db above the room's floor,
     # or within user_margin_db of their speech level and room_margin_db above the floor (voice/vad.py's
-    # Levels; BENCHMARKS.md "Heard in a room"). Off by default for now: on clean recordings it ended turns
-    # mid-utterance (quiet syllables fell under both margins once the floor learnt the inter-word noise:
-    # tests/test_speculation.py, test_limits.py), so every voiced frame is the user's unless it is turned on
-    follow_user: bool = False
+    # Levels; BENCHMARKS.md "Heard in a room"); once they speak, a room the detector hears as silence lets
+    # its voiced frames hold them (clean speech stays whole). false: every voiced frame is the user's
+    follow_user: bool = True
     floor_margin_db: float = 10.0
     user_margin_db: float = 9.0
     room_margin_db: float = 4.0
@@ -53,7 +52,7 @@ class VadConfig:
             raise ValueError(f"vad warmup_ms must not be negative, got {self.warmup_ms}")
 
 
-TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined")
+TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined", "shape")
 
 
 @dataclass
@@ -63,6 +62,7 @@ class TurnConfig:
     `ceiling_ms`, where it is over regardless. `fixed`: the VAD's hangover alone (vad.hangover_ms)."""
 
     policy: str = "fixed"  # fixed | smart_turn (the audio) | lm (the transcript) | combined (the lower of both)
+    # | shape (the transcript reads finished: the hangover, else the ceiling)
     min_silence_ms: int = 200  # silence before the policy is first asked
     ceiling_ms: int = 1000  # silence after which the turn is over whatever the policy thinks
     threshold: float | None = None  # done at min_silence_ms from this probability on; None: the policy's calibrated

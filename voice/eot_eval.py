@@ -36,7 +36,7 @@ import numpy as np
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
 from voice.config import Config, VadConfig
-from voice.endofturn import EndOfTurn, SmartTurn, wait_for
+from voice.endofturn import EndOfTurn, SmartTurn, reads_finished, wait_for
 
 if TYPE_CHECKING:
     from faster_whisper import WhisperModel
@@ -318,6 +318,8 @@ def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int
         ask = asks.get(begin)
         if policy.name == "fixed":
             wait_ms, spent = float(policy.hangover_ms), 0.0
+        elif policy.name == "shape" and ask is not None:  # the transcript reads finished: the hangover
+            wait_ms, spent = float(policy.hangover_ms if reads_finished(ask.transcript) else ceiling_ms), 0.0
         elif ask is None:
             continue  # shorter than min_silence_ms: nobody asked
         else:
@@ -426,12 +428,14 @@ def summarise(records: list[Record], config: Config, phone: bool = False) -> dic
     budget = score(fixed, calibration, turn.min_silence_ms, turn.ceiling_ms)["wait_p50_ms"] - FASTER_BY_MS
     policies = [fixed] + [calibrate(name, calibration, turn.min_silence_ms, turn.ceiling_ms, budget)
                           for name in ("smart_turn", "lm", "combined")]
+    policies.append(Policy("shape", hangover_ms=config.vad.hangover_ms))
     asks = [a for r in records for a in r.asks]
     cost = {name: _stats([getattr(a, name) for a in asks if getattr(a, name)])
             for name in ("smart_turn_ms", "smart_turn_cpu_ms", "asr_ms", "lm_ms")}
     rows = []
     for policy in policies:
-        rows.append({"policy": policy.name, "threshold": policy.threshold if policy.name != "fixed" else None,
+        threshold = policy.threshold if policy.name not in ("fixed", "shape") else None
+        rows.append({"policy": policy.name, "threshold": threshold,
                      "calibration": score(policy, calibration, turn.min_silence_ms, turn.ceiling_ms),
                      "heldout": score(policy, heldout, turn.min_silence_ms, turn.ceiling_ms)})
     return {"min_silence_ms": turn.min_silence_ms, "ceiling_ms": turn.ceiling_ms, "phone": phone,

@@ -10,7 +10,11 @@ webrtcvad calls any speech "speech", however far below the user it is: backgroun
 the user held a turn open forever (issue 55). So a voiced frame is the user's only when it is loud
 like them (`Levels`): within `vad.user_margin_db` of their speech level, or `vad.floor_margin_db` above
 the room's floor, both tracked per stream (Pipecat gates Silero with an absolute smoothed volume; the
-margins here are relative, so a quiet microphone and a loud one are alike).
+margins here are relative, so a quiet microphone and a loud one are alike). Once the user speaks the
+gate holds them more easily (hysteresis, so clean speech stays whole): in a room the detector hears as
+silence, what it voices within a second of their last loud frame is still theirs; a pause in their
+speech teaches the floor only after its first 100 ms; and after a cut at the utterance limit their
+pause, heard against the room, not a reply's echo, is what lets speech start again.
 """
 
 import math
@@ -51,13 +55,20 @@ class Levels:
     ECHO_READY = 25  # frames of it before it is trusted (until then: vad.echo_margin_db under the user's level)
     USER_RISE, USER_FALL = 0.2, 0.005  # of the user's level per frame of their speech louder / quieter than it
     SILENCE_DB = -90.0  # digital silence counts as this
+    QUIET_ROOM = 0.25  # a room whose frames the detector voices less often than this is quiet: see `quiet_room`
+    ROOM_KNOWN = 25  # frames of the room before its voicing is judged (until then it counts as quiet)
+    HOLD_S = 1.0  # in a quiet room, voiced audio this soon after the user's last frame loud like them is still theirs
+    GAP_FRAMES = 5  # a pause in speech teaches the floor from its 5th frame on: before, the level holds the syllable
 
     def __init__(self, config: VadConfig) -> None:
         self.config = config
         self.level: float | None = None  # the last frame's smoothed level
         self.recent: deque[float] = deque(maxlen=round(self.FLOOR_S * 1000 / config.frame_ms))
         self.floor = self.SILENCE_DB
+        self.room_voiced: deque[bool] = deque(maxlen=self.recent.maxlen)  # the detector's say on those frames
         self.user: float | None = None  # None until the user first spoke
+        self.gap = 0  # unvoiced frames in a row inside speech
+        self.since_loud = 0  # frames inside speech since the last one loud like the user
         self.echoed: deque[float] = deque(maxlen=round(self.ECHO_S * 1000 / config.frame_ms))
         self.echo = self.SILENCE_DB
 
@@ -76,17 +87,35 @@ class Levels:
         else:
             users = voiced and (clear or (self.user is not None and level >= self.user - cfg.user_margin_db
                                           and level >= floor + cfg.room_margin_db))
+            self.since_loud = 0 if users else self.since_loud + 1
+            users = users or (voiced and in_speech and self.quiet_room
+                              and self.since_loud * cfg.frame_ms <= self.HOLD_S * 1000)
+        self.gap = self.gap + 1 if in_speech and not voiced else 0
         if users and in_speech and clear and not playing:
             rate = self.USER_RISE if self.user is None or level > self.user else self.USER_FALL
             self.user = level if self.user is None else self.user + rate * (level - self.user)
-        elif not users and not (voiced and in_speech):  # (not the user's quieter syllables)
+        elif not users and not (in_speech and (voiced or self.gap < self.GAP_FRAMES)):  # (not their quiet syllables)
             if playing:
                 self.echoed.append(level)
                 self.echo = float(np.percentile(self.echoed, self.ECHO_PERCENTILE))
             else:
                 self.recent.append(level)
                 self.floor = float(np.median(self.recent))
+                if not in_speech:  # (inside speech only the room's unvoiced gaps are learnt: not a fair sample)
+                    self.room_voiced.append(voiced)
         return users
+
+    @property
+    def quiet_room(self) -> bool:
+        """Does the detector hear the room as silence? Then, once the user speaks, a frame it voices up to
+        HOLD_S after their last loud one is theirs, as without the gate: their fading syllables and soft
+        onsets may be as quiet as the room's noise (a clean recording's last syllable 2-6 dB above its
+        floor, `tests/test_room.py`), and level alone would cut them. In background talk the room is
+        voiced too and the margins alone decide (webrtcvad can take a second to voice faint talk, hence
+        the bound). Until ROOM_KNOWN frames of it are heard it counts as quiet: a recording that starts
+        speaking at once has only its onset, which the detector voices, to judge it by."""
+        known = len(self.room_voiced)
+        return known < self.ROOM_KNOWN or sum(self.room_voiced) < self.QUIET_ROOM * known
 
     def _echo_threshold(self) -> float:
         """The least a frame heard while a reply plays must have to be the user's."""
@@ -169,7 +198,10 @@ class Endpointer:
         warming_up = self._frames_seen <= self._warmup_frames
         voiced = self._vad.is_speech(frame, self.sample_rate) and not warming_up
         if self.config.follow_user:
-            voiced = self.levels.hear(frame, voiced, self._in_speech, playing)
+            # suppressed, the user is still talking past the limit: their pause lifts it, heard against the
+            # room (the reply to what they said may be playing meanwhile; its echo holds it too, never starts speech)
+            voiced = self.levels.hear(frame, voiced, self._in_speech or self._suppressed,
+                                      playing and not self._suppressed)
         if self._suppressed:
             self._run = 0 if voiced else self._run + 1
             if self._run >= self._stop_frames:

@@ -266,6 +266,26 @@ def test_end_to_end_turn(service):
 # --- 2. barge-in --------------------------------------------------------------------------------
 
 
+def test_keys_pressed_are_a_turn(service):
+    """`dtmf` 3 then #: one turn, answered like a transcript; the latency report starts at the #."""
+    async def scenario():
+        async with connect(service) as ws:
+            c = Client(ws)
+            await c.start()
+            for key in "3#":
+                await ws.send(json.dumps({"type": "dtmf", "digit": key}))
+            await c.wait_for(event("latency"))
+            await c.close()
+            return c
+
+    c = asyncio.run(scenario())
+    assert not c.events("error"), c.events("error")
+    assert [t["text"] for t in c.events("transcript")] == ["(keypad) The caller pressed 3."]
+    assert c.events("reply_done")[0]["text"]
+    marks = c.events("latency")[0]["marks_ms"]
+    assert marks["final_transcript"] == 0 and marks["work"]["lm_asked"] < 100, marks
+
+
 def test_barge_in_interrupts_reply_and_next_turn_proceeds(service):
     async def scenario():
         async with connect(service) as ws:
@@ -398,6 +418,8 @@ NON_FATAL = {
     "unknown_message": lambda cfg: json.dumps({"type": "pause"}),
     "unknown_message(not an object)": lambda cfg: "[1, 2, 3]",
     "already_started": lambda cfg: start_message(),
+    "bad_dtmf": lambda cfg: json.dumps({"type": "dtmf"}),
+    "bad_dtmf(not a key)": lambda cfg: json.dumps({"type": "dtmf", "digit": "x"}),
     # real speech in both, so a frame that was not dropped would show up in the next transcript
     "frame_too_large": lambda cfg: clip("005.wav")[: cfg.session.max_frame_bytes + 2],
     "bad_frame": lambda cfg: _speech_head() + b"\x00",

@@ -31,7 +31,7 @@ from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_
 from voice.config import Config
 from voice.server import build_app
 from voice.stages import Stages
-from voice.transports import rtp, sdp
+from voice.transports import rtp, sdp, sip
 from voice.transports.telephony import calls
 from fakes import REAL_REPLY_TOKENS
 from liveserver import serving
@@ -292,6 +292,8 @@ def test_rtp_packets_and_telephone_events():
         rtp.RtpPacket.parse(b"\x40" + b"\x00" * 11)  # version 1
     ev = rtp.TelephoneEvent.parse(bytes([11, 0x80 | 10, 0x03, 0x20]))
     assert (ev.digit, ev.end, ev.volume, ev.duration) == ("#", True, 10, 800)
+    signals = ("5", "*", "#", "b", "10", "11", "16")  # SIP INFO dtmf-relay: keys, or RFC 4733 event numbers
+    assert [sip.info_key(v) for v in signals] == ["5", "*", "#", "B", "*", "#", "event-16"]
     dtmf = rtp.DtmfReceiver()
     assert [dtmf.push(ts, bytes([5, 0, 0, 160])) for ts in (1000, 1000, 1000, 2000)] == ["5", None, None, "5"]
 
@@ -415,19 +417,22 @@ def test_rtp_checks_dtmf_and_a_second_call_unaffected(service):
         a.seq = s + 4
         a.rtp.sendto(b"\x40" + b"\x00" * 20, (ip_a, port_a))  # not RTP version 2
         a.rtp_send((ip_a, port_a), quiet_ulaw, pt=0)  # offered but not the negotiated codec
-        for i in range(4):  # RFC 4733: a key press is several packets with one timestamp, then repeated ends
-            a.rtp_send((ip_a, port_a), struct.pack("!BBH", 5, 0x80 if i >= 2 else 0, 160 * (i + 1)), pt=101,
-                       seq=a.seq, ts=777000, marker=i == 0)
+        for event, ts in ((5, 777000), (11, 778600)):  # keys 5 and #
+            for i in range(4):  # RFC 4733: a key press is several packets with one timestamp, then repeated ends
+                a.rtp_send((ip_a, port_a), struct.pack("!BBH", event, 0x80 if i >= 2 else 0, 160 * (i + 1)), pt=101,
+                           seq=a.seq, ts=ts, marker=i == 0)
         for _ in range(20):  # call B: plain audio all along
             b.rtp_send((ip_b, port_b), quiet_ulaw)
             time.sleep(0.005)
-        wait_until(lambda: rec_a.dtmf and rec_a.counters["packets_in"] >= 5 and rec_b.counters["packets_in"] >= 20,
-                   5, "RTP to arrive")
+        wait_until(lambda: len(rec_a.dtmf) == 2 and rec_a.counters["packets_in"] >= 5
+                   and rec_b.counters["packets_in"] >= 20, 5, "RTP to arrive")
         c = rec_a.counters
         assert c["dropped_rtp_unknown_source"] == 3
         assert c["packets_in"] == 6 and c["dropped_rtp_duplicate"] == 1 and c["dropped_rtp_late"] == 1
         assert c["dropped_rtp_malformed"] == 1 and c["dropped_rtp_payload_type"] == 1
-        assert rec_a.dtmf == ["5"]
+        assert rec_a.dtmf == ["5", "#"]
+        wait_until(lambda: rec_a.transcripts, 5, "the keys to be a turn")
+        assert rec_a.transcripts == ["(keypad) The caller pressed 5."]
         assert not [k for k in rec_b.counters if k.startswith("dropped_")]
         unknown = service.metric('voice_telephony_dropped_total{reason="rtp_unknown_source",transport="sip"}')
         assert unknown >= 3
@@ -444,9 +449,10 @@ def test_rtp_checks_dtmf_and_a_second_call_unaffected(service):
         _, held = b.final()
         assert held.status == 200 and held.to_tag == b.to_tag and "a=recvonly" in held.body.decode()
         b.request("ACK", cseq=b.cseq)
-        b.request("INFO", "Signal=7\r\nDuration=160\r\n", ctype="application/dtmf-relay")
-        assert b.recv().status == 200
-        assert rec_b.dtmf == ["7"] and rec_b.counters["reinvites"] == 1
+        for signal in ("7", "11"):  # 11: `#` as its RFC 4733 event number, as some phones send it
+            b.request("INFO", f"Signal={signal}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+            assert b.recv().status == 200
+        assert rec_b.dtmf == ["7", "#"] and rec_b.counters["reinvites"] == 1
 
         # B goes quiet: after MEDIA_TIMEOUT_S the server hangs up with its own BYE
         bye = b.recv(MEDIA_TIMEOUT_S + 5)
@@ -544,22 +550,45 @@ SIPP_SCENARIO = """<?xml version="1.0" encoding="ISO-8859-1" ?>
 """
 
 
-def test_sipp_calls_in_with_pcmu(service, require_system, tmp_path):
-    """sipp calls in with PCMU, says a card list, and hangs up (BYE) once the reply has gone out: the
-    test tells it so by an INFO in the dialog when the call's record has the reply, as the baresip
-    test hangs up on it. (A fixed 20 s call was too short for a loaded 2-core AVX2 box: the reply
-    started 11 s after the speech and the BYE cut it off, so the record had no reply.)"""
+# sipp presses keys by SIP INFO (its play_dtmf, RFC 4733 from a pcap, sent payload types other than the
+# one its SDP offered: 96 or 97 for 101); the RFC 4733 path is test_rtp_checks_dtmf_and_a_second_call_unaffected's
+SIPP_KEY = """  <send retrans="500">
+    <![CDATA[
+      INFO [next_url] SIP/2.0
+      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
+      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
+      To: <sip:bot@[remote_ip]:[remote_port]>[peer_tag_param]
+      Call-ID: [call_id]
+      CSeq: {cseq} INFO
+      Contact: <sip:sipp@[local_ip]:[local_port]>
+      Max-Forwards: 70
+      Content-Type: application/dtmf-relay
+      Content-Length: [len]
+
+      Signal={key}
+      Duration=160
+    ]]>
+  </send>
+  <recv response="200"/>
+  <pause milliseconds="300"/>
+"""
+SIPP_KEYPAD = ('  <nop><action><exec rtp_stream="{audio},1,0"/></action></nop>\n'
+               + "".join(SIPP_KEY.replace("{cseq}", str(n)).replace("{key}", key) for n, key in enumerate("42#", 2)))
+
+
+def sipp_call(service, tmp_path, scenario: str, pcm: np.ndarray, wait_s: float):
+    """sipp runs `scenario` against the service, sending `pcm` (then silence, `wait_s` long) as its RTP;
+    the test tells it to hang up (an INFO in the dialog) once the call's record has a reply. The record,
+    and when the caller hung up (the clock of record.started)."""
     sipp = shutil.which("sipp")
-    require_system(sipp, "sipp is not installed (apt-get install sip-tester)")
-    wait_s = TIMEOUT  # the RTP file keeps sending silence until the BYE (at the latest after this)
-    pcm = np.concatenate([np.zeros(4000, np.int16), speech_8k("005.wav"), np.zeros(int(8000 * wait_s), np.int16)])
+    assert sipp is not None
     audio = tmp_path / "caller.ulaw"
-    audio.write_bytes(ulaw_encode(pcm))
-    scenario = tmp_path / "uac.xml"
-    scenario.write_text(SIPP_SCENARIO.replace("{audio}", str(audio)).replace("{wait_ms}", str(int(wait_s * 1000))))
+    audio.write_bytes(ulaw_encode(np.concatenate([pcm, np.zeros(int(8000 * wait_s), np.int16)])))
+    (tmp_path / "uac.xml").write_text(scenario.replace("{audio}", str(audio))
+                                      .replace("{wait_ms}", str(int(wait_s * 1000))))
     media_port, sipp_port = free_even_udp_ports(4), free_udp_port()
     before = {r.id for r in calls.find("sip")}
-    proc = subprocess.Popen([sipp, f"127.0.0.1:{service.sip_port}", "-sf", str(scenario), "-m", "1",
+    proc = subprocess.Popen([sipp, f"127.0.0.1:{service.sip_port}", "-sf", str(tmp_path / "uac.xml"), "-m", "1",
                              "-i", "127.0.0.1", "-p", str(sipp_port), "-mi", "127.0.0.1", "-mp", str(media_port),
                              "-nostdin", "-timeout", str(int(wait_s + 30)), "-timeout_error",
                              "-trace_err", "-error_file", str(tmp_path / "errors.log")],
@@ -573,7 +602,7 @@ def test_sipp_calls_in_with_pcmu(service, require_system, tmp_path):
         wait_until(lambda: record.replies or record.ended, TIMEOUT, "the reply to go out")
         assert not record.ended, f"the call ended early: {record.end_reason}"
         time.sleep(0.5)  # the reply's last frames
-        hung_up = time.monotonic()  # the clock of record.started
+        hung_up = time.monotonic()
         info = (f"INFO sip:sipp@127.0.0.1:{sipp_port} SIP/2.0\r\n"
                 f"Via: SIP/2.0/UDP 127.0.0.1:{sipp_port};branch=z9hG4bK{uuid.uuid4().hex}\r\n"
                 f"From: {record.meta['to']};tag=test\r\nTo: {record.meta['from']}\r\nCall-ID: {record.id}\r\n"
@@ -587,9 +616,20 @@ def test_sipp_calls_in_with_pcmu(service, require_system, tmp_path):
             proc.wait()
     errors = (tmp_path / "errors.log").read_text() if (tmp_path / "errors.log").exists() else ""
     assert proc.returncode == 0, f"sipp failed ({proc.returncode}):\n{out[-3000:]}\n{errors[-3000:]}"
-
     wait_until(lambda: record.ended, 10, "the BYE")
     assert record.end_reason == "bye"
+    return record, hung_up
+
+
+def test_sipp_calls_in_with_pcmu(service, require_system, tmp_path):
+    """sipp calls in with PCMU, says a card list, and hangs up (BYE) once the reply has gone out: the
+    test tells it so by an INFO in the dialog when the call's record has the reply, as the baresip
+    test hangs up on it. (A fixed 20 s call was too short for a loaded 2-core AVX2 box: the reply
+    started 11 s after the speech and the BYE cut it off, so the record had no reply.)"""
+    require_system(shutil.which("sipp"), "sipp is not installed (apt-get install sip-tester)")
+    # the RTP file keeps sending silence until the BYE (at the latest after TIMEOUT)
+    record, hung_up = sipp_call(service, tmp_path, SIPP_SCENARIO,
+                                np.concatenate([np.zeros(4000, np.int16), speech_8k("005.wav")]), TIMEOUT)
     assert record.codec == "PCMU"
     assert record.transcripts and {"spades", "hearts"} <= words(record.transcripts[0])
     c = record.counters
@@ -599,6 +639,21 @@ def test_sipp_calls_in_with_pcmu(service, require_system, tmp_path):
     assert record.replies and record.heard
     assert record.latency and record.latency[0]["voice_to_voice"] > 0
     print(f"\nsipp call latency (ms): {record.latency[0]}")
+
+
+def test_sipp_presses_keys_by_sip_info(service, require_system, tmp_path):
+    """sipp presses 4, 2 and # (SIP INFO, application/dtmf-relay): one turn, which reaches the LM
+    within 100 ms of the # and is answered."""
+    require_system(shutil.which("sipp"), "sipp is not installed (apt-get install sip-tester)")
+    scenario = SIPP_SCENARIO.replace('  <nop><action><exec rtp_stream="{audio},1,0"/></action></nop>\n', SIPP_KEYPAD)
+    record, _ = sipp_call(service, tmp_path, scenario.replace("CSeq: 2 BYE", "CSeq: 5 BYE"),
+                          np.zeros(4000, np.int16), TIMEOUT)
+    assert record.dtmf == ["4", "2", "#"]
+    assert record.transcripts[0] == "(keypad) The caller pressed 4 2."
+    assert record.replies[0].strip() and record.counters["frames_out_voiced"] > 10
+    asked = record.marks[0]["work"]["lm_asked"]
+    print(f"\nsipp keypad: the LM was asked {asked} ms after the #; latency (ms): {record.latency[0]}")
+    assert asked < 100
 
 
 BARESIP_CONFIG = """poll_method		epoll

@@ -187,8 +187,6 @@ def test_call_is_answered_with_paced_audio_and_marks(service):
             twilio = FakeTwilio(ws, sid)
             await twilio.start()
             twilio.say(ulaw_clip("005.wav"))
-            await asyncio.sleep(1.0)
-            await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": "5"})
             # the reply is over when the server has recorded it and every mark it sent came back
             await twilio.wait(lambda: (r := record_for(sid)) is not None and r.replies
                               and twilio.events("mark") and not twilio.pending_marks)
@@ -220,7 +218,6 @@ def test_call_is_answered_with_paced_audio_and_marks(service):
     assert record.heard, "echoed marks are recorded as heard phrases"
     reply = " ".join(record.replies[0].split())
     assert all(" ".join(phrase.split()) in reply for phrase in record.heard)
-    assert record.dtmf == ["5"]
     assert record.meta["customParameters"] == {"caller": "pytest"}
     assert record.counters["marks_played"] == record.counters["marks_sent"] == len(marks)
     assert record.counters["frames_out"] == len(media)
@@ -229,6 +226,41 @@ def test_call_is_answered_with_paced_audio_and_marks(service):
     print(f"\ntwilio latency: {record.latency[0]}")
     assert service.metric('voice_sessions_active{transport="twilio"}') == 0.0
 
+
+
+def test_keys_pressed_are_a_turn_and_a_key_stops_the_reply(service):
+    """`1 2 #` is one turn that reaches the LM at once (its `lm_asked` mark: since the `#`); a key
+    pressed while the reply plays clears it, and on its own becomes a turn after the pause."""
+    sid = "MZ" + "6" * 32
+
+    async def call():
+        async with connect(service) as ws:
+            twilio = FakeTwilio(ws, sid)
+            await twilio.start()
+            for key in "12#":
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            await twilio.wait(lambda: (r := record_for(sid)) is not None and r.transcripts)
+            await twilio.wait(lambda: twilio.events("media"))  # the reply plays
+            pressed = time.monotonic()
+            await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": "9"})
+            await twilio.wait(lambda: twilio.events("clear"))
+            cleared = twilio.events("clear")[0][0] - pressed
+            await twilio.wait(lambda: len(record_for(sid).transcripts) == 2)
+            paused = time.monotonic() - pressed
+            await twilio.wait(lambda: len(record_for(sid).replies) == 2 and not twilio.pending_marks)
+            await twilio.stop()
+            return cleared, paused
+
+    cleared, paused = asyncio.run(call())
+    record = record_for(sid)
+    assert record.dtmf == ["1", "2", "#", "9"]
+    assert record.transcripts == ["(keypad) The caller pressed 1 2.", "(keypad) The caller pressed 9."]
+    asked = [m["work"]["lm_asked"] for m in record.marks]
+    print(f"\nkeypad: LM asked {asked} ms after the sequence ended; a key cleared the reply in {cleared * 1000:.0f} ms"
+          f" (from the client); the lone key was a turn {paused:.2f} s after it")
+    assert all(ms < 100 for ms in asked), asked
+    assert cleared < 0.5
+    assert 2.0 <= paused < 3.0  # session.keypad_pause_s
 
 def test_barge_in_sends_clear(service):
     sid = "MZ" + "2" * 32

@@ -231,8 +231,13 @@ class SessionConfig:
     max_items_chars: int = 4000
     max_tools: int = 64  # Realtime: the client's functions, declared to the LM with every turn...
     max_tools_chars: int = 8000  # ...and their characters of JSON together (too_many_tools beyond either)
+    # keys pressed (DTMF, the native `dtmf` event) make one turn: ended by `#`, this pause, or this many keys
+    keypad_pause_s: float = 2.0
+    keypad_max_digits: int = 16
 
     def __post_init__(self) -> None:
+        if not 0 < self.keypad_pause_s <= 60 or not 1 <= self.keypad_max_digits <= 64:
+            raise ValueError("session.keypad_pause_s must be in (0, 60] and session.keypad_max_digits in 1-64")
         if self.max_system_prompt_chars < 0 or self.max_text_bytes < 1024:
             raise ValueError("session.max_system_prompt_chars must not be negative and session.max_text_bytes "
                              "must be at least 1024")

@@ -211,6 +211,7 @@ class ReplyRunner:
         limit = self.config.limits.max_reply_chars
         # Urgent until the first phrase is decoded (the LM knows before we do: then its next forward
         # would share the cores with that phrase's synthesis), and again once the audio runs low.
+        reply.did("lm_asked")
         stream = chat.reply(messages, self.lm_mode, urgent=lambda text: (
             not (reply.phrased or splitter.would_phrase(text))
             or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)

@@ -11,9 +11,9 @@ what reached the wire: what the user heard. Beside the line: the call log writes
 failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILITY.md). From the end of the user's
 speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
 
-A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `instruct`,
-`offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`); its parts get their
-collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
+A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `press`,
+`instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`); its parts
+get their collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.faults import StageFailure, transcript_within
 from voice.history import History
+from voice.keypad import KEYS, Keypad, keypad_text
 from voice.latency import LatencyTracker
 from voice.limits import watch_session
 from voice.lm import Chat
@@ -77,6 +78,8 @@ class Session:
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
+        self.keypad = Keypad(cfg.session.keypad_max_digits)  # keys pressed, on their way to a turn
+        self.keypad_pause: asyncio.TimerHandle | None = None  # ends the sequence when no key follows
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
@@ -251,6 +254,31 @@ class Session:
         reply.released.set()
         return reply
 
+    def press(self, key: str) -> int | None:
+        """A key pressed on the keypad (DTMF; one of voice/keypad.py's KEYS). It stops a reply as speech
+        does; the sequence it ends (`#`, `session.keypad_max_digits` keys) is the user's turn, answered
+        like a transcript, as is the one a pause of `session.keypad_pause_s` ends. That turn's number."""
+        if self.closed:
+            return None
+        key = key.upper()
+        if len(key) != 1 or key not in KEYS:
+            self.error("bad_dtmf", f"a key is one of 0-9, *, #, A-D, not {key[:8]!r}")
+            return None
+        if self.keypad_pause is not None:
+            self.keypad_pause.cancel()
+            self.keypad_pause = None
+        if self.replying():
+            self._send(self.floor.barge_in(time.monotonic()))
+        if (keys := self.keypad.press(key)) is not None:
+            return self.text_turn(keypad_text(keys))
+        self.keypad_pause = asyncio.get_running_loop().call_later(self.config.session.keypad_pause_s, self._keys_paused)
+        return None
+
+    def _keys_paused(self) -> None:
+        self.keypad_pause = None
+        if (keys := self.keypad.pause()) is not None and not self.closed:
+            self.text_turn(keypad_text(keys))
+
     def instruct(self, system_prompt: str) -> None:
         """The LM's instructions from the next reply on (Realtime's `instructions`, a system item)."""
         self.history.system_prompt = system_prompt
@@ -399,6 +427,8 @@ class Session:
         self.stages.scheduler.stop_waiting(self.id)
         cancelled = []
         self.timers.cancel_all()
+        if self.keypad_pause is not None:
+            self.keypad_pause.cancel()
         for task in (*self.turns.close(), *self.partial_tasks, self.final_task, self.judge_task, self.watchdog,
                      *self.floor.close()):
             if task is not None and not task.done() and task is not asyncio.current_task():

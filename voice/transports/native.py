@@ -195,5 +195,11 @@ def _control(session: Session, text: str, max_bytes: int = MAX_TEXT_BYTES) -> No
     kind = msg.get("type") if isinstance(msg, dict) else None
     if kind == "start":
         session.error("already_started", "the session has already started")
+    elif kind == "dtmf":
+        key = msg.get("digit")
+        if isinstance(key, str):
+            session.press(key)
+        else:
+            session.error("bad_dtmf", "a dtmf message needs a `digit`: one of 0-9, *, #, A-D")
     else:
         session.error("unknown_message", f"unknown control message type {str(kind)[:40]!r}")

@@ -29,7 +29,7 @@ from voice.transports import rtp, sdp
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
                                      response_destination, uri_hostport, valid_via)
-from voice.transports.telephony import FRAME_SAMPLES, RATE, CallSummary, PacedOutput, calls, count_drop
+from voice.transports.telephony import FRAME_SAMPLES, MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.sip")
 ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
@@ -139,9 +139,14 @@ class Call:
                 count_drop(self.ep.registry, r, "sip", "rtp_overflow", f"seq {pkt.seq}")
 
     def _dtmf(self, digit: str, how: str) -> None:
+        if len(self.record.dtmf) >= MAX_DTMF:
+            count_drop(self.ep.registry, self.record, "sip", "dtmf_overflow", f"over {MAX_DTMF} keys in one call")
+            return
         self.record.dtmf.append(digit)
         self.record.counters["dtmf"] += 1
         log.info("sip call=%s session=%s DTMF %r (%s)", self.id, self.session.id if self.session else "-", digit, how)
+        if self.session is not None:
+            self.session.press(digit)
 
     async def _feed(self) -> None:
         assert self.session is not None  # opened before this task
@@ -210,6 +215,14 @@ class Call:
         self.ep.release_rtp(self.rtp_port)
         await self.runner.finish(reason, self.ticket)
         calls.close(self.record, reason)
+
+
+def info_key(signal: str) -> str:
+    """A dtmf-relay `Signal=` value: the key itself (`5`, `*`, `#`), or, as some phones send it, its
+    RFC 4733 event number (`10` is `*`, `11` is `#`)."""
+    if signal.isdigit() and len(signal) <= 2:
+        return rtp.DTMF_EVENTS[int(signal)] if int(signal) < len(rtp.DTMF_EVENTS) else f"event-{int(signal)}"
+    return signal[:1].upper()
 
 
 class SipEndpoint:
@@ -375,8 +388,8 @@ class SipEndpoint:
         if ctype.startswith("application/dtmf-relay"):  # Signal=5\r\nDuration=160
             for line in req.body.decode("utf-8", "replace").splitlines():
                 name, _, value = line.partition("=")
-                if name.strip().lower() == "signal" and value.strip():
-                    call._dtmf(value.strip()[:1].upper(), "sip-info")
+                if name.strip().lower() == "signal" and (value := value.strip()):
+                    call._dtmf(info_key(value), "sip-info")
         elif ctype.startswith("application/dtmf") and req.body.strip():
             call._dtmf(req.body.decode("utf-8", "replace").strip()[:1].upper(), "sip-info")
 

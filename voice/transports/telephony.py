@@ -33,6 +33,9 @@ FRAME_MS = 20
 FRAME_SAMPLES = RATE * FRAME_MS // 1000  # 160
 
 
+MAX_DTMF = 1000  # keys remembered per call; more are dropped (`dtmf_overflow`)
+
+
 @dataclass
 class CallSummary:
     id: str  # Twilio streamSid / SIP Call-ID
@@ -47,6 +50,7 @@ class CallSummary:
     replies: list[str] = field(default_factory=list)  # what the assistant said (ReplyDone.text)
     heard: list[str] = field(default_factory=list)  # phrases confirmed played (Twilio marks) or sent (RTP)
     latency: list[dict] = field(default_factory=list)  # LatencyReport.stages_ms per turn
+    marks: list[dict] = field(default_factory=list)  # LatencyReport.marks_ms per turn (its timeline, `work` too)
     dtmf: list[str] = field(default_factory=list)
     counters: collections.Counter = field(default_factory=collections.Counter)
     meta: dict = field(default_factory=dict)  # transport extras (Twilio callSid, customParameters...)
@@ -175,6 +179,7 @@ class PacedOutput:
                      " (interrupted)" if ev.interrupted else "", ev.heard if ev.interrupted else ev.text)
         elif isinstance(ev, LatencyReport):
             r.latency.append(dict(ev.stages_ms))
+            r.marks.append(dict(ev.marks_ms))
         elif isinstance(ev, Error):
             r.counters[f"error_{ev.code}"] += 1
 

@@ -27,13 +27,12 @@ from voice.auth import Auth
 from voice.session import Session
 from voice.stages import Stages
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
-from voice.transports.telephony import RATE, CallSummary, PacedOutput, calls, count_drop
+from voice.transports.telephony import MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.twilio")
 LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time avoids gaps
 MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
 MAX_MARKS = 1000  # marks sent and not yet echoed that we remember
-MAX_DTMF = 1000  # digits remembered per call
 DTMF_DIGITS = "0123456789*#ABCD"
 
 
@@ -193,11 +192,11 @@ class TwilioCall:
         if len(self.record.dtmf) >= MAX_DTMF:
             self.drop("dtmf_overflow", f"more than {MAX_DTMF} digits in one call")
             return
-        # The session has no DTMF input yet: record it and log it with the session id.
         self.record.dtmf.append(digit)
         self.record.counters["dtmf"] += 1
         log.info("twilio call=%s session=%s DTMF %r (track %s)", self.stream_sid, self.session.id, digit,
                  dtmf.get("track"))
+        self.session.press(digit)
 
     # --- to Twilio -------------------------------------------------------------------------
 

@@ -62,14 +62,22 @@ def test_what_time_is_it_is_answered_from_the_time_tool(server):
     assert turn["reply"] == reply
 
 
-QUESTIONS = [("How many legs does a spider have?", None), ("What is the capital of Spain?", None),
-             ("What is 17 times 23?", "calculate"),  # (a timer's call, with its label, is longer than these replies)
-             ("What's the date today?", "get_time")]
+# (question, the tool it calls or None, a word a right plain answer holds)
+QUESTIONS = [("How many legs does a spider have?", None, r"\b(eight|8)\b"),
+             ("What is the capital of Spain?", None, r"\bmadrid\b"),
+             # (a timer's call, with its label, is longer than these replies)
+             ("What is 17 times 23?", "calculate", ""),
+             ("What's the date today?", "get_time", "")]
 
 
-def test_the_model_calls_tools_only_when_asked_and_verify_still_equals_ar(server):
-    """The first-token gate (lm.tool_call_log_odds) keeps plain questions plain, and under it the
-    lossless decoder still gives exactly the AR reply."""
+def test_the_model_calls_tools_only_when_asked_in_either_mode(server):
+    """The first-token gate (lm.tool_call_log_odds) keeps plain questions plain and lets asked-for
+    tools be called, whichever mode decodes, and neither mode trades a right answer away.
+    (The replies' words may differ: on llama.cpp a row's logits depend on how many rows its forward
+    has, and a prompt's chunks follow the moment's cost of a token, so a near tie can flip, e.g.
+    "A spider has eight legs." / "There are eight legs on a spider."; BENCHMARKS.md, "llama.cpp's
+    rows". Token-for-token losslessness is asserted where the kernels allow it: test_verify.py,
+    test_qwen.py, and its measured share on llama.cpp in test_llamacpp.py.)"""
     lm, tools = server.stages.lm, server.stages.tools.openai()
 
     async def reply(question: str, mode: str) -> tuple[str, list]:
@@ -80,12 +88,12 @@ def test_the_model_calls_tools_only_when_asked_and_verify_still_equals_ar(server
         async for block in chat.reply(messages, mode, tools=tools):
             text, calls = text + block.text, calls + block.calls
         chat.close()
-        return text, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        return text, [c["function"]["name"] for c in calls]
 
-    async def scenario():  # both modes ('diffusion' runs verify where the LM decided so, AR on llama.cpp)
-        return [[await reply(q, mode) for mode in ("diffusion", "ar")] for q, _ in QUESTIONS]
-    for (question, expected), replies in zip(QUESTIONS, asyncio.run(scenario())):
-        assert all(r == replies[-1] for r in replies), (question, replies)
-        text, calls = replies[0]
-        assert [name for name, _ in calls] == ([expected] if expected else []), (question, replies[0])
-        assert bool(text) == (expected is None), (question, replies[0])
+    async def scenario():
+        return [[await reply(q, mode) for mode in ("diffusion", "ar")] for q, *_ in QUESTIONS]
+    for (question, expected, answer), replies in zip(QUESTIONS, asyncio.run(scenario())):
+        for text, calls in replies:
+            assert calls == ([expected] if expected else []), (question, replies)
+            assert bool(text) == (expected is None), (question, replies)
+            assert re.search(answer, text.lower()), (question, replies)

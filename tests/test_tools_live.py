@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import numpy as np
 import pytest
 
 from fakes import REAL_REPLY_TOKENS, Client, LiveServer
@@ -30,10 +31,14 @@ def server(real_stages, tmp_path_factory):
         yield srv
 
 
-def spoken(srv, text: str) -> bytes:
-    """`text` in our Piper voice, as 16 kHz PCM16 (what a microphone client sends)."""
+def spoken(srv, text: str, lead_s: float = 0.5) -> bytes:
+    """`text` in our Piper voice, as 16 kHz PCM16 (what a microphone client sends), after `lead_s` of
+    silence: a microphone is open before its user speaks, and the level gate learns the room from the
+    stream's first frames (voice/vad.py), so a stream that opens mid-word would have its first words
+    taken for the room (Piper's voice starts 10 ms in: half of its renders of this question were)."""
     synth = srv.stages.synthesizer
     audio = synth.render(text, synth.voice_rate).astype("float32") / 32768.0
+    audio = np.concatenate([np.zeros(int(lead_s * synth.voice_rate), np.float32), audio])
     return float_to_int16(resample(audio, synth.voice_rate, 16000)).astype("<i2").tobytes()
 
 

@@ -14,7 +14,10 @@ margins here are relative, so a quiet microphone and a loud one are alike). Once
 gate holds them more easily (hysteresis, so clean speech stays whole): in a room the detector hears as
 silence, what it voices within a second of their last loud frame is still theirs; a pause in their
 speech teaches the floor only after its first 100 ms; and after a cut at the utterance limit their
-pause, heard against the room, not a reply's echo, is what lets speech start again.
+pause, heard against the room, not a reply's echo, is what lets speech start again. The room is
+learnt from the stream's first frames: talk at the moment a stream opens is the room's, not a user's
+(the room-alone goal of issue 55), so a stream that opens mid-word has its first words taken for the
+room until they pause (~1 s); microphones open before their users speak.
 """
 
 import math

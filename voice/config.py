@@ -276,6 +276,20 @@ class SipConfig:
 
 
 @dataclass
+class TelephonyConfig:
+    """What a phone call (Twilio, SIP) has that other sessions don't (docs/TELEPHONY.md)."""
+
+    # Spoken by TTS as soon as an inbound call is answered; "" = the assistant waits for the caller. A fixed
+    # text: the LM does not write it (that would put an LM turn before the first audio); it goes into the
+    # history as the assistant's first words (as far as the caller heard them), so the LM knows it greeted.
+    greeting: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.greeting) > 500:
+            raise ValueError("telephony.greeting must be at most 500 characters")
+
+
+@dataclass
 class RecordsConfig:
     """Call records: every turn (transcript, reply, what was heard, latency, errors) in SQLite, or in
     PostgreSQL when `url` is set (docs/SCALING.md)."""
@@ -508,6 +522,7 @@ class Config:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     sip: SipConfig = field(default_factory=SipConfig)
+    telephony: TelephonyConfig = field(default_factory=TelephonyConfig)
     wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

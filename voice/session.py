@@ -279,6 +279,22 @@ class Session:
         if (keys := self.keypad.pause()) is not None and not self.closed:
             self.text_turn(keypad_text(keys))
 
+    def greet(self, text: str) -> int:
+        """The assistant speaks first (a phone call's greeting): `text` as a turn of its own, no LM, barged in
+        on like any reply; as much of it as was heard becomes the history's first words, the assistant's,
+        so the LM knows it greeted. Its turn."""
+        turn = self.recite(_once(text))
+        reply = self.floor.reply
+        assert reply is not None and reply.task is not None  # recite's
+        self.floor.spawn(self._greeted(reply))
+        return turn
+
+    async def _greeted(self, reply: Reply) -> None:
+        assert reply.task is not None  # recite's
+        await asyncio.wait({reply.task})
+        self.history.greeted(reply.text.strip() if reply.finished else reply.playback.heard(time.monotonic()))
+        await self.replies.prepare(self.history.messages(""))  # the first turn's prompt starts with it
+
     def instruct(self, system_prompt: str) -> None:
         """The LM's instructions from the next reply on (Realtime's `instructions`, a system item)."""
         self.history.system_prompt = system_prompt
@@ -445,3 +461,6 @@ class Session:
             self.call_log.closed(reason, self.turn)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
 
+
+async def _once(text: str) -> AsyncIterator[str]:
+    yield text

@@ -181,6 +181,8 @@ class Call:
         self.runner.tasks += [out.pacer, asyncio.create_task(self._feed()),
                                     asyncio.create_task(self._watch_media())]
         self.runner.open(self.session, out)
+        if greeting := self.ep.stages.config.telephony.greeting.strip():
+            self.session.greet(greeting)  # synthesised once the 200 OK is out (no await before it)
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -481,6 +483,7 @@ class SipEndpoint:
             return
         call.state = "answered"
         call.last_final = self._ok(call, call.invite, source)
+        call.record.answered = time.monotonic()
         await self._retransmit_ok(call, source)
 
     def _ok(self, call: Call, req: SipMessage, source: tuple[str, int]) -> bytes:

@@ -17,6 +17,7 @@ import base64
 import binascii
 import json
 import logging
+import time
 
 import numpy as np
 from starlette.websockets import WebSocket
@@ -129,6 +130,9 @@ class TwilioCall:
                           cleared=self.send_clear, lead_s=LEAD_S)
         self.runner.tasks.append(out.pacer)
         self.runner.open(self.session, out)
+        self.record.answered = time.monotonic()  # the stream starts once the call is answered
+        if greeting := self.stages.config.telephony.greeting.strip():
+            self.session.greet(greeting)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 

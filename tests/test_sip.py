@@ -441,7 +441,7 @@ def test_rtp_checks_dtmf_and_a_second_call_unaffected(service):
         r = a.recv()
         assert r.status == 200 and r.h("cseq").endswith("BYE")
         wait_until(lambda: rec_a.ended, 5, "call A to end")
-        assert rec_a.end_reason == "bye" and not rec_b.ended
+        assert rec_a.end_reason == "caller_hangup" and not rec_b.ended
         assert service.active_sip_sessions() == 1.0
 
         # B puts us on hold with a re-INVITE (sendonly: we must not send), then sends a SIP INFO digit
@@ -617,7 +617,7 @@ def sipp_call(service, tmp_path, scenario: str, pcm: np.ndarray, wait_s: float):
     errors = (tmp_path / "errors.log").read_text() if (tmp_path / "errors.log").exists() else ""
     assert proc.returncode == 0, f"sipp failed ({proc.returncode}):\n{out[-3000:]}\n{errors[-3000:]}"
     wait_until(lambda: record.ended, 10, "the BYE")
-    assert record.end_reason == "bye"
+    assert record.end_reason == "caller_hangup"
     return record, hung_up
 
 
@@ -737,7 +737,7 @@ def test_baresip_calls_in_and_hears_the_reply(service, require_system, tmp_path)
             proc.wait()
         log.close()
     wait_until(lambda: record.ended, 10, "the BYE")
-    assert record.end_reason == "bye"
+    assert record.end_reason == "caller_hangup"
     assert record.codec == "PCMA"
     assert record.transcripts and {"spades", "hearts"} <= words(record.transcripts[0])
     assert record.counters["packets_lost"] == 0 and record.counters["frames_out"] > 25

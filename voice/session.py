@@ -28,6 +28,7 @@ from typing import assert_never
 
 from voice import modes
 from voice.calllog import CallLog
+from voice.calltools import Phone, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.faults import StageFailure, transcript_within
@@ -52,7 +53,8 @@ _session_ids = itertools.count(1)
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
-                 peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False):
+                 peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False,
+                 phone: Phone | None = None):
         cfg = config or stages.config  # a transport may adjust its own copy (Realtime turn detection)
         self.id = f"s{next(_session_ids)}"
         self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
@@ -75,6 +77,8 @@ class Session:
             cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
             None if requests else stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers,
             requests)
+        if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/calltools.py)
+            self.replies.tools = stages.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
@@ -411,6 +415,29 @@ class Session:
 
     def error(self, code: str, message: str) -> None:
         self.emit(Error(self.turn, time.monotonic(), code, message))
+
+    def hang_up(self, reason: str) -> None:
+        """End the call from our side as the conversation meant to (end_call, a transfer): no error; the
+        transport hangs up (SIP BYE, Twilio's stream closed) and `reason` is the session's end."""
+        if self.ending.is_set() or self.closed:
+            return
+        self.end_reason, self.close_code = reason, 1000
+        self.ending.set()
+
+    def _end_after_reply(self, reason: str) -> None:
+        """`hang_up` once the reply that has the floor is heard to the end (a goodbye); not if the user talks
+        over it (they have more to say)."""
+        reply = self.floor.reply
+        if reply is not None and reply.task is not None:
+            self.floor.spawn(self._hang_up_when_heard(reply, reason))
+
+    async def _hang_up_when_heard(self, reply: Reply, reason: str) -> None:
+        assert reply.task is not None  # its reply's
+        await asyncio.wait({reply.task})
+        if reply.finished:
+            self.hang_up(reason)
+        else:
+            log.info("session=%s turn=%d the goodbye was interrupted: the call goes on", self.id, reply.turn)
 
     def terminate(self, code: str, message: str, close_code: int = 1008) -> None:
         """End the session from our side: an `error` with `code`, then the transport closes the

@@ -32,6 +32,7 @@ from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
 from voice.calltools import call_tools
 from voice.config import TelephonyConfig
+from voice.records import read_sessions
 from voice.server import build_app
 from voice.tools import ToolError
 from voice.transports.telephony import calls
@@ -80,10 +81,11 @@ def rest():
 
 
 @pytest.fixture(scope="module")
-def service(rest):
+def service(rest, tmp_path_factory):
     config = make_config(telephony={"tools": ["end_call", "transfer_call"],
                                     "transfer_targets": {"desk": DESK, "sales": "+14155550100"},
                                     "transfer_timeout_s": 10.0, "twilio_api_base": rest.base})
+    config.records.path = str(tmp_path_factory.mktemp("records") / "records.sqlite3")
     config.sip.port = free_udp_port()
     config.sip.rtp_port_min = free_even_udp_ports(20)
     config.sip.rtp_port_max = config.sip.rtp_port_min + 19
@@ -302,6 +304,9 @@ def test_sipp_accepts_the_refer_and_we_hang_up(service, require_system, tmp_path
             + notify(4, "100 Trying", False) + notify(5, "200 OK", True) + BYE_FROM_US)
     record = sipp(service, tmp_path, then)
     assert record.end_reason == "transfer:desk" and record.counters["transfers"] == 1
+    [row] = wait_until(lambda: [s for s in read_sessions(service.config.records.path, limit=100)
+                                if s["meta"].get("call_id") == record.id and s["ended"]], 10, "the record")
+    assert (row["end_reason"], row["dtmf"]) == ("transfer:desk", "1#")
 
 
 @pytest.mark.parametrize("refusal", ["603", "notify-503"])
@@ -353,6 +358,10 @@ def test_twilio_end_call_completes_the_call_through_the_rest_api(service, rest):
     assert record.end_reason == "end_call" and record.replies == ["Goodbye, thanks for calling."]
     assert len(twilio.events("media")) > 50, "the goodbye was sent before the stream closed"
     assert rest.updates == [{"call": "CA" + "a" * 32, "Status": "completed"}]
+    [row] = wait_until(lambda: [s for s in read_sessions(service.config.records.path, limit=100)
+                                if s["meta"].get("callSid") == "CA" + "a" * 32 and s["ended"]], 10, "the record")
+    assert (row["end_reason"], row["dtmf"]) == ("end_call", "1#"), "the call records say how it ended, and the keys"
+    assert [t["tools"][0]["name"] for t in row["turns"]] == ["end_call"]
 
 
 def test_twilio_transfer_dials_the_target(service, rest):

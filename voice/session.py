@@ -46,6 +46,7 @@ from voice.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooL
 
 log = logging.getLogger("voice.session")
 STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
+MAX_PRESSED = 1000  # keys a session's record keeps (the telephony transports drop more: dtmf_overflow)
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)
 
@@ -84,6 +85,7 @@ class Session:
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
         self.keypad = Keypad(cfg.session.keypad_max_digits)  # keys pressed, on their way to a turn
         self.keypad_pause: asyncio.TimerHandle | None = None  # ends the sequence when no key follows
+        self.pressed = ""  # every key pressed, for the call records (the first MAX_PRESSED)
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
@@ -271,6 +273,8 @@ class Session:
         if self.keypad_pause is not None:
             self.keypad_pause.cancel()
             self.keypad_pause = None
+        if len(self.pressed) < MAX_PRESSED:
+            self.pressed += key
         if self.replying():
             self._send(self.floor.barge_in(time.monotonic()))
         if (keys := self.keypad.press(key)) is not None:
@@ -485,7 +489,7 @@ class Session:
                 await asyncio.wait(cancelled, timeout=CLOSE_WAIT_S)
         finally:
             self.replies.chat.close()  # nobody continues the conversation: its LM cache goes back
-            self.call_log.closed(reason, self.turn)
+            self.call_log.closed(reason, self.turn, self.pressed)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
 
 

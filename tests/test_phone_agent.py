@@ -379,3 +379,40 @@ def test_twilio_refused_transfer_keeps_the_caller(service, rest):
                              "Twiml": f"<Response><Dial><Sip>{DESK}</Sip></Dial></Response>"}]
     assert record.end_reason == "caller_hangup"
     assert "the transfer to desk failed (Twilio answered HTTP 400)" in told(service)
+
+
+# --- the greeting --------------------------------------------------------------------------------------
+
+
+def test_twilio_greeting_is_barged_in_on_and_the_lm_knows_what_was_heard(service):
+    """The call hears the greeting first; a key pressed while it plays stops it (`clear`), and the LM's
+    conversation starts with the greeting, as the assistant's: from the next turn on, with what the caller
+    heard of it (the reply to the key started before the greeting had ended)."""
+    greeting = "Hello, thanks for calling the demo line. How can I help you today?"
+    service.config.telephony.greeting = greeting
+    sid = "MZ" + "d" * 32
+    try:
+        async def call():
+            async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
+                twilio = FakeTwilio(ws, sid)
+                await twilio.start()
+                await twilio.wait(lambda: len(twilio.events("media")) > 40, 10)  # 0.8 s of it was sent
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": "#"})
+                await twilio.wait(lambda: twilio.events("clear") and len(record_for(sid).replies) >= 2, 10)
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": "#"})
+                await twilio.wait(lambda: len(record_for(sid).replies) >= 3, 10)
+                await twilio.stop()
+                return twilio
+
+        twilio = asyncio.run(call())
+    finally:
+        service.config.telephony.greeting = ""
+    record = record_for(sid)
+    assert record.first_audio - record.answered < 0.5, "the greeting is the call's first audio, at once"
+    assert record.replies[0] == greeting and twilio.events("clear")
+    first, second = service.lm.asked[-2][0], service.lm.asked[-1][0]
+    assert [m["role"] for m in first] == ["system", "assistant", "user"] and first[1]["content"] == greeting
+    assert first[-1]["content"] == "(keypad) The caller pressed #."
+    heard = second[1]["content"]
+    assert second[1]["role"] == "assistant" and heard and greeting.startswith(heard) and heard != greeting, second
+    assert [m["role"] for m in second] == ["system", "assistant", "user", "assistant", "user"]

@@ -54,8 +54,11 @@ class History:
                 del self.said[0]
 
     def greeted(self, heard: str) -> None:
-        """The assistant spoke first (a phone call's greeting) and was heard saying `heard`: its first words."""
-        if heard and not (self.said and self.said[0]["role"] == "assistant"):
+        """The assistant spoke first (a phone call's greeting) and was heard saying `heard`: its first words
+        (said again, once the greeting ended, they replace what it was going to say)."""
+        if self.said and self.said[0]["role"] == "assistant":
+            del self.said[0]
+        if heard:
             self.said.insert(0, {"role": "assistant", "content": heard})
 
     def ahead(self, user_text: str, heard: str) -> list[dict]:

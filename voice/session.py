@@ -291,6 +291,7 @@ class Session:
         """The assistant speaks first (a phone call's greeting): `text` as a turn of its own, no LM, barged in
         on like any reply; as much of it as was heard becomes the history's first words, the assistant's,
         so the LM knows it greeted. Its turn."""
+        self.history.greeted(text)  # at once: a key pressed over it starts a reply before the greeting has ended
         turn = self.recite(_once(text))
         reply = self.floor.reply
         assert reply is not None and reply.task is not None  # recite's

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from fakes import FakeLM, fake_stages, make_config
 from liveserver import serving
 from test_sip import SIPP_KEY, free_even_udp_ports, free_udp_port, wait_until
+from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
 from voice.calltools import call_tools
@@ -323,6 +324,52 @@ def test_a_refused_transfer_keeps_the_caller(service, require_system, tmp_path, 
     assert "transfer_call failed: the transfer to desk failed" in told(service)
     assert ("SIP 603" if refusal == "603" else "SIP 503") in told(service)
     assert record.replies == ["Goodbye, thanks for calling."], "the assistant spoke after the failure"
+
+
+def raw_notify(phone: RawPhone, status: str, final: bool = False, event: str = "refer") -> None:
+    phone.cseq += 1
+    body = f"SIP/2.0 {status}\r\n"
+    uri = f"sip:bot@127.0.0.1:{phone.server[1]}"
+    phone.send_raw("\r\n".join([
+        f"NOTIFY {uri} SIP/2.0", f"Via: SIP/2.0/UDP 127.0.0.1:{phone.port};branch=z9hG4bK{phone.cseq}n;rport",
+        "Max-Forwards: 70", f"From: <sip:phone@127.0.0.1>;tag={phone.tag}", f"To: <{uri}>;tag={phone.to_tag}",
+        f"Call-ID: {phone.call_id}", f"CSeq: {phone.cseq} NOTIFY", f"Event: {event}",
+        f"Subscription-State: {'terminated' if final else 'active;expires=60'}",
+        "Content-Type: message/sipfrag", f"Content-Length: {len(body)}", "", body]).encode())
+
+
+def test_stray_and_flooded_notifies_change_nothing(service):
+    """A NOTIFY outside a transfer is 481 and the call goes on; during one, NOTIFYs of progress are taken
+    and change nothing, and a final 486 in one fails the transfer: the caller stays. (Finals are queued,
+    bounded: a flood of them is dropped and counted.)"""
+    service.lm.tool_calls = tool_call("transfer_call", target="sales")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        raw_notify(phone, "200 OK", final=True)
+        assert phone.recv().status == 481
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        while (refer := phone.recv(10)).method != "REFER":
+            assert refer.status == 200, refer
+        assert refer.h("refer-to") == "<sip:+14155550100@127.0.0.1>", refer.h("refer-to")
+        phone.send_raw("\r\n".join(["SIP/2.0 202 Accepted", *(f"{n}: {refer.h(n)}" for n in ("via", "from", "to",
+                                     "call-id", "cseq")), "Content-Length: 0", "", ""]).encode())
+        for _ in range(50):
+            raw_notify(phone, "180 Ringing")
+        assert [phone.recv().status for _ in range(50)] == [200] * 50
+        raw_notify(phone, "486 Busy Here", final=True)
+        assert phone.recv().status == 200
+        wait_until(lambda: service.lm.asked and "SIP 486" in told(service), 10, "the LM to be told")
+        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+        assert not record.ended and not record.counters["transfers"]
+        phone.request("BYE")
+        while phone.recv().status != 200:
+            pass
+    finally:
+        phone.close()
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
 
 
 # --- Twilio: the media stream and the REST stand-in ------------------------------------------------------

@@ -36,6 +36,7 @@ ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO, NOTIFY"
 T1, T2 = 0.5, 4.0  # RFC 3261 timer values
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 AUDIO_QUEUE = 500  # decoded RTP packets (10 s) waiting for the session; more are dropped
+REFER_PROGRESS = 4  # a transfer's final statuses (the REFER's, the NOTIFYs') not yet read; more are dropped
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -217,7 +218,7 @@ class Call:
         if self.state != "confirmed" or self.refer_progress is not None:
             return "the call cannot be transferred now"
         uri = target if target.startswith("sip") else f"sip:{target}@{uri_hostport(self.remote_target)[0]}"
-        progress: asyncio.Queue[int] = asyncio.Queue()
+        progress: asyncio.Queue[int] = asyncio.Queue(maxsize=REFER_PROGRESS)
         self.refer_progress = progress
         self.refer_cseq = self.ep.send_request(self, "REFER", [("refer-to", f"<{uri}>"),
                                                                ("referred-by", self.ep.contact(self.invite))])
@@ -227,8 +228,7 @@ class Call:
                 status = await progress.get()  # the REFER's final response
                 if status >= 300:
                     return f"the caller's phone refused it: SIP {status}"
-                while (status := await progress.get()) < 200:  # the NOTIFYs: the new call's progress
-                    pass
+                status = await progress.get()  # the new call's final status, in a NOTIFY
         except TimeoutError:
             return "it was not completed in time"
         finally:
@@ -252,6 +252,15 @@ class Call:
         self.ep.release_rtp(self.rtp_port)
         await self.runner.finish(reason, self.ticket)
         calls.close(self.record, reason)
+
+
+def _progress(call: Call, status: int) -> None:
+    """A final status of the call's transfer, for `Call.transfer` (a flood of them is dropped)."""
+    assert call.refer_progress is not None  # a transfer in progress
+    try:
+        call.refer_progress.put_nowait(status)
+    except asyncio.QueueFull:
+        count_drop(call.ep.registry, call.record, "sip", "notify_overflow", f"status {status}")
 
 
 def info_key(signal: str) -> str:
@@ -441,7 +450,7 @@ class SipEndpoint:
             return
         if call is not None and call.refer_progress is not None and cseq == (call.refer_cseq, "REFER") \
                 and resp.status is not None and resp.status >= 200:
-            call.refer_progress.put_nowait(resp.status)
+            _progress(call, resp.status)
 
     def _notify(self, req: SipMessage, source: tuple[str, int]) -> None:
         """A NOTIFY of our REFER's subscription (RFC 3515): its message/sipfrag body's status line tells how
@@ -453,8 +462,10 @@ class SipEndpoint:
             return
         self.reply(req, source, 200)
         frag = req.body.decode("utf-8", "replace").strip().split("\n")[0].split()
-        if len(frag) >= 2 and frag[0].upper() == "SIP/2.0" and frag[1].isdigit() and len(frag[1]) == 3:
-            call.refer_progress.put_nowait(int(frag[1]))
+        if len(frag) >= 2 and frag[0].upper() == "SIP/2.0" and frag[1].isascii() and frag[1].isdigit() \
+                and len(frag[1]) == 3:
+            if int(frag[1]) >= 200:  # (1xx: the new call is under way; only its end matters)
+                _progress(call, int(frag[1]))
         else:
             count_drop(self.registry, call.record, "sip", "bad_sipfrag", repr(req.body[:60]))
 

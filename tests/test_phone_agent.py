@@ -326,6 +326,16 @@ def test_a_refused_transfer_keeps_the_caller(service, require_system, tmp_path, 
     assert record.replies == ["Goodbye, thanks for calling."], "the assistant spoke after the failure"
 
 
+def test_sipp_an_invented_target_is_refused_without_a_refer(service, require_system, tmp_path):
+    """The LM (scripted: the grammar would not let the real one write it) asks for a number the caller said:
+    no REFER goes out (SIPp's scenario would fail on one), the call goes on, the LM is told the targets."""
+    require_system(shutil.which("sipp"), "sipp is not installed (apt-get install sip-tester)")
+    service.lm.tool_calls = tool_call("transfer_call", target="+15551234567")
+    record = sipp(service, tmp_path, HANG_UP)
+    assert record.end_reason == "caller_hangup" and not record.counters["transfers"]
+    assert "'+15551234567' is not a transfer target; the targets are desk, sales" in told(service)
+
+
 def raw_notify(phone: RawPhone, status: str, final: bool = False, event: str = "refer") -> None:
     phone.cseq += 1
     body = f"SIP/2.0 {status}\r\n"

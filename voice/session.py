@@ -12,7 +12,8 @@ failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILIT
 speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
 
 A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `press`,
-`instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`); its parts
+`instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`; a phone
+call's `greet`, `hang_up`, and its `phone` given at the start for the call's tools, voice/calltools.py); its parts
 get their collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
 """
 

@@ -239,9 +239,9 @@ def test_health_is_the_writers_state_now_not_its_failure_count(store):
 def test_a_first_version_database_is_migrated(store):
     db = open_database(store.database)
     conn = db.connect()
-    with db.transaction(conn):  # version 1: no turns.tools
+    with db.transaction(conn):  # version 1: no turns.tools, no sessions.dtmf
         for sql in db.tables:
-            db.execute(conn, re.sub(r"\n\s*tools TEXT[^\n]*", "", sql))
+            db.execute(conn, re.sub(r"\n\s*(tools|dtmf) TEXT[^\n]*", "", sql))
         db.execute(conn, "INSERT INTO meta (key, value) VALUES ('schema_version', '1')")
         db.execute(conn, "INSERT INTO sessions (uid, session_id, transport, started) VALUES ('u', 's1', 'native', 1.0)")
         db.execute(conn, "INSERT INTO turns (session_uid, turn, ended, status) VALUES ('u', 1, 2.0, 'ok')")
@@ -301,6 +301,7 @@ def test_voice_records_lists_and_exports(store, tmp_path):
                                               "Hi", True, False, {"voice_to_voice_ms": 812.5,
                                                                   "over_budget": ["asr"]},
                                               [{"code": "bad_frame", "message": "odd"}]))
+        await records.write(rec.session_closed("u2", 1010.0, "transfer:desk", 1, "12#"))  # a call: how it ended, keys
     asyncio.run(fill())
     records.close()
     out = voice_records(*store.cli())
@@ -309,6 +310,7 @@ def test_voice_records_lists_and_exports(store, tmp_path):
     assert [s["session_id"] for s in sessions] == ["s1", "s2"]  # oldest first
     assert sessions[1]["meta"] == {"callSid": "CA1"} and sessions[1]["turns"][0]["heard"] == "Hi"
     assert sessions[1]["started_at"] == "1970-01-01T00:16:42.000+00:00"
+    assert (sessions[1]["end_reason"], sessions[1]["dtmf"], sessions[0]["dtmf"]) == ("transfer:desk", "12#", "")
     only = json.loads(voice_records(*store.cli(), "--session", "s2").stdout)
     assert [s["uid"] for s in only] == ["u2"]
     assert [s["uid"] for s in json.loads(voice_records(*store.cli(), "--session", "u1").stdout)] == ["u1"]
@@ -316,6 +318,7 @@ def test_voice_records_lists_and_exports(store, tmp_path):
     csv_out = voice_records(*store.cli(), "--format", "csv").stdout.splitlines()
     assert csv_out[0].startswith("session_id,uid,transport") and len(csv_out) == 3
     assert '"Hi ""you""."' in csv_out[1] and "812.5" in csv_out[1] and "bad_frame" in csv_out[1]
+    assert ",transfer:desk,12#,1," in csv_out[2]
     config = tmp_path / "voice.toml"  # the database the config names
     config.write_text(store.config_toml())
     from_config = voice_records("--config", str(config))

@@ -441,7 +441,7 @@ def test_a_timer_set_in_a_turn_speaks_up_in_the_session():
 def test_records_of_the_first_version_gain_the_tools_column(tmp_path):
     path = tmp_path / "old.sqlite3"
     conn = sqlite3.connect(path)
-    conn.executescript(re.sub(r"\n\s*tools TEXT[^\n]*", "", rec.SCHEMA))
+    conn.executescript(re.sub(r"\n\s*(tools|dtmf) TEXT[^\n]*", "", rec.SCHEMA))  # version 1
     conn.execute("INSERT INTO sessions (uid, session_id, transport, started) VALUES ('u', 's1', 'native', 1.0)")
     conn.execute("INSERT INTO turns (session_uid, turn, ended, status) VALUES ('u', 1, 2.0, 'ok')")
     conn.commit()

@@ -212,7 +212,7 @@ def test_call_is_answered_with_paced_audio_and_marks(service):
     assert not twilio.events("clear")
 
     record = record_for(sid)
-    assert record.ended is not None and record.end_reason == "stop"
+    assert record.ended is not None and record.end_reason == "caller_hangup"
     assert "spades" in record.transcripts[0].lower() and "hearts" in record.transcripts[0].lower()
     assert record.replies[0].strip()
     assert record.heard, "echoed marks are recorded as heard phrases"
@@ -320,7 +320,7 @@ def test_bad_input_is_dropped_and_the_call_goes_on(service):
     asyncio.run(call())
     record = record_for(sid)
     c = record.counters
-    assert record.end_reason == "stop"
+    assert record.end_reason == "caller_hangup"
     assert (c["dropped_bad_json"], c["dropped_bad_message"], c["dropped_unknown_event"], c["dropped_bad_base64"],
             c["dropped_bad_media"], c["dropped_unknown_mark"], c["dropped_bad_dtmf"], c["dropped_binary_frame"]) \
         == (1, 1, 1, 1, 1, 1, 1, 1)

@@ -77,9 +77,9 @@ class CallLog:
                 latency["stages"] = latency["stages_ms"]
         return await self.replied(turn, status, transcript, reply, heard, interrupted, apologised, latency, tools)
 
-    def closed(self, reason: str, turns: int) -> None:
+    def closed(self, reason: str, turns: int, dtmf: str = "") -> None:
         """The session ended: turns still open (the user was speaking, the final transcript was
-        pending) are recorded as `abandoned`, then the session's own row."""
+        pending) are recorded as `abandoned`, then the session's own row (how it ended, the keys pressed)."""
         for turn in sorted(self.open_turns):
             meta = self.open_turns.pop(turn)
             errors = meta.get("errors", []) + [{"code": "abandoned",
@@ -87,4 +87,4 @@ class CallLog:
             self._write(rec.turn_done(self.uid, turn, meta.get("started"), time.time(), "abandoned",
                                       meta.get("transcript", ""), "", "", False, False, None,
                                       errors[-MAX_TURN_ERRORS:]))
-        self._write(rec.session_closed(self.uid, time.time(), reason, turns))
+        self._write(rec.session_closed(self.uid, time.time(), reason, turns, dtmf))

@@ -276,6 +276,39 @@ class SipConfig:
 
 
 @dataclass
+class TelephonyConfig:
+    """What a phone call (Twilio, SIP) has that other sessions don't (docs/TELEPHONY.md)."""
+
+    # Spoken by TTS as soon as an inbound call is answered; "" = the assistant waits for the caller. A fixed
+    # text: the LM does not write it (that would put an LM turn before the first audio); it goes into the
+    # history as the assistant's first words (as far as the caller heard them), so the LM knows it greeted.
+    greeting: str = ""
+    # The call's own tools, offered to the LM on phone calls only (voice/calltools.py): end_call (the goodbye is
+    # spoken to the end, then the call ends), transfer_call (to one of transfer_targets, by name)
+    tools: list = field(default_factory=list)
+    transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
+    transfer_timeout_s: float = 30.0  # a transfer not done by then has failed; the caller stays
+    twilio_api_base: str = "https://api.twilio.com"  # Twilio's REST API (end and transfer a Twilio call)
+
+    def __post_init__(self) -> None:
+        if len(self.greeting) > 500:
+            raise ValueError("telephony.greeting must be at most 500 characters")
+        unknown = set(self.tools) - {"end_call", "transfer_call"}
+        if unknown:
+            raise ValueError(f"telephony.tools: unknown tool(s) {', '.join(sorted(unknown))}; "
+                             "choose from end_call, transfer_call")
+        if "transfer_call" in self.tools and not self.transfer_targets:
+            raise ValueError("telephony.tools: transfer_call needs telephony.transfer_targets")
+        for name, target in self.transfer_targets.items():
+            if not TOOL_NAME.match(name) or not isinstance(target, str) or \
+                    not re.match(r"^(sips?:[^\s<>\"]+|\+?[0-9]{3,15})$", target):
+                raise ValueError(f"telephony.transfer_targets: {name!r} = {target!r}: a name of letters, digits, "
+                                 "'_' or '-', and a sip: URI or a phone number")
+        if self.transfer_timeout_s <= 0 or not self.twilio_api_base.startswith(("https://", "http://")):
+            raise ValueError("telephony.transfer_timeout_s must be positive and twilio_api_base an http(s) URL")
+
+
+@dataclass
 class RecordsConfig:
     """Call records: every turn (transcript, reply, what was heard, latency, errors) in SQLite, or in
     PostgreSQL when `url` is set (docs/SCALING.md)."""
@@ -508,6 +541,7 @@ class Config:
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     sip: SipConfig = field(default_factory=SipConfig)
+    telephony: TelephonyConfig = field(default_factory=TelephonyConfig)
     wyoming: WyomingConfig = field(default_factory=WyomingConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)

@@ -53,6 +53,14 @@ class History:
             while self.said and self.said[0]["role"] == "assistant":
                 del self.said[0]
 
+    def greeted(self, heard: str) -> None:
+        """The assistant spoke first (a phone call's greeting) and was heard saying `heard`: its first words
+        (said again, once the greeting ended, they replace what it was going to say)."""
+        if self.said and self.said[0]["role"] == "assistant":
+            del self.said[0]
+        if heard:
+            self.said.insert(0, {"role": "assistant", "content": heard})
+
     def ahead(self, user_text: str, heard: str) -> list[dict]:
         """The next turn's conversation before its question, if this turn ends with `heard`
         (what `add` would keep): for preparing the LM while the reply is spoken."""

@@ -275,8 +275,9 @@ def session_opened(uid: str, session_id: str, transport: str, principal: str, pe
              (uid, session_id, transport, principal, peer, started, json.dumps(meta, default=str)))]
 
 
-def session_closed(uid: str, ended: float, reason: str, turns: int) -> list[Op]:
-    return [("UPDATE sessions SET ended = ?, end_reason = ?, turns = ? WHERE uid = ?", (ended, reason, turns, uid))]
+def session_closed(uid: str, ended: float, reason: str, turns: int, dtmf: str = "") -> list[Op]:
+    return [("UPDATE sessions SET ended = ?, end_reason = ?, turns = ?, dtmf = ? WHERE uid = ?",
+             (ended, reason, turns, dtmf, uid))]
 
 
 def turn_done(uid: str, turn: int, started: float | None, ended: float, status: str, transcript: str, reply: str,
@@ -340,7 +341,7 @@ def read_sessions(database: str | Path, session: str = "", limit: int = 20) -> l
         conn.close()
 
 
-CSV_FIELDS = ["session_id", "uid", "transport", "principal", "peer", "session_started", "end_reason", "turn",
+CSV_FIELDS = ["session_id", "uid", "transport", "principal", "peer", "session_started", "end_reason", "dtmf", "turn",
               "turn_ended", "status", "transcript", "reply", "heard", "interrupted", "apology",
               "voice_to_voice_ms", "over_budget", "errors", "tools"]
 
@@ -353,7 +354,7 @@ def to_csv(sessions: Iterable[dict]) -> str:
     for s in sessions:
         base = {"session_id": s["session_id"], "uid": s["uid"], "transport": s["transport"],
                 "principal": s["principal"], "peer": s["peer"], "session_started": s["started_at"],
-                "end_reason": s["end_reason"] or ""}
+                "end_reason": s["end_reason"] or "", "dtmf": s["dtmf"]}
         if not s["turns"]:
             w.writerow(base)
         for t in s["turns"]:

@@ -27,7 +27,7 @@ from typing import Any
 
 log = logging.getLogger("voice.records")
 
-SCHEMA_VERSION = 2  # 2: turns.tools
+SCHEMA_VERSION = 3  # 2: turns.tools; 3: sessions.dtmf
 # The tables at SCHEMA_VERSION, in both dialects (DOUBLE PRECISION is a float in SQLite too: its
 # type affinity goes by the name). Timestamps are unix times; the JSON columns are TEXT in both.
 TABLES: list[str] = [
@@ -40,7 +40,8 @@ TABLES: list[str] = [
     peer TEXT NOT NULL DEFAULT '',
     started DOUBLE PRECISION NOT NULL,   -- unix time
     ended DOUBLE PRECISION,
-    end_reason TEXT,
+    end_reason TEXT,                -- caller_hangup | end_call | transfer:NAME | media_timeout... | an error code
+    dtmf TEXT NOT NULL DEFAULT '',  -- the keys pressed in the session, in order (DTMF, the native `dtmf` event)
     turns INTEGER NOT NULL DEFAULT 0,
     meta TEXT NOT NULL DEFAULT '{}' -- JSON: rates, lm_mode, Twilio callSid...
 )""",
@@ -75,6 +76,7 @@ TABLES: list[str] = [
 # MIGRATIONS[v]: what brings a database of version v - 1 to version v (a fresh one gets TABLES).
 MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE turns ADD COLUMN tools TEXT NOT NULL DEFAULT '[]'"],
+    3: ["ALTER TABLE sessions ADD COLUMN dtmf TEXT NOT NULL DEFAULT ''"],
 }
 Op = tuple[str, tuple]
 # What a database refuses in text, each written as U+FFFD (the Unicode replacement character):

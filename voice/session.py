@@ -12,7 +12,8 @@ failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILIT
 speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
 
 A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `press`,
-`instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`); its parts
+`instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`; a phone
+call's `greet`, `hang_up`, and its `phone` given at the start for the call's tools, voice/calltools.py); its parts
 get their collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
 """
 
@@ -28,6 +29,7 @@ from typing import assert_never
 
 from voice import modes
 from voice.calllog import CallLog
+from voice.calltools import Phone, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.faults import StageFailure, transcript_within
@@ -45,6 +47,7 @@ from voice.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooL
 
 log = logging.getLogger("voice.session")
 STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
+MAX_PRESSED = 1000  # keys a session's record keeps (the telephony transports drop more: dtmf_overflow)
 CLOSE_WAIT_S = 1.0  # on close: time the cancelled replies get to record themselves before the rest is "abandoned"
 _session_ids = itertools.count(1)
 
@@ -52,7 +55,8 @@ _session_ids = itertools.count(1)
 class Session:
     def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
-                 peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False):
+                 peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False,
+                 phone: Phone | None = None):
         cfg = config or stages.config  # a transport may adjust its own copy (Realtime turn detection)
         self.id = f"s{next(_session_ids)}"
         self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
@@ -75,11 +79,14 @@ class Session:
             cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
             None if requests else stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers,
             requests)
+        if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/calltools.py)
+            self.replies.tools = stages.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
         self.keypad = Keypad(cfg.session.keypad_max_digits)  # keys pressed, on their way to a turn
         self.keypad_pause: asyncio.TimerHandle | None = None  # ends the sequence when no key follows
+        self.pressed = ""  # every key pressed, for the call records (the first MAX_PRESSED)
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
@@ -267,6 +274,8 @@ class Session:
         if self.keypad_pause is not None:
             self.keypad_pause.cancel()
             self.keypad_pause = None
+        if len(self.pressed) < MAX_PRESSED:
+            self.pressed += key
         if self.replying():
             self._send(self.floor.barge_in(time.monotonic()))
         if (keys := self.keypad.press(key)) is not None:
@@ -278,6 +287,23 @@ class Session:
         self.keypad_pause = None
         if (keys := self.keypad.pause()) is not None and not self.closed:
             self.text_turn(keypad_text(keys))
+
+    def greet(self, text: str) -> int:
+        """The assistant speaks first (a phone call's greeting): `text` as a turn of its own, no LM, barged in
+        on like any reply; as much of it as was heard becomes the history's first words, the assistant's,
+        so the LM knows it greeted. Its turn."""
+        self.history.greeted(text)  # at once: a key pressed over it starts a reply before the greeting has ended
+        turn = self.recite(_once(text))
+        reply = self.floor.reply
+        assert reply is not None and reply.task is not None  # recite's
+        self.floor.spawn(self._greeted(reply))
+        return turn
+
+    async def _greeted(self, reply: Reply) -> None:
+        assert reply.task is not None  # recite's
+        await asyncio.wait({reply.task})
+        self.history.greeted(reply.text.strip() if reply.finished else reply.playback.heard(time.monotonic()))
+        await self.replies.prepare(self.history.messages(""))  # the first turn's prompt starts with it
 
     def instruct(self, system_prompt: str) -> None:
         """The LM's instructions from the next reply on (Realtime's `instructions`, a system item)."""
@@ -396,6 +422,29 @@ class Session:
     def error(self, code: str, message: str) -> None:
         self.emit(Error(self.turn, time.monotonic(), code, message))
 
+    def hang_up(self, reason: str) -> None:
+        """End the call from our side as the conversation meant to (end_call, a transfer): no error; the
+        transport hangs up (SIP BYE, Twilio's stream closed) and `reason` is the session's end."""
+        if self.ending.is_set() or self.closed:
+            return
+        self.end_reason, self.close_code = reason, 1000
+        self.ending.set()
+
+    def _end_after_reply(self, reason: str) -> None:
+        """`hang_up` once the reply that has the floor is heard to the end (a goodbye); not if the user talks
+        over it (they have more to say)."""
+        reply = self.floor.reply
+        if reply is not None and reply.task is not None:
+            self.floor.spawn(self._hang_up_when_heard(reply, reason))
+
+    async def _hang_up_when_heard(self, reply: Reply, reason: str) -> None:
+        assert reply.task is not None  # its reply's
+        await asyncio.wait({reply.task})
+        if reply.finished:
+            self.hang_up(reason)
+        else:
+            log.info("session=%s turn=%d the goodbye was interrupted: the call goes on", self.id, reply.turn)
+
     def terminate(self, code: str, message: str, close_code: int = 1008) -> None:
         """End the session from our side: an `error` with `code`, then the transport closes the
         connection (websocket close `close_code`, reason `code`; SIP BYE)."""
@@ -442,6 +491,9 @@ class Session:
                 await asyncio.wait(cancelled, timeout=CLOSE_WAIT_S)
         finally:
             self.replies.chat.close()  # nobody continues the conversation: its LM cache goes back
-            self.call_log.closed(reason, self.turn)
+            self.call_log.closed(reason, self.turn, self.pressed)
             log.info("session=%s closed (%s) after %d turns", self.id, reason, self.turn)
 
+
+async def _once(text: str) -> AsyncIterator[str]:
+    yield text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import copy
 import json
 import logging
 import math
@@ -202,7 +203,7 @@ class Timers:
 
 
 @dataclass
-class _Tool:
+class Tool:
     description: str
     parameters: dict
     pure: bool  # no effect on the world: may run while the reply is a speculation
@@ -214,7 +215,7 @@ class Toolbox:
     """The tools of the service (one per process; each session brings its own Timers)."""
 
     config: ToolsConfig
-    tools: dict[str, _Tool] = field(default_factory=dict)
+    tools: dict[str, Tool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         import zoneinfo
@@ -223,24 +224,31 @@ class Toolbox:
         self.secrets = webhook_secrets(self.config)
         string = {"type": "string", "maxLength": 100}
         if "time" in self.config.builtin:
-            self.tools["get_time"] = _Tool("The current local time and date.", {
+            self.tools["get_time"] = Tool("The current local time and date.", {
                 "type": "object", "properties": {}, "additionalProperties": False}, True, self._time)
         if "timer" in self.config.builtin:
-            self.tools["set_timer"] = _Tool("Start a countdown timer that speaks up when it is done.", {
+            self.tools["set_timer"] = Tool("Start a countdown timer that speaks up when it is done.", {
                 "type": "object", "properties": {"seconds": {"type": "integer", "minimum": 1, "maximum": 86400},
                                                  "label": {"type": "string", "maxLength": 40}},
                 "required": ["seconds"], "additionalProperties": False}, False, self._timer)
         if "calculator" in self.config.builtin:
-            self.tools["calculate"] = _Tool("Evaluate an arithmetic expression, e.g. 17 * 23.", {
+            self.tools["calculate"] = Tool("Evaluate an arithmetic expression, e.g. 17 * 23.", {
                 "type": "object", "properties": {"expression": string}, "required": ["expression"],
                 "additionalProperties": False}, True, self._calculate)
         for hook in self.config.webhooks:
             def run(args: dict, _timers: Timers, hook: WebhookConfig = hook) -> Awaitable[str]:
                 return self._webhook(hook, args)
-            self.tools[hook.name] = _Tool(hook.description, hook.parameters, False, run)
+            self.tools[hook.name] = Tool(hook.description, hook.parameters, False, run)
 
     def __bool__(self) -> bool:
         return bool(self.tools)
+
+    def with_tools(self, extra: dict[str, Tool]) -> Toolbox:
+        """These tools and `extra` (one session's own: a phone call's, voice/calltools.py); the webhooks' client
+        stays this toolbox's."""
+        out = copy.copy(self)
+        out.tools = {**self.tools, **extra}
+        return out
 
     def openai(self) -> list[dict]:
         """The tools as the chat-completions API declares them."""

@@ -32,10 +32,11 @@ from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, addre
 from voice.transports.telephony import FRAME_SAMPLES, MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
 
 log = logging.getLogger("voice.sip")
-ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO"
+ALLOW = "INVITE, ACK, BYE, CANCEL, OPTIONS, INFO, NOTIFY"
 T1, T2 = 0.5, 4.0  # RFC 3261 timer values
 SILENCE = np.zeros(FRAME_SAMPLES, np.int16)
 AUDIO_QUEUE = 500  # decoded RTP packets (10 s) waiting for the session; more are dropped
+REFER_PROGRESS = 4  # a transfer's final statuses (the REFER's, the NOTIFYs') not yet read; more are dropped
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -86,6 +87,9 @@ class Call:
         self.remote_ssrc: int | None = None
         self.last_rtp = time.monotonic()
         self.ticket: Ticket | None = None  # admission (voice.limits), released when the call ends
+        # a transfer in progress (transfer_call): the REFER's final response, then the NOTIFYs' sipfrag statuses
+        self.refer_cseq: int | None = None
+        self.refer_progress: asyncio.Queue[int] | None = None
 
     # --- media ------------------------------------------------------------------------------
 
@@ -175,12 +179,15 @@ class Call:
         self.rtp_port, self.rtp_sock, self.rtcp_sock = await self.ep.bind_rtp(self)
         self.session = Session(self.ep.stages, RATE, RATE, "sip", principal=f"sip:{self.source[0]}",
                                peer=f"{self.source[0]}:{self.source[1]}",
-                               meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec})
+                               meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec},
+                               phone=self)
         self.record.session_id = self.session.id
         out = PacedOutput(self.session, self.record, self._send_frame, self._hang_up, phrase_end=self._phrase_sent)
         self.runner.tasks += [out.pacer, asyncio.create_task(self._feed()),
                                     asyncio.create_task(self._watch_media())]
         self.runner.open(self.session, out)
+        if greeting := self.ep.stages.config.telephony.greeting.strip():
+            self.session.greet(greeting)  # synthesised once the 200 OK is out (no await before it)
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
                  self.answer.codec, self.answer.payload_type, self.ep.advertise(self.invite), self.rtp_port,
@@ -204,6 +211,36 @@ class Call:
             self.ep.send_bye(self)
         self.ep.spawn(self.end(reason))
 
+    async def transfer(self, name: str, target: str) -> str | None:
+        """transfer_call (voice/calltools.py): a REFER (RFC 3515) to `target` (a phone number goes as
+        sip:NUMBER@ the caller's host), then its NOTIFYs until a final status: 2xx = done, we hang up (BYE);
+        a REFER refused, a failure, or no final within `telephony.transfer_timeout_s`: the caller stays."""
+        if self.state != "confirmed" or self.refer_progress is not None:
+            return "the call cannot be transferred now"
+        uri = target if target.startswith("sip") else f"sip:{target}@{uri_hostport(self.remote_target)[0]}"
+        progress: asyncio.Queue[int] = asyncio.Queue(maxsize=REFER_PROGRESS)
+        self.refer_progress = progress
+        self.refer_cseq = self.ep.send_request(self, "REFER", [("refer-to", f"<{uri}>"),
+                                                               ("referred-by", self.ep.contact(self.invite))])
+        log.info("sip call=%s transfer to %s (%s): REFER sent", self.id, name, uri)
+        try:
+            async with asyncio.timeout(self.ep.stages.config.telephony.transfer_timeout_s):
+                status = await progress.get()  # the REFER's final response
+                if status >= 300:
+                    return f"the caller's phone refused it: SIP {status}"
+                status = await progress.get()  # the new call's final status, in a NOTIFY
+        except TimeoutError:
+            return "it was not completed in time"
+        finally:
+            self.refer_progress = self.refer_cseq = None
+        if status >= 300:
+            return f"{name} did not answer: SIP {status}"
+        log.info("sip call=%s transferred to %s: hanging up", self.id, name)
+        self.record.counters["transfers"] += 1
+        if self.session is not None:
+            self.session.hang_up(f"transfer:{name}")
+        return None
+
     async def end(self, reason: str) -> None:
         if self.state == "ended":
             return
@@ -215,6 +252,15 @@ class Call:
         self.ep.release_rtp(self.rtp_port)
         await self.runner.finish(reason, self.ticket)
         calls.close(self.record, reason)
+
+
+def _progress(call: Call, status: int) -> None:
+    """A final status of the call's transfer, for `Call.transfer` (a flood of them is dropped)."""
+    assert call.refer_progress is not None  # a transfer in progress
+    try:
+        call.refer_progress.put_nowait(status)
+    except asyncio.QueueFull:
+        count_drop(call.ep.registry, call.record, "sip", "notify_overflow", f"status {status}")
 
 
 def info_key(signal: str) -> str:
@@ -345,10 +391,11 @@ class SipEndpoint:
             self._malformed(data, source, str(err))
             return
         if not msg.is_request:
-            return  # responses to our BYEs: nothing to do
+            self._response(msg)
+            return
         assert msg.method is not None  # a request's
         handler = {"INVITE": self._invite, "ACK": self._ack, "BYE": self._bye, "CANCEL": self._cancel,
-                   "OPTIONS": self._options, "INFO": self._info}.get(msg.method)
+                   "OPTIONS": self._options, "INFO": self._info, "NOTIFY": self._notify}.get(msg.method)
         if handler is None:
             self.reply(msg, source, 405, new_tag(), [("allow", ALLOW)])
             return
@@ -392,6 +439,35 @@ class SipEndpoint:
                     call._dtmf(info_key(value), "sip-info")
         elif ctype.startswith("application/dtmf") and req.body.strip():
             call._dtmf(req.body.decode("utf-8", "replace").strip()[:1].upper(), "sip-info")
+
+    def _response(self, resp: SipMessage) -> None:
+        """A response to our request: a REFER's final status goes to its transfer; the rest (our BYEs') are
+        not waited for."""
+        call = self.calls.get(resp.call_id)
+        try:
+            cseq = resp.cseq
+        except ValueError:
+            return
+        if call is not None and call.refer_progress is not None and cseq == (call.refer_cseq, "REFER") \
+                and resp.status is not None and resp.status >= 200:
+            _progress(call, resp.status)
+
+    def _notify(self, req: SipMessage, source: tuple[str, int]) -> None:
+        """A NOTIFY of our REFER's subscription (RFC 3515): its message/sipfrag body's status line tells how
+        the caller's new call goes."""
+        call = self._dialog(req)
+        if call is None or call.refer_progress is None or \
+                not (req.get("event") or "").lower().startswith("refer"):
+            self.reply(req, source, 481, new_tag())
+            return
+        self.reply(req, source, 200)
+        frag = req.body.decode("utf-8", "replace").strip().split("\n")[0].split()
+        if len(frag) >= 2 and frag[0].upper() == "SIP/2.0" and frag[1].isascii() and frag[1].isdigit() \
+                and len(frag[1]) == 3:
+            if int(frag[1]) >= 200:  # (1xx: the new call is under way; only its end matters)
+                _progress(call, int(frag[1]))
+        else:
+            count_drop(self.registry, call.record, "sip", "bad_sipfrag", repr(req.body[:60]))
 
     def _dialog(self, req: SipMessage) -> Call | None:
         call = self.calls.get(req.call_id)
@@ -481,6 +557,7 @@ class SipEndpoint:
             return
         call.state = "answered"
         call.last_final = self._ok(call, call.invite, source)
+        call.record.answered = time.monotonic()
         await self._retransmit_ok(call, source)
 
     def _ok(self, call: Call, req: SipMessage, source: tuple[str, int]) -> bytes:
@@ -539,7 +616,7 @@ class SipEndpoint:
             self.reply(req, source, 481, new_tag())
             return
         self.reply(req, source, 200)
-        self.spawn(call.end("bye"))
+        self.spawn(call.end("caller_hangup"))
 
     def _cancel(self, req: SipMessage, source: tuple[str, int]) -> None:
         call = self.calls.get(req.call_id)
@@ -554,20 +631,26 @@ class SipEndpoint:
 
     def send_bye(self, call: Call) -> None:
         """Hang up from our side (RFC 3261 section 15.1.1)."""
+        self.send_request(call, "BYE")
+
+    def send_request(self, call: Call, method: str, extra: list[tuple[str, str]] | None = None) -> int:
+        """A request in the call's dialog (RFC 3261 section 12.2.1.1), sent once; its CSeq number."""
         call.local_cseq += 1
         host = self.advertise(call.invite)
         host = f"[{host}]" if ":" in host else host
-        bye = SipMessage(method="BYE", uri=call.remote_target)
-        bye.headers += [("via", f"SIP/2.0/UDP {host}:{self.port};branch={new_branch()};rport"),
+        req = SipMessage(method=method, uri=call.remote_target)
+        req.headers += [("via", f"SIP/2.0/UDP {host}:{self.port};branch={new_branch()};rport"),
                         ("max-forwards", "70")]
-        bye.headers += [("route", r) for r in call.route_set]
+        req.headers += [("route", r) for r in call.route_set]
         to = call.invite.get("to") or ""
-        bye.headers += [("from", f"{to};tag={call.local_tag}" if "tag=" not in to else to),
+        req.headers += [("from", f"{to};tag={call.local_tag}" if "tag=" not in to else to),
                         ("to", call.invite.get("from") or ""), ("call-id", call.id),
-                        ("cseq", f"{call.local_cseq} BYE"), ("user-agent", AGENT)]
+                        ("cseq", f"{call.local_cseq} {method}"), ("contact", self.contact(call.invite)),
+                        ("user-agent", AGENT)] + (extra or [])
         target = address_uri(call.route_set[0]) if call.route_set and ";lr" in call.route_set[0] else call.remote_target
         try:
             dest = uri_hostport(target)
         except SipError:
             dest = call.source
-        self.send(bye.to_bytes(), dest)
+        self.send(req.to_bytes(), dest)
+        return call.local_cseq

@@ -45,6 +45,8 @@ class CallSummary:
     codec: str = "PCMU"
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
+    answered: float | None = None  # monotonic: our 200 OK went out (SIP) / Twilio's `start` came (the call is up)
+    first_audio: float | None = None  # monotonic: our first audio frame went out
     end_reason: str = ""
     transcripts: list[str] = field(default_factory=list)  # final transcripts of the caller
     replies: list[str] = field(default_factory=list)  # what the assistant said (ReplyDone.text)
@@ -224,6 +226,11 @@ class PacedOutput:
             if not self.session.is_current(frame.turn):
                 continue
             await _maybe_await(self.send_frame(frame.pcm, marker))
+            if self.record.first_audio is None:
+                self.record.first_audio = time.monotonic()
+                if self.record.answered is not None:
+                    log.info("%s call=%s first audio %.0f ms after the answer", self.record.transport,
+                             self.record.id, (self.record.first_audio - self.record.answered) * 1000)
             marker = False
             self.sent += 1
             self.record.counters["frames_out"] += 1

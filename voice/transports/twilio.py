@@ -17,6 +17,10 @@ import base64
 import binascii
 import json
 import logging
+import os
+import re
+import time
+from xml.sax.saxutils import escape
 
 import numpy as np
 from starlette.websockets import WebSocket
@@ -34,6 +38,8 @@ LEAD_S = 0.1  # Twilio buffers what we send; staying this far ahead of real time
 MAX_PAYLOAD = 8000  # bytes of µ-law in one inbound media message (1 s); Twilio sends 160
 MAX_MARKS = 1000  # marks sent and not yet echoed that we remember
 DTMF_DIGITS = "0123456789*#ABCD"
+SID = re.compile(r"^[A-Z]{2}[0-9a-f]{32}$")  # Twilio's resource ids: AC... an account, CA... a call
+REST_TIMEOUT_S = 10.0
 
 
 class TwilioCall:
@@ -69,7 +75,7 @@ class TwilioCall:
                 self.drop("binary_frame", "Media Streams messages are JSON text frames")
                 continue
             if await self.handle(msg["text"]) == "stop":
-                return "stop"
+                return "caller_hangup"  # (or the call ended otherwise: a transfer's ends with our reason)
 
     async def handle(self, text: str) -> str | None:
         try:
@@ -121,7 +127,7 @@ class TwilioCall:
         peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
         self.session = Session(self.stages, RATE, RATE, "twilio", principal=self.principal, peer=peer,
                                meta={"streamSid": sid, "callSid": start.get("callSid"),
-                                     "customParameters": start.get("customParameters") or {}})
+                                     "customParameters": start.get("customParameters") or {}}, phone=self)
         self.record = calls.open(CallSummary(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
         self.record.meta.update(callSid=start.get("callSid"), accountSid=start.get("accountSid"),
                                 tracks=start.get("tracks"), customParameters=start.get("customParameters") or {})
@@ -129,14 +135,56 @@ class TwilioCall:
                           cleared=self.send_clear, lead_s=LEAD_S)
         self.runner.tasks.append(out.pacer)
         self.runner.open(self.session, out)
+        self.record.answered = time.monotonic()  # the stream starts once the call is answered
+        if greeting := self.stages.config.telephony.greeting.strip():
+            self.session.greet(greeting)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
 
     async def _close(self, code: int, reason: str) -> None:
-        """The server ended the session (a limit, shutdown): close the socket; Twilio then ends the stream."""
+        """The server ended the session (a limit, shutdown, end_call, a transfer): close the socket; Twilio
+        then ends the stream. After end_call the call itself ends too (closing the stream alone would go on to
+        the TwiML after `<Connect>`)."""
         assert self.session is not None  # made before the watcher
         log.info("twilio call=%s session=%s ended by the server: %s", self.stream_sid, self.session.id, reason)
+        if reason == "end_call" and (why := await self.update_call({"Status": "completed"})) is not None:
+            log.warning("twilio call=%s could not end the call: %s", self.stream_sid, why)
         await close_ws(self.ws, code, reason)
+
+    async def transfer(self, name: str, target: str) -> str | None:
+        """transfer_call (voice/calltools.py): the call's TwiML becomes a `<Dial>` of `target` (Twilio's REST
+        API); once Twilio took it, the stream ends here."""
+        dial = f"<Sip>{escape(target)}</Sip>" if target.startswith("sip") else escape(target)
+        if (why := await self.update_call({"Twiml": f"<Response><Dial>{dial}</Dial></Response>"})) is not None:
+            return why
+        assert self.session is not None and self.record is not None  # tools run in a session
+        self.record.counters["transfers"] += 1
+        self.session.hang_up(f"transfer:{name}")
+        return None
+
+    async def update_call(self, form: dict[str, str]) -> str | None:
+        """Update this call through Twilio's REST API, as Twilio publishes it: POST form-encoded to
+        {telephony.twilio_api_base}/2010-04-01/Accounts/{AccountSid}/Calls/{CallSid}.json, Basic auth
+        AccountSid:AuthToken. None if Twilio took it, else why not, in words."""
+        import httpx2
+        assert self.record is not None  # after start
+        config = self.stages.config
+        account, call_sid = self.record.meta.get("accountSid"), self.record.meta.get("callSid")
+        if not (isinstance(account, str) and SID.match(account) and account.startswith("AC")
+                and isinstance(call_sid, str) and SID.match(call_sid) and call_sid.startswith("CA")):
+            return "this stream did not say which Twilio call it is"
+        env = config.auth.twilio_auth_token_env
+        token = os.environ.get(env, "").strip() if env else ""
+        if not token:
+            return f"the server has no Twilio auth token (${env})"
+        url = f"{config.telephony.twilio_api_base.rstrip('/')}/2010-04-01/Accounts/{account}/Calls/{call_sid}.json"
+        try:
+            async with httpx2.AsyncClient(timeout=REST_TIMEOUT_S, follow_redirects=False) as client:
+                response = await client.post(url, data=form, auth=(account, token))
+        except httpx2.HTTPError as err:
+            return f"Twilio could not be reached ({type(err).__name__})"
+        log.info("twilio call=%s REST %s -> HTTP %d", self.stream_sid, sorted(form), response.status_code)
+        return None if response.status_code < 300 else f"Twilio answered HTTP {response.status_code}"
 
     async def media(self, msg: dict) -> None:
         assert self.session is not None and self.record is not None  # `handle` checked: after start
@@ -230,7 +278,7 @@ class TwilioCall:
         await self.runner.finish(reason)
         if self.record is not None:
             calls.close(self.record, reason)
-        if reason == "stop":
+        if reason == "caller_hangup":  # Twilio's `stop`: we close the socket
             await close_ws(self.ws)
 
 

@@ -1,0 +1,57 @@
+"""A phone call's own tools, offered to the LM on telephony sessions only (`[telephony] tools`).
+
+`end_call`: the call ends once the reply that called it has been spoken to the end (its goodbye: the
+model answers again with the tool's result, as with any tool); a caller who talks over the goodbye
+stays on the line. `transfer_call(target)`: the transport hands the caller to one of
+`[telephony] transfer_targets` (SIP REFER, Twilio's REST API) and the call ends; a refused or failed
+transfer keeps the caller, and the model is told why, to say so. The target is a name from the
+configuration: the tool's schema is an `enum` of the names (the constrained decoding cannot write
+another) and the executor refuses any other, so the model can neither invent nor dial a number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from voice.config import TelephonyConfig
+from voice.tools import Timers, Tool, ToolError
+
+
+class Phone(Protocol):
+    """What a call's transport does for its tools (voice/transports/sip.py, twilio.py)."""
+
+    async def transfer(self, name: str, target: str) -> str | None:
+        """Hand the caller to `target` (a SIP URI or a phone number); None once they are handed over (the
+        transport then ends the call), else why it failed, in words for the model."""
+        ...
+
+
+def call_tools(config: TelephonyConfig, phone: Phone, end_after_reply: Callable[[str], None]) -> dict[str, Tool]:
+    """The tools of `config.tools`; `end_after_reply(reason)` ends the call once the current reply is heard."""
+    tools: dict[str, Tool] = {}
+    if "end_call" in config.tools:
+        async def end_call(args: dict, timers: Timers) -> str:
+            end_after_reply("end_call")
+            return "the call ends after this reply: say goodbye"
+        tools["end_call"] = Tool("End the phone call, once the caller's business is done or they say goodbye.", {
+            "type": "object", "properties": {}, "additionalProperties": False}, False, end_call)
+    if "transfer_call" in config.tools and config.transfer_targets:
+        targets = dict(config.transfer_targets)
+
+        def transfer_call(args: dict, timers: Timers) -> Awaitable[str]:
+            return _transfer(phone, targets, args)
+        tools["transfer_call"] = Tool("Transfer the caller to a person: one of the listed targets.", {
+            "type": "object", "properties": {"target": {"type": "string", "enum": sorted(targets)}},
+            "required": ["target"], "additionalProperties": False}, False, transfer_call)
+    return tools
+
+
+async def _transfer(phone: Phone, targets: dict[str, str], args: dict) -> str:
+    name = args.get("target")
+    if not isinstance(name, str) or name not in targets:
+        raise ToolError(f"{str(name)[:40]!r} is not a transfer target; the targets are {', '.join(sorted(targets))}")
+    why = await phone.transfer(name, targets[name])
+    if why is not None:
+        raise ToolError(f"the transfer to {name} failed ({why}); the caller is still on the line")
+    return f"the caller is transferred to {name}"

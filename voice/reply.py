@@ -30,6 +30,7 @@ from prometheus_client import Counter
 from voice.asr import echoes, has_words
 from voice.calllog import CallLog
 from voice.config import Config
+from voice.endofturn import trails_off
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
 from voice.faults import StageFailure, blocks_within, synthesis_within
@@ -73,6 +74,7 @@ class Reply:
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
+    held: bool = False  # the user's words trail off: its first audio waits for more silence (Floor.voiced)
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -110,6 +112,10 @@ class ReplySink(Protocol):
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
+        ...
+
+    async def voiced(self, reply: Reply) -> None:
+        """Until `reply` may be heard: released, and its hold (if any) over."""
         ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
@@ -229,7 +235,7 @@ class ReplyRunner:
                                 and reply.playback.runs_dry(time.monotonic(), DRY_CUT_S):
                             complete = splitter.words(DRY_CUT_WORDS)
                         self._add_text(reply, block.text, complete, phrases)
-                        await reply.released.wait()
+                        await self.sink.voiced(reply)
                         self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
                                                  block.steps))
                     if len(reply.text) >= limit:
@@ -264,7 +270,7 @@ class ReplyRunner:
         reply.tools += runs
         tasks = [asyncio.create_task(self._run_tool(reply, run)) for run in runs]
         try:
-            await reply.released.wait()
+            await self.sink.voiced(reply)
             cfg = self.config.tools
             _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
             if pending and cfg.filler.strip():
@@ -347,7 +353,7 @@ class ReplyRunner:
                                      urgent=Due(playback.runs_out, TTS_HORIZON_S))
         reply.did("tts_first_audio")
         self.sink.first_audio()
-        await reply.released.wait()
+        await self.sink.voiced(reply)
         if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
             playback.handed_over()
             if paced:
@@ -401,10 +407,13 @@ class Floor:
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
         self.closed = False
 
-    def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
+    def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None,
+              spoken: bool = False) -> Reply:
         """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
-        and `chat` hold (Wyoming's answer: the caller keeps it)."""
+        and `chat` hold (Wyoming's answer: the caller keeps it). `spoken`: the user said it (and may
+        go on after a pause), not typed it: words that trail off hold its first audio (`voiced`)."""
         reply = self.reply = Reply(turn)
+        reply.held = spoken and self.turns.config.turn.hold_ms > 0 and trails_off(user_text)
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
@@ -581,3 +590,20 @@ class Floor:
     def first_audio(self) -> None:
         """The reply's first audio is synthesised: nothing of ours is urgent any more."""
         self.scheduler.stop_waiting(self.name)
+
+    async def voiced(self, reply: Reply) -> None:
+        """Until `reply` may be heard: released (the user's turn is over) and, if their words trail off
+        (`Reply.held`: "Set a timer for."), until they have been quiet `turn.hold_ms`. A pause mid-sentence
+        ends the turn at the VAD's hangover; if the user goes on within the hold, their turn resumes
+        (`speech_started`) and this reply, prepared, is dropped unheard. BENCHMARKS.md "Heard in a room"."""
+        await reply.released.wait()
+        if not reply.held:
+            return
+        delay = self.turns.last_word_at + self.turns.config.turn.hold_ms / 1000 - time.monotonic()
+        if delay > 0:
+            reply.did("held")
+            await asyncio.sleep(delay)
+        if reply.held:
+            reply.held = False
+            session_log.info("session=%s turn=%d the words trailed off: voiced after %.0f ms more", self.name,
+                             reply.turn, max(delay, 0) * 1000)

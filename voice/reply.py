@@ -8,7 +8,8 @@ text (no LM); `announce` speaks one text whole (a timer that is due).
 The LM streams blocks; a PhraseSplitter cuts them into phrases that a second task synthesises
 while later blocks are still being decoded. A speculative reply (started on the transcript
 taken during the VAD hangover) runs the same way, but nothing of it reaches the client until
-`reply.released` is set (the user's turn really ended). A stage that fails or overruns its
+`reply.released` is set (the user's turn really ended) and, when their words trail off, the Floor's
+hold is over (`Floor.voiced`). A stage that fails or overruns its
 timeout (`[faults]`) ends the reply with an `error` and the cached apology
 (docs/RELIABILITY.md).
 """
@@ -176,12 +177,12 @@ class ReplyRunner:
                 await speaker
             except StageFailure as failure:
                 speaker.cancel()
-                await reply.released.wait()
+                await self.sink.voiced(reply)
                 self.fail(reply, failure)
             except Exception as err:  # a bug of ours: the same treatment as a failing stage
                 speaker.cancel()
                 log.exception("session=%s turn=%d reply failed", self.name, reply.turn)
-                await reply.released.wait()
+                await self.sink.voiced(reply)
                 self.fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
             await reply.released.wait()
             await reply.playback.played()  # until then a barge-in still interrupts it
@@ -287,7 +288,7 @@ class ReplyRunner:
     async def _hand_over(self, reply: Reply, calls: list[dict]) -> None:
         """Calls of the client's own functions end the reply: the client runs them and asks again
         with their outputs (voice/transports/realtime.py). Calls of our tools in the same reply are dropped."""
-        await reply.released.wait()
+        await self.sink.voiced(reply)
         for call in calls:
             run = ToolRun.of(call)
             run.status, run.result = "client", "run by the client"
@@ -295,10 +296,11 @@ class ReplyRunner:
             self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
 
     async def _run_tool(self, reply: Reply, run: ToolRun) -> None:
-        """A pure tool runs at once (also during a speculation); one that acts only once the turn is real."""
+        """A pure tool runs at once (also during a speculation); one that acts only once the turn is real
+        and the reply may be heard (not while it is held: the user may yet go on)."""
         work = asyncio.ensure_future(self.tools.run(run, self.timers)) if self.tools.pure(run.name) else None
         try:
-            await reply.released.wait()
+            await self.sink.voiced(reply)
             self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
             await (work or self.tools.run(run, self.timers))
         finally:

@@ -16,6 +16,9 @@ verdict follows from them (`wait_for`), which lets thresholds be calibrated with
 models again. A policy that says "done" in a silence after which the user speaks again has cut them off;
 otherwise its wait is the silence from `true_end_s` to its decision. The signals' own time is
 reported beside it (it adds to the wait only when the policy ends the turn as soon as it asks).
+The fixed and shape policies are scored again with `turn.hold_ms` (a reply to words that trail off is
+voiced only after that much silence: a turn ended in a pause the user goes on from within it cost
+nothing), with the 0.6 s pauses kept whole and the complete utterances' wait until they may hear a reply.
 """
 
 from __future__ import annotations

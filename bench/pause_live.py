@@ -3,8 +3,10 @@
 Streams `voice eot-eval`'s items (tests/speech and Piper sentences, whole and with a pause inserted
 between two words) in real time to a running `voice serve`, one session, then silence until the reply
 is done or --timeout. Per pause item: reply audio that arrived inside the pause (before the user went
-on), the answers (reply_done, not interrupted), and whether the last final holds the words of both
-halves. Per whole item: voice-to-voice, from the end of speech to the first reply audio.
+on), the turns started (2: the pause ended a turn, and the user resumed it), the answers (reply_done, not
+interrupted) and the last final. Per whole item: voice-to-voice, from the end of speech to the first
+reply audio. It says something only where a reply can be ready within a pause (a quiet machine): on a
+loaded 2-core box no reply is ready within a second, with or without `turn.hold_ms`.
 
     .venv/bin/voice serve --port 8741 &   # the configuration under test (e.g. --config with [turn] hold_ms = 0)
     .venv/bin/python bench/pause_live.py --url ws://127.0.0.1:8741/ws --pause-s 0.6 --json bench/results/pause_live.json
@@ -16,11 +18,11 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import time
 from pathlib import Path
 
 import numpy as np
+import websockets
 
 from voice.config import load_config
 from voice.eot_eval import Item, build_items
@@ -30,13 +32,16 @@ from voice.room_eval import FRAME, RATE, Echo, Stream, _session
 LEAD_S = 0.5  # silence before the user speaks
 
 
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z']+", text.lower()))
-
-
 async def one(url: str, item: Item, timeout_s: float) -> dict:
     """Stream `item` (its own silence after it included), then silence until its reply is done."""
-    ws = await _session(url)
+    for _ in range(100):  # the last item's session may still be closing (a service at capacity answers 503)
+        try:
+            ws = await _session(url)
+            break
+        except websockets.InvalidStatus:
+            await asyncio.sleep(0.2)
+    else:
+        raise RuntimeError(f"{url} refused the session for 20 s")
     stream = Stream(ws, Echo(None, -26.0))
     receiver = asyncio.create_task(stream.receive())
     lead = int(LEAD_S * RATE)
@@ -57,7 +62,6 @@ async def one(url: str, item: Item, timeout_s: float) -> dict:
                  "started": sum(isinstance(ev, SpeechStarted) for _, ev in stream.events)}
     finals = [ev for _, ev in stream.events if isinstance(ev, Transcript) and ev.final]
     out["final"] = finals[-1].text if finals else ""
-    out["whole_words"] = words(item.text) <= words(out["final"]) | {"um", "uh", "hmm"} if finals else False
     if item.pauses:
         at_s, length_s = item.pauses[0]
         pause_from, pause_to = lead + int(at_s * RATE), lead + int((at_s + length_s) * RATE)
@@ -81,7 +85,7 @@ def main() -> None:
     p.add_argument("--url", required=True, help="ws://host:port/ws of a running `voice serve`")
     p.add_argument("--pause-s", type=float, default=0.6, help="the pause items kept (their inserted pause)")
     p.add_argument("--whole", type=int, default=8, help="whole (complete) items streamed too, for voice-to-voice")
-    p.add_argument("--timeout", type=float, default=12.0, help="seconds of silence to wait for an answer")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds of silence to wait for an answer")
     p.add_argument("--no-synthetic", action="store_true", help="only tests/speech (no Piper sentences)")
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args()
@@ -98,7 +102,6 @@ def main() -> None:
     v2v = [r["v2v_ms"] for r in results if not r["pause"] and r["v2v_ms"] is not None]
     summary = {"pauses": len(pauses), "kept_whole": len(kept),
                "audio_in_pause": sum(bool(r["audio_in_pause"]) for r in pauses),
-               "all_words": sum(bool(r["whole_words"]) for r in pauses),
                "whole_v2v_p50_ms": float(np.percentile(v2v, 50)) if v2v else None, "whole": len(v2v),
                "load_average": {"before": load_before, "after": os.getloadavg()}}
     print(json.dumps(summary))

@@ -186,6 +186,22 @@ def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
         assert in_pause and not started[1].get("resumes"), c.events()
 
 
+def test_only_a_turn_the_user_may_still_resume_holds_its_reply():
+    """The hold waits for a user who may go on: not after the client ended the turn (`end_now`, a Realtime
+    commit), nor once its reply is heard."""
+    t = TurnTaker(make_config(turn={"policy": "fixed"}), FakeWhisper(), 16000, "t")
+    run_taker(t, speech("001.wav") + silence(0.6))
+    assert t.resumable(1, time.monotonic()) and not t.resumable(2, time.monotonic())
+    t.heard()
+    assert not t.resumable(1, time.monotonic())
+
+    run_taker(t, speech("001.wav")[:32000])  # turn 2, still speaking
+
+    async def committed():
+        return t.end_now(time.monotonic())
+    assert asyncio.run(committed()) and not t.resumable(2, time.monotonic())
+
+
 def test_trails_off_reads_the_words_not_only_the_end_mark():
     from voice.endofturn import trails_off
     assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")

@@ -601,6 +601,9 @@ class Floor:
         await reply.released.wait()
         if not reply.held:
             return
+        if not self.turns.resumable(reply.turn, time.monotonic()):  # (the client ended it: nothing to wait for)
+            reply.held = False
+            return
         delay = self.turns.last_word_at + self.turns.config.turn.hold_ms / 1000 - time.monotonic()
         if delay > 0:
             reply.did("held")

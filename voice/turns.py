@@ -226,6 +226,12 @@ class TurnTaker:
         self.pre_roll.clear()
         return SpeechStarted(self.turn, now, self.resumes)
 
+    def resumable(self, turn: int, now: float) -> bool:
+        """May speech starting now still continue `turn` (it ended in a pause, not by the client or the
+        length limit, its reply is not heard yet, `turn.resume_ms` has not passed)?"""
+        last = self.last_utterance
+        return last is not None and last[2] == turn and now <= last[1]
+
     def heard(self) -> None:
         """The reply to the last utterance is being heard: speech from now on is a new utterance."""
         self.last_utterance = None

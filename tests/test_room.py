@@ -1,5 +1,5 @@
 """Heard in a room (issue 55): `voice room-eval` over the wire, one clip per room, around fake models
-(the turn-taking is the real VAD and turn code; the ASR says "eight of spades" for any audio, so a turn
+(the turn-taking is the real VAD and turn code; the ASR says "Eight of spades." for any audio, so a turn
 the room starts is a reply the room gets, and the TTS is a tone); and the endpointer's level gate on its
 own, on the same rooms, the endpointer before it beside it (`vad.follow_user = false`, the gate off)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import LiveServer, fake_stages, make_config
+from fakes import FakeWhisper, LiveServer, fake_stages, make_config
 from voice import room_eval
 from voice.asr import echoes
 from voice.audio import float_to_pcm16, read_wav, resample
@@ -23,7 +23,9 @@ CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go
 @pytest.fixture(scope="module")
 def server():
     config = make_config()  # the gate is on by default
-    with LiveServer(config, fake_stages(config)) as srv:
+    # A finished sentence, written as Whisper writes one: words that trail off would hold each reply for
+    # `turn.hold_ms` (voice/reply.py's Floor.voiced), and a room start in that second resumes the turn
+    with LiveServer(config, fake_stages(config, FakeWhisper("Eight of spades."))) as srv:
         yield srv
 
 

@@ -405,6 +405,9 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
         def is_current(self, turn):
             return True
 
+        async def voiced(self, reply):
+            await reply.released.wait()
+
     async def go():
         runner = ReplyRunner(config, stages.lm.chat(), stages.synthesizer, 16000, None, None, Sink(), "s", box,
                              Timers(lambda text: asyncio.sleep(0)))

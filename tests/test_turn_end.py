@@ -158,6 +158,74 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
     assert [t["status"] for t in turns] in (["superseded", "ok"], ["ok"])  # (turn 1 superseded before its final)
 
 
+@pytest.mark.parametrize("hold_ms", [1000, 0])
+def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
+    """Issue 55, "prepared but not voiced": the user says "set a timer for", pauses 0.6 s (the 400 ms
+    hangover ends the turn) and goes on. A fast reply was ready inside the pause: with `turn.hold_ms`
+    its first audio waits for a second of silence, the user resumes first, and it is dropped unheard:
+    one answer, to the whole utterance. Without the hold (0, the service before) the first reply's
+    audio reached the client in the pause and was cut."""
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms})
+    stages = fake_stages(config, FakeWhisper("set a timer for"), lm=FakeLM(blocks=("Done.",)))
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav") + silence(0.6) + speech("002.wav") + silence(1.5))
+            await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    started = c.events("speech_started")
+    assert len(started) == 2  # the pause ended turn 1
+    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    if hold_ms:  # nothing of the reply (audio, text) in the pause; turn 2 resumes turn 1; one answer
+        assert not in_pause and started[1].get("resumes") == 1 and answered == [2], c.events()
+    else:  # the reply to the half sentence was heard in the pause (so turn 2 did not resume it) and cut
+        assert in_pause and not started[1].get("resumes"), c.events()
+
+
+def test_only_a_turn_the_user_may_still_resume_holds_its_reply():
+    """The hold waits for a user who may go on: not after the client ended the turn (`end_now`, a Realtime
+    commit), nor once its reply is heard."""
+    t = TurnTaker(make_config(turn={"policy": "fixed"}), FakeWhisper(), 16000, "t")
+    run_taker(t, speech("001.wav") + silence(0.6))
+    assert t.resumable(1, time.monotonic()) and not t.resumable(2, time.monotonic())
+    t.heard()
+    assert not t.resumable(1, time.monotonic())
+
+    run_taker(t, speech("001.wav")[:32000])  # turn 2, still speaking
+
+    async def committed():
+        return t.end_now(time.monotonic())
+    assert asyncio.run(committed()) and not t.resumable(2, time.monotonic())
+
+
+def test_trails_off_reads_the_words_not_only_the_end_mark():
+    from voice.endofturn import trails_off
+    assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")
+    assert trails_off("Can you remind me to call my") and trails_off("So I was thinking, maybe we...")
+    assert not trails_off("Ten of clubs.") and not trails_off("What is it made of?") and not trails_off("")
+
+
+def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
+    """`voice eot-eval`'s hold rows: a 0.5 s pause after "Set a timer for." ends the turn at the 400 ms
+    hangover (a cut-off), but with a 1000 ms hold its reply is not voiced before the user goes on; after
+    "Ten of clubs." (finished) the hold does not apply, and the complete utterance's reply is not delayed."""
+    from voice.eot_eval import Ask, Policy, Record, outcome
+
+    def record(said: str) -> Record:
+        asks = [Ask(1.0, 0.5, None, None, said, 0, 0, 0, 0), Ask(2.5, 2.0, None, None, said + " Twenty.", 0, 0, 0, 0)]
+        return Record("x", "x", "real", "heldout", "", 2.5, [(1.0, 0.6)], [(1.0, 0.5), (2.5, 2.0)], asks)
+
+    fixed, held = Policy("fixed"), Policy("fixed", hold_ms=1000)
+    assert outcome(fixed, record("Set a timer for."), 200, 1000).cut
+    kept = outcome(held, record("Set a timer for."), 200, 1000)
+    assert not kept.cut and kept.held == 1 and kept.voiced_ms == 400
+    assert outcome(held, record("Ten of clubs."), 200, 1000).cut
+
+
 class GrowingWhisper(FakeWhisper):
     """A stand-in ASR whose time grows with the audio, as a real one's does: `per_s` s per s of audio."""
 

@@ -74,6 +74,10 @@ class TurnConfig:
     # "you") or this much voiced audio, whichever comes first: a VAD blip (a click, a breath, a browser's
     # microphone settling) leaves the reply playing
     barge_in_ms: int = 600
+    # A reply to words that trail off ("Set a timer for.": voice/endofturn.py's trails_off) is prepared
+    # (LM and TTS) as any, but its first audio waits until the user has been quiet this long: if they go
+    # on meanwhile (a pause mid-sentence), it is dropped unheard and their turn resumes (0: never held)
+    hold_ms: int = 1000
 
     def __post_init__(self) -> None:
         if self.policy not in TURN_POLICIES:
@@ -89,6 +93,8 @@ class TurnConfig:
             raise ValueError(f"turn.resume_ms must not be negative, got {self.resume_ms}")
         if self.barge_in_ms < 0:
             raise ValueError(f"turn.barge_in_ms must not be negative, got {self.barge_in_ms}")
+        if self.hold_ms < 0:
+            raise ValueError(f"turn.hold_ms must not be negative, got {self.hold_ms}")
 
 
 @dataclass

@@ -62,6 +62,30 @@ def reads_finished(text: str) -> bool:
     return bool(re.search(r"[.?!]$", text)) and not text.endswith("...")
 
 
+# Words a finished English sentence rarely ends on: conjunctions, prepositions, articles and
+# possessives, fillers. Whisper writes "Set a timer for." and "Feels like these days go on." for
+# speech cut mid-sentence; a reply to such words is prepared but not voiced yet (`trails_off`).
+TRAILING_WORDS = frozenset(
+    "and or but so because if that than then when while where which who whose "
+    "of for to in on at by with from about into like as "
+    "a an the my your our their his her its this these those some any "
+    "um uh hmm er erm".split())
+
+
+def trails_off(text: str) -> bool:
+    """Do the words so far read unfinished: no sentence end (`reads_finished`), or a statement that
+    ends on one of TRAILING_WORDS ("Set a timer for.")? A question ends a turn whatever its last
+    word ("What is it made of?"). The Floor holds the first audio of a reply to such words for
+    `turn.hold_ms` of silence (voice/reply.py); BENCHMARKS.md "Heard in a room"."""
+    text = text.strip()
+    if not text:
+        return False
+    if not reads_finished(text):
+        return True
+    words = re.findall(r"[a-z']+", text.lower())
+    return not text.endswith("?") and bool(words) and words[-1] in TRAILING_WORDS
+
+
 def smart_turn_path() -> Path:
     """Smart Turn's ONNX inside the installed pipecat-ai, checked by size and SHA-256."""
     try:

@@ -16,6 +16,9 @@ verdict follows from them (`wait_for`), which lets thresholds be calibrated with
 models again. A policy that says "done" in a silence after which the user speaks again has cut them off;
 otherwise its wait is the silence from `true_end_s` to its decision. The signals' own time is
 reported beside it (it adds to the wait only when the policy ends the turn as soon as it asks).
+The fixed and shape policies are scored again with `turn.hold_ms` (a reply to words that trail off is
+voiced only after that much silence: a turn ended in a pause the user goes on from within it cost
+nothing), with the 0.6 s pauses kept whole and the complete utterances' wait until they may hear a reply.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
 from voice.config import Config, VadConfig
-from voice.endofturn import EndOfTurn, SmartTurn, reads_finished, wait_for
+from voice.endofturn import EndOfTurn, SmartTurn, reads_finished, trails_off, wait_for
 
 if TYPE_CHECKING:
     from faster_whisper import WhisperModel
@@ -301,6 +304,11 @@ class Policy:
     name: str
     threshold: float = 0.5
     hangover_ms: int = 400  # fixed only
+    hold_ms: int = 0  # `turn.hold_ms`: a reply to words that trail off is voiced after this much silence
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} + hold {self.hold_ms} ms" if self.hold_ms else self.name
 
 
 @dataclass
@@ -309,11 +317,17 @@ class Outcome:
     wait_ms: float | None  # of silence after the true end, when not cut
     spent_ms: float = 0.0  # the signals' time, when the policy ended the turn as soon as it asked them
     endpoint_ms: float | None = None  # the silence the VAD heard before the turn ended (`voice bench`'s endpoint)
+    voiced_ms: float | None = None  # the silence before the reply may be heard (the endpoint, or the hold)
+    held: int = 0  # turns it ended in a pause whose reply was held, and dropped unheard as the user went on
 
 
-def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int) -> Outcome:
-    """When `policy` ends the turn, on the signals recorded for the item."""
+def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int, start_ms: int = 60) -> Outcome:
+    """When `policy` ends the turn, on the signals recorded for the item. With a hold (`Policy.hold_ms`), a
+    turn ended in a pause whose transcript trails off is no cut-off if the user resumes (`start_ms` of voice)
+    before the hold is over: its reply, prepared, is dropped unheard (voice/reply.py's Floor.voiced). The
+    transcript is the one taken at `min_silence_ms` (the service's early final comes at `asr.early_final_ms`)."""
     asks = {a.silence_start_s: a for a in record.asks}
+    held = 0
     for n, (begin, length) in enumerate(record.silences):
         ask = asks.get(begin)
         if policy.name == "fixed":
@@ -328,10 +342,15 @@ def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int
                                                                      min_silence_ms, ceiling_ms)
             spent = _spent(policy, ask) if wait_ms <= min_silence_ms else 0.0  # decided at once: its time shows
         if length * 1000 >= wait_ms:
-            if n < len(record.silences) - 1:  # the user spoke again after it: a pause, cut
-                return Outcome(True, None)
-            return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent, wait_ms)
-    return Outcome(False, None)  # never decided (speech to the end of the item): counted as undecided
+            holds = bool(policy.hold_ms) and ask is not None and trails_off(ask.transcript)
+            if n < len(record.silences) - 1:  # the user spoke again after it: a pause
+                if holds and length * 1000 + start_ms < policy.hold_ms:
+                    held += 1  # ... before its reply was voiced: their turn resumes, nothing lost
+                    continue
+                return Outcome(True, None, held=held)
+            voiced = max(wait_ms, float(policy.hold_ms)) if holds else wait_ms
+            return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent, wait_ms, voiced, held)
+    return Outcome(False, None, held=held)  # never decided (speech to the end of the item): counted as undecided
 
 
 def _probability(policy: Policy, ask: Ask) -> float | None:
@@ -350,12 +369,14 @@ def _spent(policy: Policy, ask: Ask) -> float:
     return max(audio, text)
 
 
-def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms: int) -> dict:
-    outcomes = [outcome(policy, r, min_silence_ms, ceiling_ms) for r in records]
+def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms: int, start_ms: int = 60) -> dict:
+    outcomes = [outcome(policy, r, min_silence_ms, ceiling_ms, start_ms) for r in records]
     waits = [o.wait_ms for o in outcomes if o.wait_ms is not None]
     spent = [o.spent_ms for o in outcomes if o.wait_ms is not None and o.spent_ms]
     whole = [o.endpoint_ms for o, r in zip(outcomes, records) if not r.pauses and o.endpoint_ms is not None]
+    voiced = [o.voiced_ms for o, r in zip(outcomes, records) if not r.pauses and o.voiced_ms is not None]
     paused = [o for o, r in zip(outcomes, records) if r.pauses]
+    pause_06 = [o for o, r in zip(outcomes, records) if r.pauses and abs(r.pauses[0][1] - 0.6) < 1e-6]
     return {"items": len(records), "cut": sum(o.cut for o in outcomes),
             "undecided": sum(not o.cut and o.wait_ms is None for o in outcomes),
             "cut_rate": sum(o.cut for o in outcomes) / max(len(records), 1),
@@ -363,7 +384,14 @@ def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms
             "wait_p50_ms": float(np.percentile(waits, 50)) if waits else None,
             "wait_p95_ms": float(np.percentile(waits, 95)) if waits else None,
             "at_once": len(spent), "at_once_spent_p50_ms": float(np.percentile(spent, 50)) if spent else None,
-            "whole_endpoint_p50_ms": float(np.percentile(whole, 50)) if whole else None}
+            "whole_endpoint_p50_ms": float(np.percentile(whole, 50)) if whole else None,
+            # complete utterances: the silence before the reply may be heard, and how many waited for the hold
+            "whole_voiced_p50_ms": float(np.percentile(voiced, 50)) if voiced else None,
+            "whole_voiced_mean_ms": float(np.mean(voiced)) if voiced else None,
+            "whole_held": sum(v > e for v, e in zip(voiced, whole)), "whole": len(whole),
+            # 0.6 s pauses mid-sentence (issue 55's goal): one answer, nothing voiced in the pause
+            "pause_06_whole": sum(not o.cut for o in pause_06), "pause_06": len(pause_06),
+            "held": sum(o.held for o in outcomes)}
 
 
 THRESHOLD_GRID = (*(round(t, 2) for t in np.arange(0.05, 0.951, 0.05)), 0.97, 0.98, 0.99)
@@ -429,15 +457,19 @@ def summarise(records: list[Record], config: Config, phone: bool = False) -> dic
     policies = [fixed] + [calibrate(name, calibration, turn.min_silence_ms, turn.ceiling_ms, budget)
                           for name in ("smart_turn", "lm", "combined")]
     policies.append(Policy("shape", hangover_ms=config.vad.hangover_ms))
+    if turn.hold_ms:  # the free policies again with the hold (fixed is the service's default)
+        policies += [replace(p, hold_ms=turn.hold_ms) for p in policies if p.name in ("fixed", "shape")]
     asks = [a for r in records for a in r.asks]
     cost = {name: _stats([getattr(a, name) for a in asks if getattr(a, name)])
             for name in ("smart_turn_ms", "smart_turn_cpu_ms", "asr_ms", "lm_ms")}
     rows = []
     for policy in policies:
         threshold = policy.threshold if policy.name not in ("fixed", "shape") else None
-        rows.append({"policy": policy.name, "threshold": threshold,
-                     "calibration": score(policy, calibration, turn.min_silence_ms, turn.ceiling_ms),
-                     "heldout": score(policy, heldout, turn.min_silence_ms, turn.ceiling_ms)})
+        start_ms = config.vad.start_ms
+        rows.append({"policy": policy.label, "threshold": threshold,
+                     "calibration": score(policy, calibration, turn.min_silence_ms, turn.ceiling_ms, start_ms),
+                     "heldout": score(policy, heldout, turn.min_silence_ms, turn.ceiling_ms, start_ms),
+                     "all": score(policy, records, turn.min_silence_ms, turn.ceiling_ms, start_ms)})
     return {"min_silence_ms": turn.min_silence_ms, "ceiling_ms": turn.ceiling_ms, "phone": phone,
             "items": {"calibration": len(calibration), "heldout": len(heldout),
                       "real": sum(r.kind == "real" for r in records),
@@ -453,18 +485,25 @@ def _stats(values: list[float]) -> dict:
 
 
 def table(report: dict) -> str:
-    """The held-out figures as a Markdown table."""
+    """The held-out figures as a Markdown table, and the 0.6 s pauses and complete utterances of all items."""
     lines = ["| policy | threshold | cut-offs (held-out) | with a pause | wait p50 | wait p95 | endpoint p50, whole "
-             "utterances | ended at once, signals' time p50 |", "|---|---|---|---|---|---|---|---|"]
+             "utterances | ended at once, signals' time p50 | 0.6 s pauses kept whole (all) | whole utterances "
+             "(all): voiced p50 / mean, held |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["policies"]:
-        h = row["heldout"]
+        h, every = row["heldout"], row.get("all")
         threshold = "" if row["threshold"] is None else f"{row['threshold']:.2f}"
         p50 = "-" if h["wait_p50_ms"] is None else f"{h['wait_p50_ms']:.0f} ms"
         p95 = "-" if h["wait_p95_ms"] is None else f"{h['wait_p95_ms']:.0f} ms"
         at_once = "-" if not h["at_once"] else f"{h['at_once']} turns, {h['at_once_spent_p50_ms']:.0f} ms"
         endpoint = "-" if h["whole_endpoint_p50_ms"] is None else f"{h['whole_endpoint_p50_ms']:.0f} ms"
+        kept = voiced = "-"
+        if every is not None and every.get("whole_voiced_p50_ms") is not None:
+            kept = f"{every['pause_06_whole']}/{every['pause_06']}"
+            voiced = (f"{every['whole_voiced_p50_ms']:.0f} / {every['whole_voiced_mean_ms']:.0f} ms, "
+                      f"{every['whole_held']}/{every['whole']}")
         lines.append(f"| {row['policy']} | {threshold} | {h['cut']}/{h['items']} ({100 * h['cut_rate']:.0f}%) "
-                     f"| {100 * h['cut_rate_paused']:.0f}% | {p50} | {p95} | {endpoint} | {at_once} |")
+                     f"| {100 * h['cut_rate_paused']:.0f}% | {p50} | {p95} | {endpoint} | {at_once} | {kept} "
+                     f"| {voiced} |")
     cost = report["cost_ms"]
     parts = [f"{name.removesuffix('_ms')} p50 {c['p50']:.0f} ms / p95 {c['p95']:.0f} ms"
              for name, c in cost.items() if c]

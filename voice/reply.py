@@ -8,7 +8,8 @@ text (no LM); `announce` speaks one text whole (a timer that is due).
 The LM streams blocks; a PhraseSplitter cuts them into phrases that a second task synthesises
 while later blocks are still being decoded. A speculative reply (started on the transcript
 taken during the VAD hangover) runs the same way, but nothing of it reaches the client until
-`reply.released` is set (the user's turn really ended). A stage that fails or overruns its
+`reply.released` is set (the user's turn really ended) and, when their words trail off, the Floor's
+hold is over (`Floor.voiced`). A stage that fails or overruns its
 timeout (`[faults]`) ends the reply with an `error` and the cached apology
 (docs/RELIABILITY.md).
 """
@@ -30,6 +31,7 @@ from prometheus_client import Counter
 from voice.asr import echoes, has_words
 from voice.calllog import CallLog
 from voice.config import Config
+from voice.endofturn import trails_off
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
 from voice.faults import StageFailure, blocks_within, synthesis_within
@@ -73,6 +75,7 @@ class Reply:
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
+    held: bool = False  # the user's words trail off: its first audio waits for more silence (Floor.voiced)
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -110,6 +113,10 @@ class ReplySink(Protocol):
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""
+        ...
+
+    async def voiced(self, reply: Reply) -> None:
+        """Until `reply` may be heard: released, and its hold (if any) over."""
         ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
@@ -170,12 +177,12 @@ class ReplyRunner:
                 await speaker
             except StageFailure as failure:
                 speaker.cancel()
-                await reply.released.wait()
+                await self.sink.voiced(reply)
                 self.fail(reply, failure)
             except Exception as err:  # a bug of ours: the same treatment as a failing stage
                 speaker.cancel()
                 log.exception("session=%s turn=%d reply failed", self.name, reply.turn)
-                await reply.released.wait()
+                await self.sink.voiced(reply)
                 self.fail(reply, StageFailure("reply_failed", f"the reply failed: {err}", "session", "error"))
             await reply.released.wait()
             await reply.playback.played()  # until then a barge-in still interrupts it
@@ -229,7 +236,7 @@ class ReplyRunner:
                                 and reply.playback.runs_dry(time.monotonic(), DRY_CUT_S):
                             complete = splitter.words(DRY_CUT_WORDS)
                         self._add_text(reply, block.text, complete, phrases)
-                        await reply.released.wait()
+                        await self.sink.voiced(reply)
                         self.sink.emit(ReplyText(reply.turn, time.monotonic(), block.text, reply.blocks, block.tokens,
                                                  block.steps))
                     if len(reply.text) >= limit:
@@ -264,7 +271,7 @@ class ReplyRunner:
         reply.tools += runs
         tasks = [asyncio.create_task(self._run_tool(reply, run)) for run in runs]
         try:
-            await reply.released.wait()
+            await self.sink.voiced(reply)
             cfg = self.config.tools
             _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
             if pending and cfg.filler.strip():
@@ -281,7 +288,7 @@ class ReplyRunner:
     async def _hand_over(self, reply: Reply, calls: list[dict]) -> None:
         """Calls of the client's own functions end the reply: the client runs them and asks again
         with their outputs (voice/transports/realtime.py). Calls of our tools in the same reply are dropped."""
-        await reply.released.wait()
+        await self.sink.voiced(reply)
         for call in calls:
             run = ToolRun.of(call)
             run.status, run.result = "client", "run by the client"
@@ -289,10 +296,11 @@ class ReplyRunner:
             self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
 
     async def _run_tool(self, reply: Reply, run: ToolRun) -> None:
-        """A pure tool runs at once (also during a speculation); one that acts only once the turn is real."""
+        """A pure tool runs at once (also during a speculation); one that acts only once the turn is real
+        and the reply may be heard (not while it is held: the user may yet go on)."""
         work = asyncio.ensure_future(self.tools.run(run, self.timers)) if self.tools.pure(run.name) else None
         try:
-            await reply.released.wait()
+            await self.sink.voiced(reply)
             self.sink.emit(ToolCall(reply.turn, time.monotonic(), run.id, run.name, run.arguments))
             await (work or self.tools.run(run, self.timers))
         finally:
@@ -347,7 +355,7 @@ class ReplyRunner:
                                      urgent=Due(playback.runs_out, TTS_HORIZON_S))
         reply.did("tts_first_audio")
         self.sink.first_audio()
-        await reply.released.wait()
+        await self.sink.voiced(reply)
         if len(pcm) and self.sink.emit(TtsAudio(reply.turn, time.monotonic(), pcm.tobytes(), self.out_rate, phrase)):
             playback.handed_over()
             if paced:
@@ -401,10 +409,13 @@ class Floor:
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
         self.closed = False
 
-    def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None) -> Reply:
+    def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None,
+              spoken: bool = False) -> Reply:
         """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
-        and `chat` hold (Wyoming's answer: the caller keeps it)."""
+        and `chat` hold (Wyoming's answer: the caller keeps it). `spoken`: the user said it (and may
+        go on after a pause), not typed it: words that trail off hold its first audio (`voiced`)."""
         reply = self.reply = Reply(turn)
+        reply.held = spoken and self.turns.config.turn.hold_ms > 0 and trails_off(user_text)
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
@@ -581,3 +592,23 @@ class Floor:
     def first_audio(self) -> None:
         """The reply's first audio is synthesised: nothing of ours is urgent any more."""
         self.scheduler.stop_waiting(self.name)
+
+    async def voiced(self, reply: Reply) -> None:
+        """Until `reply` may be heard: released (the user's turn is over) and, if their words trail off
+        (`Reply.held`: "Set a timer for."), until they have been quiet `turn.hold_ms`. A pause mid-sentence
+        ends the turn at the VAD's hangover; if the user goes on within the hold, their turn resumes
+        (`speech_started`) and this reply, prepared, is dropped unheard. BENCHMARKS.md "Heard in a room"."""
+        await reply.released.wait()
+        if not reply.held:
+            return
+        if not self.turns.resumable(reply.turn, time.monotonic()):  # (the client ended it: nothing to wait for)
+            reply.held = False
+            return
+        delay = self.turns.last_word_at + self.turns.config.turn.hold_ms / 1000 - time.monotonic()
+        if delay > 0:
+            reply.did("held")
+            await asyncio.sleep(delay)
+        if reply.held:
+            reply.held = False
+            session_log.info("session=%s turn=%d the words trailed off: voiced after %.0f ms more", self.name,
+                             reply.turn, max(delay, 0) * 1000)

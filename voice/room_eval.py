@@ -238,7 +238,14 @@ class Stream:
 
 
 async def _session(url: str) -> ClientConnection:
-    ws = await websockets.connect(url, max_size=None)
+    for _ in range(100):  # the last room's session may still be closing (a service at capacity answers 503)
+        try:
+            ws = await websockets.connect(url, max_size=None)
+            break
+        except websockets.InvalidStatus:
+            await asyncio.sleep(0.2)
+    else:
+        raise RuntimeError(f"{url} refused the session for 20 s")
     await ws.send(json.dumps({"type": "start", "version": 1, "sample_rate": RATE, "encoding": "pcm_s16le"}))
     ready = from_wire(json.loads(await ws.recv()))
     if not isinstance(ready, Ready):

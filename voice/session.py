@@ -185,7 +185,7 @@ class Session:
         text = text if self._heard_words(turn, text, final=True) else ""  # else a blip or echo
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
-            reply = self.floor.start(turn, text)
+            reply = self.floor.start(turn, text, spoken=True)
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
             self._superseded(turn, text, ended, resumes)
@@ -196,7 +196,7 @@ class Session:
             await self.floor.listened(turn, text)
             return
         if text and reply is None:
-            reply = self.floor.start(turn, text)
+            reply = self.floor.start(turn, text, spoken=True)
         if reply is not None:
             reply.released.set()
         else:

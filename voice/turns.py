@@ -160,6 +160,7 @@ class TurnTaker:
         self.pauses = 0  # pauses the policy was asked about
         self.asked = False  # about the current silence
         self.stop_at_ms: int | None = None  # the policy's verdict: the turn is over at this much silence
+        self.last_word_at = 0.0  # when the last utterance's speech ended (its arrival): a held reply counts from it
         # The last utterance, until its reply is heard or turn.resume_ms has passed: speech that
         # resumes by then continues it (`SpeechStarted.resumes`).
         self.last_utterance: tuple[np.ndarray, float, int] | None = None  # (16 kHz audio, monotonic deadline, turn)
@@ -224,6 +225,12 @@ class TurnTaker:
             self.transcriber.insert_audio_chunk(chunk)
         self.pre_roll.clear()
         return SpeechStarted(self.turn, now, self.resumes)
+
+    def resumable(self, turn: int, now: float) -> bool:
+        """May speech starting now still continue `turn` (it ended in a pause, not by the client or the
+        length limit, its reply is not heard yet, `turn.resume_ms` has not passed)?"""
+        last = self.last_utterance
+        return last is not None and last[2] == turn and now <= last[1]
 
     def heard(self) -> None:
         """The reply to the last utterance is being heard: speech from now on is a new utterance."""
@@ -291,7 +298,8 @@ class TurnTaker:
         """The utterance is over. `resumable`: a pause ended it (not the client, not the length
         limit), so speech that resumes soon continues it."""
         # The audio that was just pushed is still part of the utterance's tail; that's fine.
-        out: list[TurnEvent] = [SpeechStopped(self.turn, now, self._arrival_of(ev.speech_end_s))]
+        self.last_word_at = self._arrival_of(ev.speech_end_s)
+        out: list[TurnEvent] = [SpeechStopped(self.turn, now, self.last_word_at)]
         if self.partial_task is not None:
             self.partial_task.cancel()
         ended, self.turn_ended = self.turn_ended, None

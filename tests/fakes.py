@@ -324,6 +324,11 @@ class StandInEngine:
     def abandon(self, conversation):
         """Nothing to give back: the stand-in keeps no caches."""
 
+    class admission:
+        """Where the server hands its kept caches' `release` (the stand-in never needs the room)."""
+
+        release_idle = None
+
     class grammars:
         """It has no tokenizer to hold a reply to a grammar with: JSON output is refused (a 400)."""
 

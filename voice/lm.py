@@ -125,11 +125,12 @@ class LocalLM:
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
-        self.engine.max_defer_s = self.scheduler.max_defer_s
+        self.engine.scheduler.max_defer_s = self.scheduler.max_defer_s
         if self.engine.loaded.weights == "gguf":  # llama.cpp: threads are chosen per step
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
-        self.engine.yield_to = self.scheduler.stage_waited  # a long prompt's chunk waits for a final, a first phrase
+        # a long prompt's chunk waits for a final, a first phrase ...
+        self.engine.scheduler.yield_to = self.scheduler.stage_waited
         self.scheduler.on_waited_job.append(self.engine.interrupt_long_prompts)  # ... and one under way stops
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
 
@@ -165,10 +166,10 @@ class LocalLM:
 
     def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
         # a prompt this machine cannot read before the first block's timeout is refused up front
-        self.engine.max_prefill_s = max_prefill_s
+        self.engine.admission.max_prefill_s = max_prefill_s
         # anyone may start talking: a long prompt is read a slice at a time, and one that would
         # take more than half the time a reply may wait is refused (the rest is for the others)
-        self.engine.may_share = True
+        self.engine.admission.may_share = True
         if tools:
             self.tool_grammar(tools)  # llguidance's vocabulary, built once, before any turn
 

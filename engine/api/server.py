@@ -77,7 +77,7 @@ class PrefixCaches:
         self.engine, self.size = engine, size
         self._kept: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()  # the engine's scheduler thread may `release` some
-        engine.release_idle = self.release
+        engine.admission.release_idle = self.release
 
     @staticmethod
     def key(messages: list[dict]) -> str:
@@ -109,7 +109,7 @@ class PrefixCaches:
 
     def release(self, tokens: int) -> None:
         """Keep at most `tokens` tokens cached, least recently used out first: on llama.cpp's shared
-        KV cache a request waiting for room needs theirs (`Engine.release_idle`)."""
+        KV cache a request waiting for room needs theirs (`Admission.release_idle`)."""
         with self._lock:
             while self._kept and sum(len(c.state.ids) for c in self._kept.values() if c.state) > tokens:
                 self.engine.abandon(self._kept.popitem(last=False)[1])

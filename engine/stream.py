@@ -28,13 +28,13 @@ from engine.loading import LoadedModel, load
 from engine.runtime import CacheState
 from engine.serving import probes
 from engine.serving.admission import Admission
-from engine.serving.caches import CachePool, Conversation
+from engine.serving.caches import CachePool, ConversationCache
 from engine.serving.cost import PrefillCost
 from engine.serving.requests import BACKGROUND, NORMAL, WAITED, Piece, Probe, Reply, Request, Superseded
 from engine.serving.scheduler import Scheduler
 from engine.tools import Tool, for_template
 
-__all__ = ["BACKGROUND", "NORMAL", "WAITED", "Conversation", "Decoding", "Engine", "Piece", "Superseded", "decide"]
+__all__ = ["BACKGROUND", "NORMAL", "WAITED", "ConversationCache", "Decoding", "Engine", "Piece", "Superseded", "decide"]
 
 log = logging.getLogger("engine.stream")
 
@@ -121,7 +121,7 @@ class Engine:
         return self._begin(request.messages, request.cfg, request.conversation, request.start, request.constraint,
                            request.tools, request.warm, others)
 
-    def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: Conversation, start: float,
+    def _begin(self, messages: list[dict], cfg: DecodeConfig, conversation: ConversationCache, start: float,
                constraint: Constraint | None = None, tools: list[Tool] | None = None, background: bool = False,
                others: int = 0) -> tuple[Steps, Reply]:
         """Plan a reply on `conversation` (closing one still running there) beside `others` being served."""
@@ -138,7 +138,7 @@ class Engine:
                      self.model.embed_tokens, constraint, self.scheduler.chunking(background))
         return steps, reply
 
-    def _begin_probe(self, probe: Probe, conversation: Conversation, start: float, others: int
+    def _begin_probe(self, probe: Probe, conversation: ConversationCache, start: float, others: int
                      ) -> tuple[Steps, Reply]:
         if len(probe.prompt) >= self.max_seq_len:
             raise ContextOverflow(f"a prompt of {len(probe.prompt)} tokens does not fit the context "
@@ -147,7 +147,7 @@ class Engine:
         return probes.begin(probe, conversation, self.model, self.caches, self.tokenizer, start,
                             self.scheduler.chunking())
 
-    def abandon(self, conversation: Conversation) -> None:
+    def abandon(self, conversation: ConversationCache) -> None:
         """Nobody will continue `conversation` (any thread): its cache goes back to the pool now if
         no request runs on it, else when that request leaves."""
         self.caches.abandon(conversation)
@@ -159,11 +159,11 @@ class Engine:
     # --- one request, in the calling thread (CLI, eval, benchmarks) ---------------------------
 
     def generate_sync(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                      conversation: Conversation | None = None, constraint: Constraint | None = None,
+                      conversation: ConversationCache | None = None, constraint: Constraint | None = None,
                       tools: list[Tool] | None = None, **overrides: Any) -> Iterator[Piece]:
         """Pieces of the reply to `messages`, decoded in the calling thread (as `stream`)."""
         cfg = replace(cfg or self.defaults, **overrides)
-        conversation = conversation or Conversation(abandoned=True)  # a one-off: nobody continues it
+        conversation = conversation or ConversationCache(abandoned=True)  # a one-off: nobody continues it
         steps, reply = self._begin(messages, cfg, conversation, time.perf_counter(), constraint, tools)
         blocks = drive(self.model, steps)
         conversation.active = blocks
@@ -180,7 +180,7 @@ class Engine:
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                     conversation: Conversation | None = None, priority: Callable[[str], int] | None = None,
+                     conversation: ConversationCache | None = None, priority: Callable[[str], int] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
                      probe: Probe | None = None, **overrides: Any) -> AsyncGenerator[Piece, None]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
@@ -199,7 +199,7 @@ class Engine:
                 pass
 
         request = Request(messages, replace(cfg or self.defaults, **overrides),
-                          conversation or Conversation(abandoned=True), deliver, priority, constraint, tools, warm,
+                          conversation or ConversationCache(abandoned=True), deliver, priority, constraint, tools, warm,
                           probe)
         self.scheduler.submit(request)
         if not warm:
@@ -212,7 +212,8 @@ class Engine:
         finally:
             request.cancelled = True
 
-    async def warm(self, messages: list[dict], conversation: Conversation, tools: list[Tool] | None = None) -> None:
+    async def warm(self, messages: list[dict], conversation: ConversationCache, tools: list[Tool] | None = None
+                   ) -> None:
         """Prefill `messages` into `conversation`'s cache ahead of its next request, which then
         prefills only what is new (the voice service warms a session's system prompt and tools
         while its user speaks). BACKGROUND priority; the one token it decodes is dropped."""
@@ -222,7 +223,7 @@ class Engine:
         except Superseded:  # the request it was warming for came first, and continues from what it wrote
             pass
 
-    async def probe(self, prompt: list[int], tokens: list[int], conversation: Conversation | None = None
+    async def probe(self, prompt: list[int], tokens: list[int], conversation: ConversationCache | None = None
                     ) -> list[float]:
         """The model's probability of each of `tokens` right after `prompt` (ids), from one forward
         that someone waits for (WAITED), on a copy of `conversation`'s cache (`engine.serving.probes`):

@@ -22,7 +22,7 @@ from engine.model import visibility_mask
 from engine.runtime import Interrupted
 import engine.decode
 import engine.serving.scheduler
-from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine
+from engine.stream import BACKGROUND, NORMAL, WAITED, ConversationCache, Engine
 
 import tinyckpt
 from tinyckpt import MASK_ID
@@ -316,14 +316,14 @@ def smol_engine(smol):
 @pytest.fixture(scope="module")
 def barge_in(smol_engine):
     """First turn cut after its first piece; the second turn's messages and a fresh conversation's reply."""
-    conv = Conversation()
+    conv = ConversationCache()
     pieces = smol_engine.generate_sync(FIRST, conversation=conv)
     first = next(pieces)
     pieces.close()
     assert not first.done and first.text.strip()
     second = FIRST + [{"role": "assistant", "content": first.text},
                       {"role": "user", "content": "Interesting. And the sun?"}]
-    fresh = list(smol_engine.generate_sync(second, conversation=Conversation()))
+    fresh = list(smol_engine.generate_sync(second, conversation=ConversationCache()))
     return conv, second, fresh
 
 
@@ -340,7 +340,7 @@ def test_cancelled_async_stream_then_next_turn_equals_fresh(smol_engine, barge_i
     _, second, fresh = barge_in
 
     async def scenario():
-        conv = Conversation()
+        conv = ConversationCache()
         stream = smol_engine.stream(FIRST, conversation=conv)
         first = await stream.__anext__()
         await stream.aclose()  # what the service does on barge-in
@@ -357,7 +357,7 @@ def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge
     _, second, fresh = barge_in
 
     async def scenario():
-        conv = Conversation()
+        conv = ConversationCache()
         got_first = asyncio.Event()
 
         async def consume():
@@ -376,14 +376,14 @@ def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge
 
 
 def test_full_multi_turn_reuses_prefix_and_equals_fresh(smol_engine):
-    conv = Conversation()
+    conv = ConversationCache()
     cfg = DecodeConfig(mode="ar", max_new_tokens=8)
     first = list(smol_engine.generate_sync(FIRST, cfg, conversation=conv))
     assert first[0].prefilled_tokens == first[0].prompt_tokens
     second = FIRST + [{"role": "assistant", "content": "".join(p.text for p in first)},
                       {"role": "user", "content": "Thanks!"}]
     again = list(smol_engine.generate_sync(second, cfg, conversation=conv))
-    fresh = list(smol_engine.generate_sync(second, cfg, conversation=Conversation()))
+    fresh = list(smol_engine.generate_sync(second, cfg, conversation=ConversationCache()))
     assert reply_ids(again) == reply_ids(fresh)
     assert again[0].prefilled_tokens < again[0].prompt_tokens - first[0].prompt_tokens
 
@@ -452,7 +452,7 @@ def test_prompt_longer_than_context(tiny):
     short = [{"role": "user", "content": "hi"}]
     long_chat = [{"role": "user", "content": "the weather " * 20}]
     assert len(engine.prompt_ids(short)) + 4 <= 32 < len(engine.prompt_ids(long_chat))
-    conv = Conversation()
+    conv = ConversationCache()
     for mode in ("diffusion", "ar"):
         with pytest.raises(ContextOverflow):
             list(engine.generate_sync(long_chat, conversation=conv, mode=mode))
@@ -776,7 +776,7 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     assert reply_ids(asyncio.run(stream(SHORT)))
 
     async def warm_then_reply():  # a warm is never refused (nobody waits for it): the reply then fits
-        conversation = Conversation()
+        conversation = ConversationCache()
         await eng.warm(LONG, conversation)
         eng.cost.best_token_s = 0.01  # as measured before (the warm's own forwards measured this machine)
         return [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
@@ -792,7 +792,7 @@ def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_t
     new_tokens = len(eng.prompt_ids(medium))
 
     async def beside_another():
-        conversation = Conversation()
+        conversation = ConversationCache()
         other = eng.stream(LONG, DecodeConfig(mode="ar", max_new_tokens=400), conversation=conversation)
         await anext(other)  # the other conversation is being served (its prompt read at this machine's pace)
         eng.admission.max_prefill_s = 1.0
@@ -824,7 +824,7 @@ def test_a_warm_that_a_reply_overtakes_ends(smol):
     expected = reply_ids(eng.generate_sync(LONG, cfg))
 
     async def main():
-        conversation = Conversation()
+        conversation = ConversationCache()
         warming = asyncio.create_task(eng.warm(LONG, conversation))
         await asyncio.sleep(0)
         pieces = [p async for p in eng.stream(LONG, cfg, conversation=conversation)]

@@ -328,7 +328,7 @@ def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):
 def test_kept_conversations_give_up_their_caches_least_recently_used_first():
     from engine.api.server import PrefixCaches
     from engine.decode import CacheState
-    from engine.stream import Conversation
+    from engine.stream import ConversationCache
     abandoned: list = []
 
     class Engine:
@@ -338,7 +338,7 @@ def test_kept_conversations_give_up_their_caches_least_recently_used_first():
             release_idle = None
 
     caches = PrefixCaches(Engine(), 8)
-    kept = [Conversation(state=CacheState([], ids=[0] * 100)) for _ in range(3)]
+    kept = [ConversationCache(state=CacheState([], ids=[0] * 100)) for _ in range(3)]
     for n, conversation in enumerate(kept):
         caches.keep([{"role": "user", "content": f"question {n}"}], "answer", conversation, False)
     caches.release(150)

@@ -25,8 +25,10 @@ class Closable(Protocol):
 
 
 @dataclass
-class Conversation:
-    """A conversation's cache; reuse one across turns so earlier turns are not prefilled again."""
+class ConversationCache:
+    """A conversation's KV cache and the reply running on it; reuse one across turns so earlier
+    turns are not prefilled again. (The voice service's conversation is its Session; each keeps one
+    of these through its `LocalChat`.)"""
 
     state: CacheState | None = None
     active: Closable | None = None  # the reply being generated; a new turn closes it first
@@ -56,13 +58,13 @@ class CachePool:
             if len(self.idle) < self.size:
                 self.idle.append(state)
 
-    def give_back(self, conversation: Conversation) -> None:
+    def give_back(self, conversation: ConversationCache) -> None:
         """Take `conversation`'s cache for the pool."""
         state, conversation.state = conversation.state, None
         if state is not None:
             self.put(state)
 
-    def abandon(self, conversation: Conversation) -> None:
+    def abandon(self, conversation: ConversationCache) -> None:
         """Nobody will continue `conversation` (any thread): its cache goes back to the pool now if
         no request runs on it, else when that request leaves."""
         with self.leave_lock:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from engine.decode import Steps, prefill_steps
 from engine.runtime import CacheState, Forward, Model
-from engine.serving.caches import CachePool, Conversation
+from engine.serving.caches import CachePool, ConversationCache
 from engine.serving.requests import Probe, Reply
 from engine.tokenizer import Tokenizer
 
@@ -22,7 +22,7 @@ def probe_steps(state: CacheState, new: list[int], probe: Probe, prefill_chunk: 
     probe.scores.extend(last.float().softmax(-1)[probe.tokens].tolist())
 
 
-def begin(probe: Probe, conversation: Conversation, model: Model, pool: CachePool, tokenizer: Tokenizer,
+def begin(probe: Probe, conversation: ConversationCache, model: Model, pool: CachePool, tokenizer: Tokenizer,
           start: float, prefill_chunk: Callable[[], int]) -> tuple[Steps, Reply]:
     """The probe's steps, on a pooled copy of `conversation`'s cache."""
     probe.source = conversation.state
@@ -33,7 +33,7 @@ def begin(probe: Probe, conversation: Conversation, model: Model, pool: CachePoo
     return probe_steps(probe.state, probe.state.reuse_for(probe.prompt), probe, prefill_chunk), reply
 
 
-def settle(probe: Probe, conversation: Conversation, pool: CachePool) -> None:
+def settle(probe: Probe, conversation: ConversationCache, pool: CachePool) -> None:
     """A finished probe's cache becomes its conversation's if that is idle and still has the cache
     the probe copied; otherwise, and the replaced one, it goes back to the pool (the caller holds
     the pool's `leave_lock`)."""

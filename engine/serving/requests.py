@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from engine.decode import Block, DecodeConfig, Steps
 from engine.grammar import Constraint
 from engine.runtime import CacheState, Forward
-from engine.serving.caches import Conversation
+from engine.serving.caches import ConversationCache
 from engine.tokenizer import Tokenizer
 from engine.tools import Tool
 
@@ -87,7 +87,7 @@ class Request:
 
     messages: list[dict]
     cfg: DecodeConfig
-    conversation: Conversation
+    conversation: ConversationCache
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
     # asked each round once the first piece is out, with the text decoded so far (default NORMAL)
     priority: Callable[[str], int] | None = None

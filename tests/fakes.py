@@ -111,7 +111,7 @@ class FakeLM:
         return None
 
     def describe(self) -> dict[str, str] | None:
-        return None
+        return {"mode": self.mode, "why": "scripted replies", "kernels": "none (a test's fake)"}
 
     def health(self) -> dict | None:
         return None

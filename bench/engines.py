@@ -17,7 +17,7 @@ Engines (each in its own subprocess, so peak RSS is its own and nothing is share
 Every prompt of --prompts (with engine.train.data.VOICE_SYSTEM_PROMPT) is rendered once, by our
 tokenizer, and every engine gets the same token ids (our engine re-renders the messages and
 the ids are checked to match). Each request starts from an empty KV cache (our engine: a fresh
-Conversation; llama.cpp: reset(); transformers: a new generate call). After one warm-up request
+ConversationCache; llama.cpp: reset(); transformers: a new generate call). After one warm-up request
 per engine, the prompts are sent round-robin with the engine order rotated per prompt, so slow
 drift in machine load is spread over all engines. Workers stay loaded but idle while another
 engine runs. Torch/OpenMP/llama.cpp threads all = --threads.
@@ -109,14 +109,14 @@ class OursWorker:
     def run(self, req: dict) -> dict:
         from dataclasses import replace
 
-        from engine.stream import Conversation
+        from engine.stream import ConversationCache
         if self.engine.prompt_ids(req["messages"]) != req["prompt_ids"]:
             raise RuntimeError("our tokenizer rendered the prompt differently from the shared prompt ids")
         eos = set(req["eos_ids"])
         cfg = replace(self.cfg, max_new_tokens=req["max_new_tokens"])
         events, ids, finish, forwards = [], [], None, 0
         start = time.perf_counter()
-        for piece in self.engine.generate_sync(req["messages"], cfg, Conversation()):
+        for piece in self.engine.generate_sync(req["messages"], cfg, ConversationCache()):
             now = time.perf_counter()
             new = [t for t in piece.token_ids if t not in eos]
             ids += new

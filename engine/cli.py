@@ -208,8 +208,10 @@ def cmd_distill(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="engine", description="Diffusion LM engine: generate, serve, benchmark, "
-                                     "adapt an AR model to block diffusion, and evaluate it.")
+    parser = argparse.ArgumentParser(prog="engine",
+                                     description="LM engine (AR, or drafted blocks the base verifies where that pays, "
+                                                 "decided at load): generate, serve, benchmark, adapt an AR model to "
+                                                 "block diffusion, and evaluate it.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="reply to one prompt, streaming committed blocks to stdout")

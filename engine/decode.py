@@ -82,7 +82,8 @@ class DecodeConfig:
 
 @dataclass
 class Block:
-    """Newly committed tokens handed to the caller (a whole block, or its finished left part)."""
+    """The token ids one decoder step commits (a whole block, or its finished left part; one token
+    under AR): a decoder's unit. What callers get is text: `engine.stream.Piece`, made from these."""
 
     token_ids: list[int]
     steps: int  # forwards spent on the block so far

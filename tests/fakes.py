@@ -24,7 +24,7 @@ import websockets
 from liveserver import Served
 from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
-from voice.lm import Committed
+from voice.lm import Piece
 from voice.scheduler import Scheduler
 from voice.stages import Stages
 
@@ -59,7 +59,7 @@ class FakeChat:
         self.lm.calls += 1
         self.lm.asked.append((messages, tools))
         if tools and self.lm.tool_calls:  # scripted: this reply calls tools instead of speaking
-            yield Committed("", calls=self.lm.tool_calls)
+            yield Piece("", calls=self.lm.tool_calls)
             return
         for i, text in enumerate(self.lm.blocks):
             if self.lm.delay_s:
@@ -68,7 +68,7 @@ class FakeChat:
                 raise self.lm.failure
             if self.lm.hang_at is not None and i == self.lm.hang_at:
                 await asyncio.sleep(3600)
-            yield Committed(text, i + 1, 1)
+            yield Piece(text, i + 1, 1)
 
     async def prepare(self, messages, tools=None):
         self.lm.prepared.append((messages, tools))
@@ -111,7 +111,7 @@ class FakeLM:
         return None
 
     def describe(self) -> dict[str, str] | None:
-        return None
+        return {"mode": self.mode, "why": "scripted replies", "kernels": "none (a test's fake)"}
 
     def health(self) -> dict | None:
         return None
@@ -317,12 +317,17 @@ class StandInEngine:
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))
 
     async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
-        from engine.stream import Piece
+        from engine import stream  # the engine's pieces (this module's `Piece` is the LM stage's)
         for i, word in enumerate(["Hello", " there."]):
-            yield Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)
+            yield stream.Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)
 
     def abandon(self, conversation):
         """Nothing to give back: the stand-in keeps no caches."""
+
+    class admission:
+        """Where the server hands its kept caches' `release` (the stand-in never needs the room)."""
+
+        release_idle = None
 
     class grammars:
         """It has no tokenizer to hold a reply to a grammar with: JSON output is refused (a 400)."""

@@ -189,11 +189,11 @@ def test_a_barge_in_is_not_lost_when_a_block_arrives_at_the_same_moment():
     barge-in test, in full suites). The stage timeouts now use `asyncio.timeout`."""
     from voice.config import FaultsConfig
     from voice.faults import blocks_within
-    from voice.lm import Committed
+    from voice.lm import Piece
 
     async def blocks():
         for _ in range(20_000):  # a stream that never waits long, and ends (a lost cancel does not hang)
-            yield Committed("x")
+            yield Piece("x")
             await asyncio.sleep(0)
 
     async def reply() -> None:

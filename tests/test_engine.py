@@ -21,8 +21,8 @@ from engine.loading import ModelLoadError, load, packaged_smollm2_gguf
 from engine.model import visibility_mask
 from engine.runtime import Interrupted
 import engine.decode
-import engine.stream
-from engine.stream import BACKGROUND, NORMAL, WAITED, Conversation, Engine
+import engine.serving.scheduler
+from engine.stream import BACKGROUND, NORMAL, WAITED, ConversationCache, Engine
 
 import tinyckpt
 from tinyckpt import MASK_ID
@@ -316,14 +316,14 @@ def smol_engine(smol):
 @pytest.fixture(scope="module")
 def barge_in(smol_engine):
     """First turn cut after its first piece; the second turn's messages and a fresh conversation's reply."""
-    conv = Conversation()
+    conv = ConversationCache()
     pieces = smol_engine.generate_sync(FIRST, conversation=conv)
     first = next(pieces)
     pieces.close()
     assert not first.done and first.text.strip()
     second = FIRST + [{"role": "assistant", "content": first.text},
                       {"role": "user", "content": "Interesting. And the sun?"}]
-    fresh = list(smol_engine.generate_sync(second, conversation=Conversation()))
+    fresh = list(smol_engine.generate_sync(second, conversation=ConversationCache()))
     return conv, second, fresh
 
 
@@ -340,7 +340,7 @@ def test_cancelled_async_stream_then_next_turn_equals_fresh(smol_engine, barge_i
     _, second, fresh = barge_in
 
     async def scenario():
-        conv = Conversation()
+        conv = ConversationCache()
         stream = smol_engine.stream(FIRST, conversation=conv)
         first = await stream.__anext__()
         await stream.aclose()  # what the service does on barge-in
@@ -357,7 +357,7 @@ def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge
     _, second, fresh = barge_in
 
     async def scenario():
-        conv = Conversation()
+        conv = ConversationCache()
         got_first = asyncio.Event()
 
         async def consume():
@@ -376,14 +376,14 @@ def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge
 
 
 def test_full_multi_turn_reuses_prefix_and_equals_fresh(smol_engine):
-    conv = Conversation()
+    conv = ConversationCache()
     cfg = DecodeConfig(mode="ar", max_new_tokens=8)
     first = list(smol_engine.generate_sync(FIRST, cfg, conversation=conv))
     assert first[0].prefilled_tokens == first[0].prompt_tokens
     second = FIRST + [{"role": "assistant", "content": "".join(p.text for p in first)},
                       {"role": "user", "content": "Thanks!"}]
     again = list(smol_engine.generate_sync(second, cfg, conversation=conv))
-    fresh = list(smol_engine.generate_sync(second, cfg, conversation=Conversation()))
+    fresh = list(smol_engine.generate_sync(second, cfg, conversation=ConversationCache()))
     assert reply_ids(again) == reply_ids(fresh)
     assert again[0].prefilled_tokens < again[0].prompt_tokens - first[0].prompt_tokens
 
@@ -452,7 +452,7 @@ def test_prompt_longer_than_context(tiny):
     short = [{"role": "user", "content": "hi"}]
     long_chat = [{"role": "user", "content": "the weather " * 20}]
     assert len(engine.prompt_ids(short)) + 4 <= 32 < len(engine.prompt_ids(long_chat))
-    conv = Conversation()
+    conv = ConversationCache()
     for mode in ("diffusion", "ar"):
         with pytest.raises(ContextOverflow):
             list(engine.generate_sync(long_chat, conversation=conv, mode=mode))
@@ -504,7 +504,7 @@ def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
 
     got = asyncio.run(main())
     assert got == expected
-    assert max(engine.batch_sizes) > 1  # the three requests really shared forwards
+    assert max(engine.scheduler.batch_sizes) > 1  # the three requests really shared forwards
 
 
 @pytest.mark.parametrize("wanted", [1, 3])
@@ -583,7 +583,7 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
     while others may come), so others' steps could run between them, decodes exactly what one
     whole-prompt forward does."""
     whole, chunked = Engine(smol, max_seq_len=512), Engine(smol, max_seq_len=512)
-    chunked.token_s = engine.stream.SLICE_S / 16  # as if a prompt token cost that much here
+    chunked.cost.token_s = engine.serving.scheduler.SLICE_S / 16  # as if a prompt token cost that much here
     cfg = DecodeConfig(mode=mode, max_new_tokens=8)
     expected = list(whole.generate_sync(LONG, cfg))
     written: list[int] = []
@@ -595,20 +595,20 @@ def test_a_prompt_prefilled_in_chunks_gives_the_same_reply(smol, mode, monkeypat
 
     monkeypatch.setattr(engine.decode, "run_many", counting)
     got = list(chunked.generate_sync(LONG, cfg))
-    alone = 16 * engine.stream.ALONE_SLICES  # the request has the model to itself: bigger chunks
-    assert chunked.prefill_chunk == 16 and got[0].prompt_tokens > 250
+    alone = 16 * engine.serving.scheduler.ALONE_SLICES  # the request has the model to itself: bigger chunks
+    assert chunked.scheduler.prefill_chunk == 16 and got[0].prompt_tokens > 250
     assert reply_ids(got) == reply_ids(expected)
     chunks = (got[0].prompt_tokens - 1) // alone
     assert written[:chunks] == [alone] * chunks and written[chunks] < alone  # the prompt, a chunk a forward
     written.clear()
-    chunked.may_share = True  # others may come (the voice service): a slice a forward
+    chunked.admission.may_share = True  # others may come (the voice service): a slice a forward
     assert reply_ids(list(chunked.generate_sync(LONG, cfg))) == reply_ids(expected)
     chunks = (got[0].prompt_tokens - 1) // 16
     assert written[:chunks] == [16] * chunks and written[chunks] <= 16
 
 
 def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
-    """The round's choice (`Engine._this_round`): beside a newcomer of the same priority, a well
+    """The round's choice (`Scheduler.this_round`): beside a newcomer of the same priority, a well
     served request's one-row step rejoins after `max_defer_s`, its prompt chunk only after
     `PREFILL_DEFER` times that (a chunk makes the newcomer's round a slice longer), and of two
     chunks due, only the one waiting longest runs; while work someone waits for runs beside the
@@ -622,17 +622,17 @@ def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
                                forward=SimpleNamespace(clean=[1] * rows, draft=[]))
 
     newcomer, step, chunk = request(0.0, 1, 0.0), request(5.0, 1, 0.5), request(5.0, 16, 0.5)
-    assert eng._this_round([newcomer, step, chunk]) == [newcomer, step]
-    chunk.ready_since = now - 0.3 * engine.stream.PREFILL_DEFER - 0.01
-    assert eng._this_round([newcomer, step, chunk]) == [newcomer, step, chunk]
+    assert eng.scheduler.this_round([newcomer, step, chunk]) == [newcomer, step]
+    chunk.ready_since = now - 0.3 * engine.serving.scheduler.PREFILL_DEFER - 0.01
+    assert eng.scheduler.this_round([newcomer, step, chunk]) == [newcomer, step, chunk]
     newcomers_chunk = request(0.0, 12, 0.0)  # its prompt's tail: the older chunk goes first
-    assert eng._this_round([newcomers_chunk, step, chunk]) == [step, chunk]
-    eng.yield_to = lambda: True  # a final transcript or a first phrase is being made beside the engine
+    assert eng.scheduler.this_round([newcomers_chunk, step, chunk]) == [step, chunk]
+    eng.scheduler.yield_to = lambda: True  # a final transcript or a first phrase is being made beside the engine
     long_chunk = request(5.0, 16, 0.5)  # a long prompt's, alone at its level: it waits too
-    assert eng._this_round([long_chunk, step]) == [step]
-    assert eng._this_round([newcomers_chunk, long_chunk]) == [newcomers_chunk]  # a short prompt does not
-    long_chunk.ready_since = now - 0.3 * engine.stream.PREFILL_DEFER - 0.01
-    assert eng._this_round([long_chunk]) == [long_chunk]  # never for longer than that
+    assert eng.scheduler.this_round([long_chunk, step]) == [step]
+    assert eng.scheduler.this_round([newcomers_chunk, long_chunk]) == [newcomers_chunk]  # a short prompt does not
+    long_chunk.ready_since = now - 0.3 * engine.serving.scheduler.PREFILL_DEFER - 0.01
+    assert eng.scheduler.this_round([long_chunk]) == [long_chunk]  # never for longer than that
 
 
 def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
@@ -640,9 +640,9 @@ def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
     slice longer than its steps: before, both chunks went in one forward, and a reply arriving
     meanwhile waited for both), and both replies are unchanged."""
     eng = Engine(smol, max_seq_len=512)
-    eng.token_s = engine.stream.SLICE_S / 16
+    eng.cost.token_s = engine.serving.scheduler.SLICE_S / 16
     # the cost stays as set: forwards would measure it, and a fast machine writes bigger (so fewer) chunks
-    monkeypatch.setattr(eng, "_measure", lambda forwards, took: None)
+    monkeypatch.setattr(eng.scheduler, "measure", lambda forwards, took: None)
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     other = [{"role": "user", "content": "Count these: " + ", ".join(f"thing {i}" for i in range(50))}]
     expected = [reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, other)]
@@ -653,7 +653,7 @@ def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
         chunks_a_forward.append(sum(len(f.clean) > 1 for f in forwards))
         return run_many(model, forwards, interruptible)
 
-    monkeypatch.setattr(engine.stream, "run_many", counting)
+    monkeypatch.setattr(engine.serving.scheduler, "run_many", counting)
 
     async def main():
         async def ask(messages):
@@ -668,7 +668,8 @@ def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
     """Two conversations: one sends a long prompt, the other a short question just after. The
     short one is answered in full before the long one's first piece: the long prompt is prefilled
     in chunks and the least served request goes first, so it cannot hold the model for seconds."""
-    monkeypatch.setattr(engine.stream, "SLICE_S", 0.0)  # chunks of MIN_PREFILL_CHUNK, strictly least served first
+    # chunks of MIN_PREFILL_CHUNK, strictly least served first
+    monkeypatch.setattr(engine.serving.scheduler, "SLICE_S", 0.0)
     eng = Engine(smol, max_seq_len=512, max_defer_s=60.0)
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     expected_long, expected_short = (reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, SHORT))
@@ -722,15 +723,16 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
     stops (`Engine.interrupt_long_prompts`) instead of holding the newcomer for its length, the
     newcomer's first piece comes first, the chunk is read again after, and both replies are the
     ones each gives alone. Before, the newcomer waited for the whole chunk (here 5 s)."""
-    monkeypatch.setattr(engine.stream, "SLICE_S", 0.01)  # a prompt is long after its first chunk's 0.04 s
+    monkeypatch.setattr(engine.serving.scheduler, "SLICE_S", 0.01)  # a prompt is long after its first chunk's 0.04 s
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.05)
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     expected = [reply_ids(eng.generate_sync(m, cfg)) for m in (LONG, SHORT)]
     model = StoppableModel(smol.model, hold_s=5.0)
-    monkeypatch.setattr(eng, "model", model)
-    eng.may_share = True
-    eng.token_s = engine.stream.SLICE_S / 64  # chunks of 64 rows (the short prompt in one), as set, not measured
-    monkeypatch.setattr(eng, "_measure", lambda forwards, took: None)
+    monkeypatch.setattr(eng.scheduler, "model", model)
+    eng.admission.may_share = True
+    # chunks of 64 rows (the short prompt in one), as set, not measured
+    eng.cost.token_s = engine.serving.scheduler.SLICE_S / 64
+    monkeypatch.setattr(eng.scheduler, "measure", lambda forwards, took: None)
     firsts: dict[str, float] = {}
 
     async def ask(name, messages):
@@ -751,7 +753,7 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
 
     replies, short_waited_s = asyncio.run(main())
     assert replies == expected
-    assert model.interrupted >= 1 and eng.interrupted == model.interrupted
+    assert model.interrupted >= 1 and eng.scheduler.interrupted == model.interrupted
     assert short_waited_s < 2.5 and firsts["short"] < firsts["long"]
 
 
@@ -760,7 +762,7 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     the measured cost is refused before any forward (a clear error), and short ones still run; a
     warm of the same prompt is not refused, and the reply after it prefills only what is new."""
     eng = Engine(smol, max_seq_len=512, max_prefill_s=1.0)
-    eng.best_token_s = 0.01  # measured: 100 new tokens fit in a second
+    eng.cost.best_token_s = 0.01  # measured: 100 new tokens fit in a second
     cfg = DecodeConfig(mode="ar", max_new_tokens=4)
     with pytest.raises(ContextOverflow, match="would take about [0-9] s to read"):
         list(eng.generate_sync(LONG, cfg))
@@ -770,13 +772,13 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
 
     with pytest.raises(ContextOverflow, match="shorten the conversation"):
         asyncio.run(stream(LONG))
-    assert eng.batch_sizes == []  # refused before any forward
+    assert eng.scheduler.batch_sizes == []  # refused before any forward
     assert reply_ids(asyncio.run(stream(SHORT)))
 
     async def warm_then_reply():  # a warm is never refused (nobody waits for it): the reply then fits
-        conversation = Conversation()
+        conversation = ConversationCache()
         await eng.warm(LONG, conversation)
-        eng.best_token_s = 0.01  # as measured before (the warm's own forwards measured this machine)
+        eng.cost.best_token_s = 0.01  # as measured before (the warm's own forwards measured this machine)
         return [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
 
     assert reply_ids(asyncio.run(warm_then_reply()))
@@ -790,11 +792,12 @@ def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_t
     new_tokens = len(eng.prompt_ids(medium))
 
     async def beside_another():
-        conversation = Conversation()
+        conversation = ConversationCache()
         other = eng.stream(LONG, DecodeConfig(mode="ar", max_new_tokens=400), conversation=conversation)
         await anext(other)  # the other conversation is being served (its prompt read at this machine's pace)
-        eng.max_prefill_s = 1.0
-        eng.best_token_s = eng.best_slice_token_s = 0.8 / new_tokens  # measured: alone, the prefill takes 0.8 s
+        eng.admission.max_prefill_s = 1.0
+        # measured: alone, the prefill takes 0.8 s
+        eng.cost.best_token_s = eng.cost.best_slice_token_s = 0.8 / new_tokens
         try:
             with pytest.raises(ContextOverflow, match="about 2 s to read on this machine, shared with 1 other"):
                 [p async for p in eng.stream(medium, DecodeConfig(mode="ar", max_new_tokens=4))]
@@ -804,10 +807,10 @@ def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_t
             if conversation.active is None:
                 break
             await asyncio.sleep(0.05)
-        eng.best_token_s = 0.8 / new_tokens
+        eng.cost.best_token_s = 0.8 / new_tokens
         # alone it is admitted; then each round re-checks it at the cost a token has lately here
         # (`_refuse_late`), which this machine's real forwards set: a slow, shared one must not fail it
-        eng.max_prefill_s = 30.0
+        eng.admission.max_prefill_s = 30.0
         return [p async for p in eng.stream(medium, DecodeConfig(mode="ar", max_new_tokens=4))]
 
     assert reply_ids(asyncio.run(beside_another()))
@@ -821,7 +824,7 @@ def test_a_warm_that_a_reply_overtakes_ends(smol):
     expected = reply_ids(eng.generate_sync(LONG, cfg))
 
     async def main():
-        conversation = Conversation()
+        conversation = ConversationCache()
         warming = asyncio.create_task(eng.warm(LONG, conversation))
         await asyncio.sleep(0)
         pieces = [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
@@ -837,10 +840,11 @@ def test_a_prompt_that_fits_alone_is_refused_while_other_sessions_may_come(smol)
     and that share, so a prompt that fits alone is refused with a clear error, and runs alone."""
     eng = Engine(smol, max_seq_len=1024, max_prefill_s=1.0)
     new_tokens = len(eng.prompt_ids(LONG))
-    eng.best_token_s, eng.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens  # alone: 0.5 s, sliced: 0.7 s
-    eng.may_share = True
+    # alone: 0.5 s, sliced: 0.7 s
+    eng.cost.best_token_s, eng.cost.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens
+    eng.admission.may_share = True
     with pytest.raises(ContextOverflow, match="about 1 s to read on this machine, half of it kept for the other"):
         list(eng.generate_sync(LONG, DecodeConfig(mode="ar", max_new_tokens=4)))
-    eng.may_share = False
-    eng.best_token_s, eng.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens
+    eng.admission.may_share = False
+    eng.cost.best_token_s, eng.cost.best_slice_token_s = 0.5 / new_tokens, 0.7 / new_tokens
     assert reply_ids(eng.generate_sync(LONG, DecodeConfig(mode="ar", max_new_tokens=4)))

@@ -4,7 +4,7 @@ and a finished or cancelled request lets go of its cache at once.
 Regression for `engine serve` RSS growing by hundreds of MB per 100 requests, many cancelled
 mid-stream (bench/serve_soak.py): every request allocated a fresh ~100 MB cache that glibc's heap
 kept after it was freed, and a cancelled request stayed in a reference cycle with its conversation
-(`Conversation.active` pointed back at it), cache and all, until a full garbage collection.
+(`ConversationCache.active` pointed back at it), cache and all, until a full garbage collection.
 The tests run with the cyclic garbage collector off, so only what is really let go is freed.
 """
 
@@ -23,7 +23,7 @@ import torch
 from engine.decode import CacheState, DecodeConfig
 from engine.loading import load
 from engine.api.server import build_app
-from engine.stream import Conversation, Engine
+from engine.stream import ConversationCache, Engine
 
 import tinyckpt
 from liveserver import serving
@@ -128,7 +128,7 @@ def test_a_reused_cache_gives_the_fresh_reply(tiny, caches):
     """A pooled cache comes back cleared: the reply, and what was prefilled, are a fresh conversation's."""
     engine = Engine(tiny, max_seq_len=128, defaults=DecodeConfig(max_new_tokens=10))
     for mode in ("diffusion", "ar"):
-        fresh = {i: list(engine.generate_sync(c, mode=mode, conversation=Conversation(
+        fresh = {i: list(engine.generate_sync(c, mode=mode, conversation=ConversationCache(
             state=CacheState.new(tiny.model, 128)))) for i, c in enumerate(CHATS)}
 
         async def main(mode: str):

@@ -222,8 +222,9 @@ def test_replies_that_can_no_longer_be_read_in_time_are_refused_newest_first(smo
                for n in range(3)]
     new = len(eng.prompt_ids(prompts[0]))
     list(eng.generate_sync([{"role": "user", "content": "Hi."}], DecodeConfig(mode="ar", max_new_tokens=2)))  # paged in
-    eng.best_token_s = eng.best_slice_token_s = 1.5 / new  # at best each takes 1.5 s: three fit 6 s at admission
-    eng.token_s = 4.5 / new  # ... but lately a token costs three times that
+    # at best each takes 1.5 s: three fit 6 s at admission
+    eng.cost.best_token_s = eng.cost.best_slice_token_s = 1.5 / new
+    eng.cost.token_s = 4.5 / new  # ... but lately a token costs three times that
 
     async def reply(messages):
         try:
@@ -249,10 +250,10 @@ def test_long_prompts_chunks_sitting_out_together_share_their_wait(smol):
     took a slice longer (115 s for 8 tokens on the 1.5B). Now each waits that times their number."""
     from types import SimpleNamespace
 
-    import engine.stream
+    import engine.serving.scheduler
     from engine.stream import WAITED, Engine
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
-    patient, now = 0.3 * engine.stream.PREFILL_DEFER, time.monotonic()
+    patient, now = 0.3 * engine.serving.scheduler.PREFILL_DEFER, time.monotonic()
 
     def request(used_s: float, rows: int, waited_s: float) -> SimpleNamespace:
         return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s,
@@ -260,15 +261,15 @@ def test_long_prompts_chunks_sitting_out_together_share_their_wait(smol):
 
     newcomer = request(0.0, 1, 0.0)
     longs = [request(20.0 + i, 64, patient + 0.1 * (i + 1)) for i in range(6)]
-    assert eng._this_round([newcomer, *longs]) == [newcomer]
+    assert eng.scheduler.this_round([newcomer, *longs]) == [newcomer]
     longs[2].ready_since = now - 6 * patient - 0.01
-    assert eng._this_round([newcomer, *longs]) == [newcomer, longs[2]]
-    assert eng._this_round([newcomer, longs[0]]) == [newcomer, longs[0]]  # one alone: as before
+    assert eng.scheduler.this_round([newcomer, *longs]) == [newcomer, longs[2]]
+    assert eng.scheduler.this_round([newcomer, longs[0]]) == [newcomer, longs[0]]  # one alone: as before
     # long prompts that have had less than a slice each so far: the newcomer's prompt goes first
     fresh = [request(0.1 + 0.02 * i, 64, 0.5 + 0.1 * i) for i in range(6)]
     newcomers_prompt = request(0.0, 32, 0.0)
-    assert eng._this_round([newcomers_prompt, *fresh]) == [newcomers_prompt]
-    assert len(eng._this_round(longs)) == 1  # no newcomer: one of them goes on every round
+    assert eng.scheduler.this_round([newcomers_prompt, *fresh]) == [newcomers_prompt]
+    assert len(eng.scheduler.this_round(longs)) == 1  # no newcomer: one of them goes on every round
 
 
 def test_engine_serve_keeps_every_request_waited_for():
@@ -303,9 +304,9 @@ def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     prompts = [[{"role": "user", "content": f"Name {n} fruits."}] for n in (2, 3, 4)]
     need = max(len(eng.prompt_ids(p)) for p in prompts) + cfg.max_new_tokens
-    eng.kv_tokens = 2 * need + need // 2  # room for two at a time
+    eng.admission.kv_tokens = 2 * need + need // 2  # room for two at a time
     released: list[int] = []
-    eng.release_idle = released.append
+    eng.admission.release_idle = released.append
     events: list[tuple[str, int]] = []
 
     async def reply(n: int):
@@ -320,21 +321,24 @@ def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):
     third_starts = events.index(("piece", 2))
     assert ("done", 0) in events[:third_starts] or ("done", 1) in events[:third_starts], events
     assert sorted(n for kind, n in events if kind == "done") == [0, 1, 2]
-    assert released and all(0 <= tokens <= eng.kv_tokens for tokens in released)
-    assert not eng._queued
+    assert released and all(0 <= tokens <= eng.admission.kv_tokens for tokens in released)
+    assert not eng.scheduler.queued
 
 
 def test_kept_conversations_give_up_their_caches_least_recently_used_first():
     from engine.api.server import PrefixCaches
     from engine.decode import CacheState
-    from engine.stream import Conversation
+    from engine.stream import ConversationCache
     abandoned: list = []
 
     class Engine:
         abandon = abandoned.append
 
+        class admission:  # where PrefixCaches hands its `release`
+            release_idle = None
+
     caches = PrefixCaches(Engine(), 8)
-    kept = [Conversation(state=CacheState([], ids=[0] * 100)) for _ in range(3)]
+    kept = [ConversationCache(state=CacheState([], ids=[0] * 100)) for _ in range(3)]
     for n, conversation in enumerate(kept):
         caches.keep([{"role": "user", "content": f"question {n}"}], "answer", conversation, False)
     caches.release(150)

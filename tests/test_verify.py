@@ -18,7 +18,7 @@ from engine.decode import CacheState, DecodeConfig, Proposal, verify_rule
 from engine.draft import DraftHead, LookupDrafter
 from engine.loading import load, shipped_drafter
 from engine.quantize import supported
-from engine.stream import Conversation, Engine
+from engine.stream import ConversationCache, Engine
 
 import tinyckpt
 from tinyckpt import EOS_ID, MASK_ID, VOCAB
@@ -347,7 +347,7 @@ def test_default_greedy_verify_equals_greedy_ar(default_engine):
                           ("verify", DecodeConfig(max_new_tokens=48)),
                           ("verify, all drafts", DecodeConfig(max_new_tokens=48, draft_threshold=0.0)),
                           ("verify, trees", DecodeConfig(max_new_tokens=48, draft_tree=12, draft_threshold=0.0))):
-            pieces = list(default_engine.generate_sync(chat(prompt), cfg, Conversation()))
+            pieces = list(default_engine.generate_sync(chat(prompt), cfg, ConversationCache()))
             replies[name] = [t for p in pieces for t in p.token_ids]
             if name == "verify, all drafts":
                 tokens, forwards = tokens + pieces[-1].tokens, forwards + pieces[-1].forwards

@@ -59,6 +59,20 @@ def test_describe_lists_the_three_programs(server):
     assert talk(server, Ping(text="hi").event(), until="pong")[-1].data == Pong(text="hi").event().data
 
 
+def test_home_assistant_is_told_what_decodes_an_endpoints_replies():
+    """An LM elsewhere (`[lm] backend = "openai"`) decides its own decoding: Home Assistant is told
+    so, not the mode asked of it (before: "drafted blocks verified losslessly" for any endpoint,
+    llama.cpp's server included)."""
+    from voice.transports.wyoming import info
+
+    class EndpointLM(FakeLM):
+        def describe(self):
+            return None  # as RemoteLM: /healthz shows no `decoding` either
+
+    described = info(fake_stages(make_config(), lm=EndpointLM())).handle[0].description
+    assert described.endswith(", decoded by its endpoint)"), described
+
+
 def test_speech_to_text(server):
     pcm = speech("001.wav")
     chunks = [AudioChunk(rate=16000, width=2, channels=1, audio=pcm[i:i + 2048]).event()

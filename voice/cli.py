@@ -167,7 +167,9 @@ def cmd_mic(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="voice", description="Real-time voice assistant on a diffusion LM.")
+    parser = argparse.ArgumentParser(prog="voice",
+                                     description="Real-time voice assistant: speech in, an LM's reply spoken as it "
+                                                 "is written.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve",

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from voice.config import FaultsConfig
-from voice.lm import Committed
+from voice.lm import Piece
 from voice.tts import SpeechSynthesizer
 
 log = logging.getLogger("voice.faults")
@@ -60,7 +60,7 @@ async def transcript_within(transcript: Awaitable[str], faults: FaultsConfig) ->
         raise StageFailure("asr_failed", f"speech recognition failed: {err}", "asr", "error") from err
 
 
-async def blocks_within(blocks: AsyncIterator[Committed], faults: FaultsConfig) -> AsyncGenerator[Committed, None]:
+async def blocks_within(blocks: AsyncIterator[Piece], faults: FaultsConfig) -> AsyncGenerator[Piece, None]:
     """The LM's blocks, the first within `lm_first_block_timeout_s`, each next within
     `lm_block_timeout_s`; the stream is closed however this ends (iterate it in `aclosing`)."""
     count = 0

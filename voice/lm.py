@@ -1,9 +1,9 @@
 """The LM stage: the one door into `engine/`, or to any OpenAI-compatible endpoint.
 
-`reply(messages)` yields committed text blocks as they are final; closing the iterator
+`reply(messages)` yields committed text pieces as they are final; closing the iterator
 (barge-in) cancels generation. With `tools` (OpenAI function declarations) a reply is either
 text or tool calls, never both (a local engine's grammar says so): calls come as one last
-`Committed` with `calls`; `urgent(text)` says while the user still waits in silence for more
+`Piece` with `calls`; `urgent(text)` says while the user still waits in silence for more
 of it, given the text decoded so far (a local engine asks before that text reaches the caller).
 For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each
 session gets its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
@@ -43,14 +43,15 @@ log = logging.getLogger("voice.lm")
 
 
 @dataclass
-class Committed:
-    """Reply text the LM committed (a block of it, for a diffusion engine; engine/decode.py's
-    `Block` is the engine's own, being decoded)."""
+class Piece:
+    """A stretch of reply text the LM committed, as the stage hands it on: a local engine's
+    `engine.stream.Piece` less its timings, or an endpoint's streamed delta; a reply's last piece
+    carries its tool calls. (engine/decode.py's `Block` is a decoder's: the token ids one step commits.)"""
 
     text: str
     tokens: int = 0  # reply tokens so far (0 when the backend doesn't say)
     steps: int = 0
-    calls: list[dict] = field(default_factory=list)  # OpenAI-shaped tool calls (the reply's last block)
+    calls: list[dict] = field(default_factory=list)  # OpenAI-shaped tool calls (the reply's last piece)
 
 
 class Chat(Protocol):
@@ -58,8 +59,8 @@ class Chat(Protocol):
     tests' FakeChat."""
 
     def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
-              tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
-        """The reply's blocks as they come (an async generator); the last one carries any tool calls."""
+              tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
+        """The reply's pieces as they come (an async generator); the last one carries any tool calls."""
         ...
 
     async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
@@ -125,11 +126,12 @@ class LocalLM:
         self.engine = Engine.load(config.model, adapter=config.adapter or None, defaults=self.decode,
                                   max_batch=config.max_batch, quantize=config.quantize, device=config.device)
         self.scheduler = scheduler or Scheduler()
-        self.engine.max_defer_s = self.scheduler.max_defer_s
+        self.engine.scheduler.max_defer_s = self.scheduler.max_defer_s
         if self.engine.loaded.weights == "gguf":  # llama.cpp: threads are chosen per step
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
-        self.engine.yield_to = self.scheduler.stage_waited  # a long prompt's chunk waits for a final, a first phrase
+        # a long prompt's chunk waits for a final, a first phrase ...
+        self.engine.scheduler.yield_to = self.scheduler.stage_waited
         self.scheduler.on_waited_job.append(self.engine.interrupt_long_prompts)  # ... and one under way stops
         self._grammars: dict[str, tuple[list[Tool], str, Tensor]] = {}
 
@@ -165,10 +167,10 @@ class LocalLM:
 
     def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
         # a prompt this machine cannot read before the first block's timeout is refused up front
-        self.engine.max_prefill_s = max_prefill_s
+        self.engine.admission.max_prefill_s = max_prefill_s
         # anyone may start talking: a long prompt is read a slice at a time, and one that would
         # take more than half the time a reply may wait is refused (the rest is for the others)
-        self.engine.may_share = True
+        self.engine.admission.may_share = True
         if tools:
             self.tool_grammar(tools)  # llguidance's vocabulary, built once, before any turn
 
@@ -197,8 +199,8 @@ class LocalLM:
 
 class LocalChat:
     def __init__(self, lm: LocalLM):
-        from engine.stream import Conversation
-        self.lm, self.conversation = lm, Conversation()
+        from engine.stream import ConversationCache
+        self.lm, self.conversation = lm, ConversationCache()
 
     def priority(self, urgent: Callable[[str], bool] | None, tools: bool = False) -> Callable[[str], int]:
         """A reply the user waits for in silence goes first; the others yield while anyone on the
@@ -214,7 +216,7 @@ class LocalChat:
         return level
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         from engine.tools import calls_in, starts_a_call
         overrides: dict[str, Any] = {"mode": mode} if mode else {}
         declared, constraint = None, None
@@ -229,9 +231,9 @@ class LocalChat:
             text += piece.text
             calling = bool(tools) and starts_a_call(text)  # calls are never spoken
             if piece.text and not calling:
-                yield Committed(piece.text, piece.tokens, piece.steps)
+                yield Piece(piece.text, piece.tokens, piece.steps)
         if calling:
-            yield Committed("", calls=calls_in(text))
+            yield Piece("", calls=calls_in(text))
 
     async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
         """Prefill the start of the conversation (system prompt, tools) while the user is still
@@ -360,7 +362,7 @@ class RemoteChat:
         """Nothing to give back: the endpoint keeps its own caches."""
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
-                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         from openai import omit  # what the SDK sends for an argument not given
         cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
@@ -388,7 +390,7 @@ class RemoteChat:
                     text += delta.content
                     # offered tools, the reply's first visible characters say whether it is a call written as text
                     if not tools or (text.strip() and not looks_like_a_call(text)):
-                        yield Committed(text[said:])
+                        yield Piece(text[said:])
                         said = len(text)
                 for part in (delta.tool_calls if delta is not None else None) or ():
                     call = calls.setdefault(part.index, {"id": "", "type": "function",
@@ -399,7 +401,7 @@ class RemoteChat:
                         call["function"]["arguments"] += part.function.arguments or ""
             written = calls_written(text) if tools and looks_like_a_call(text) else []
             if calls or written:  # none from a call written wrong: the reply is empty, and answered without tools
-                yield Committed("", calls=[calls[i] for i in sorted(calls)] + written)
+                yield Piece("", calls=[calls[i] for i in sorted(calls)] + written)
         except Exception as err:  # the endpoint went away mid-reply
             lm.failed(err)
             raise

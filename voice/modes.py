@@ -23,7 +23,7 @@ from voice.asr import SAMPLE_RATE, Transcriber
 from voice.audio import pcm16_to_float
 from voice.config import Config
 from voice.events import SpeechStarted, SpeechStopped
-from voice.lm import Committed
+from voice.lm import Piece
 from voice.turns import Final, Partial, SpeculationDropped, TurnEvent, TurnTaker
 
 
@@ -119,7 +119,7 @@ class NoChat:
     """A requests session's own chat: it has none (an answer borrows its conversation's)."""
 
     async def reply(self, messages: list[dict], mode: str | None = None, urgent: object = None,
-                    tools: list[dict] | None = None) -> AsyncGenerator[Committed, None]:
+                    tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         raise RuntimeError("this session answers only in a conversation it is given")
         yield
 

@@ -57,7 +57,7 @@ from engine.common.redact import install_redaction
 from engine.common.wire import WireError, ascii_int, decode_json
 from engine.decode import ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
-from engine.stream import WAITED, Conversation, Engine, Piece
+from engine.stream import WAITED, ConversationCache, Engine, Piece
 from engine.tools import calls_in, tag_terminals
 
 log = logging.getLogger("engine.server")
@@ -75,9 +75,9 @@ class PrefixCaches:
 
     def __init__(self, engine: Engine, size: int):
         self.engine, self.size = engine, size
-        self._kept: OrderedDict[str, Conversation] = OrderedDict()
+        self._kept: OrderedDict[str, ConversationCache] = OrderedDict()
         self._lock = threading.Lock()  # the engine's scheduler thread may `release` some
-        engine.release_idle = self.release
+        engine.admission.release_idle = self.release
 
     @staticmethod
     def key(messages: list[dict]) -> str:
@@ -87,13 +87,13 @@ class PrefixCaches:
                                   for c in m.get("tool_calls") or ()]] for m in messages], ensure_ascii=False)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
-    def take(self, messages: list[dict]) -> Conversation:
+    def take(self, messages: list[dict]) -> ConversationCache:
         """The conversation that ended where `messages` continue (all but the last), or a new one."""
         key = self.key(messages[:-1])
         with self._lock:
-            return self._kept.pop(key, None) or Conversation()
+            return self._kept.pop(key, None) or ConversationCache()
 
-    def keep(self, messages: list[dict], reply: str, conversation: Conversation, tools_offered: bool) -> None:
+    def keep(self, messages: list[dict], reply: str, conversation: ConversationCache, tools_offered: bool) -> None:
         """Keep `conversation` under `messages` + `reply` as the next request will send them (a
         reply that calls tools comes back as an assistant message with `tool_calls`)."""
         calls = calls_in(reply) if tools_offered else []
@@ -109,7 +109,7 @@ class PrefixCaches:
 
     def release(self, tokens: int) -> None:
         """Keep at most `tokens` tokens cached, least recently used out first: on llama.cpp's shared
-        KV cache a request waiting for room needs theirs (`Engine.release_idle`)."""
+        KV cache a request waiting for room needs theirs (`Admission.release_idle`)."""
         with self._lock:
             while self._kept and sum(len(c.state.ids) for c in self._kept.values() if c.state) > tokens:
                 self.engine.abandon(self._kept.popitem(last=False)[1])
@@ -215,8 +215,8 @@ class ChatAPI:
         info.update(mode=cfg.mode, stream=opts.stream, max_tokens=cfg.max_new_tokens)
         return messages, cfg, opts
 
-    async def kept_after(self, pieces: AsyncGenerator[Piece, None], messages: list[dict], conversation: Conversation,
-                         tools_offered: bool) -> AsyncGenerator[Piece, None]:
+    async def kept_after(self, pieces: AsyncGenerator[Piece, None], messages: list[dict],
+                         conversation: ConversationCache, tools_offered: bool) -> AsyncGenerator[Piece, None]:
         """The pieces; then the conversation is kept for a continuation (unless it was cut short)."""
         text, done = [], False
         try:

@@ -1,7 +1,7 @@
 """`engine bench`: autoregressive vs block-diffusion decoding of the same weights on the same prompts.
 
 Each prompt (with `engine.train.data.VOICE_SYSTEM_PROMPT`) is answered once per mode, each time on a
-fresh `Conversation` (so every request prefills its whole prompt), after one warm-up request
+fresh `ConversationCache` (so every request prefills its whole prompt), after one warm-up request
 per mode. The order of the two modes alternates between prompts so that slow drift in machine
 load does not favour one of them. Per request:
 
@@ -48,7 +48,7 @@ from torch import Tensor
 from engine.train.data import VOICE_SYSTEM_PROMPT, chat
 from engine.decode import DecodeConfig, Forward
 from engine.runtime import Model
-from engine.stream import Conversation, Engine
+from engine.stream import ConversationCache, Engine
 
 MODES = ("ar", "diffusion")
 FIRST_N = 8  # ttfb8: time to this many reply tokens
@@ -184,7 +184,7 @@ def timed_request(engine: Engine, messages: list[dict], cfg: DecodeConfig, timer
     ids: list[int] = []
     text: list[str] = []
     tokens_after: dict[int, int] = {}  # reply tokens committed once each forward is done
-    for piece in engine.generate_sync(messages, cfg, Conversation()):
+    for piece in engine.generate_sync(messages, cfg, ConversationCache()):
         tokens_after[piece.forwards] = piece.tokens
         now = time.perf_counter()
         if first is None:

@@ -151,7 +151,7 @@ async def close_ws(ws: WebSocket, code: int = 1000, reason: str | None = None) -
 
 class ConversationRunner:
     """One conversation on one front: the session, the one drain of its outbox, its end. (Not
-    engine/stream.py's `Conversation`, a conversation's LM cache.)"""
+    engine/serving/caches.py's `ConversationCache`: a conversation's LM cache.)"""
 
     def __init__(self, flush_s: float, input: AudioInput | None = None):
         self.flush_s, self.input = flush_s, input  # (SIP feeds its session from its own task: no input)

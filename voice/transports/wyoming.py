@@ -102,7 +102,9 @@ def info(stages: Stages) -> Info:
     ours = version("diffusion-voice")
     voice = voice_name(cfg.tts)
     language = cfg.asr.language or "en"
-    decodes = "drafted blocks verified losslessly" if stages.lm.mode == "diffusion" else "autoregressive decoding"
+    decoding = stages.lm.describe()  # what runs, as /healthz says it; None: an endpoint elsewhere decides
+    decodes = ("decoded by its endpoint" if decoding is None else "drafted blocks verified losslessly"
+               if decoding["mode"] == "diffusion" else "autoregressive decoding")
     return Info(
         asr=[AsrProgram(name="diffusion-voice-asr", attribution=ATTRIBUTION, installed=True, version=ours,
                         description=f"faster-whisper {cfg.asr.model}: encoder window sized to the audio, "

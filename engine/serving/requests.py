@@ -1,0 +1,121 @@
+"""A request inside the engine, and what it hands its caller: `Piece`s of committed text, made
+from a decoder's blocks by `Reply` (incremental detokenisation, timings). A request's priority
+(`Request.level`) is what the scheduler ranks rounds by; what deserves which priority is the
+caller's policy (voice/lm.py has the voice service's)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.decode import Block, DecodeConfig, Steps
+from engine.grammar import Constraint
+from engine.runtime import CacheState, Forward
+from engine.serving.caches import ConversationCache
+from engine.tokenizer import Tokenizer
+from engine.tools import Tool
+
+# Request priorities (`priority(text)`): the highest present runs; the others sit out for a while.
+BACKGROUND, NORMAL, WAITED = 0, 1, 2
+
+
+class Superseded(Exception):
+    """A request ended because a newer one on its conversation took its place."""
+
+
+@dataclass
+class Piece:
+    """A committed stretch of the reply: what a caller prints, speaks or sends."""
+
+    text: str
+    token_ids: list[int]
+    steps: int  # denoising steps spent on this piece's block so far
+    forwards: int  # decoding forwards since the request started (the prompt's last prefill chunk included)
+    tokens: int  # reply tokens so far
+    ttfb_ms: float  # request -> first piece
+    elapsed_ms: float  # request -> this piece
+    done: bool
+    finish_reason: str | None = None  # stop | length, on the last piece
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens that were not already cached
+
+
+class Reply:
+    """Turns a decoder's blocks into text pieces (incremental detokenisation, timings)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], state: CacheState, start: float):
+        self.tokenizer, self.start = tokenizer, start
+        self.prompt_tokens = len(prompt)
+        self.prefilled = len(prompt) - state.cached_prefix(prompt)
+        self.ids: list[int] = []
+        self.text = ""
+        self.first: float | None = None
+
+    def piece(self, block: Block) -> Piece:
+        tok = self.tokenizer
+        self.ids += block.token_ids
+        full = tok.decode(self.ids)
+        if full.endswith("\ufffd") and not block.done:  # half a UTF-8 character: wait for the rest
+            delta = ""
+        else:
+            delta, self.text = full[len(self.text):], full
+        now = time.perf_counter()
+        self.first = self.first or now
+        reason = None
+        if block.done:
+            reason = "stop" if self.ids and self.ids[-1] in tok.eos_ids else "length"
+        return Piece(delta, block.token_ids, block.steps, block.forwards, len(self.ids),
+                     (self.first - self.start) * 1000, (now - self.start) * 1000, block.done, reason,
+                     self.prompt_tokens, self.prefilled)
+
+
+@dataclass
+class Probe:
+    """A request for the next token's probabilities instead of a reply (`Engine.probe`)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    scores: list[float] = field(default_factory=list)  # filled by its forward
+    state: CacheState | None = None  # the copy of the conversation's cache it runs on
+    source: CacheState | None = None  # the conversation's cache when it was copied
+
+
+@dataclass
+class Request:
+    """A streamed request inside the scheduler."""
+
+    messages: list[dict]
+    cfg: DecodeConfig
+    conversation: ConversationCache
+    deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
+    # asked each round once the first piece is out, with the text decoded so far (default NORMAL)
+    priority: Callable[[str], int] | None = None
+    constraint: Constraint | None = None
+    tools: list[Tool] | None = None
+    warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
+    probe: Probe | None = None  # only the next token's probabilities (Engine.probe): WAITED throughout
+    start: float = field(default_factory=time.perf_counter)
+    steps: Steps | None = None  # set when admitted (with `reply`)
+    reply: Reply | None = None
+    result: object = None  # what to send into `steps` next
+    forward: Forward | None = None  # the next forward, waiting for its round
+    ready_since: float = 0.0  # when `forward` was planned (monotonic)
+    used_s: float = 0.0  # model time its forwards took so far: the least served go first
+    cancelled: bool = False
+
+    def level(self) -> int:
+        if self.warm:
+            return BACKGROUND
+        if self.probe is not None:
+            return WAITED
+        assert self.reply is not None  # only admitted requests are ranked
+        if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
+            return WAITED
+        return NORMAL if self.priority is None else self.priority(self.reply.text)
+
+    def close(self) -> None:
+        """A newer turn on its conversation takes its place: it stops at the next round."""
+        self.cancelled = True
+        if self.steps is not None:
+            self.steps.close()

@@ -1,0 +1,285 @@
+"""The scheduler: one thread owns the model and runs every request's forwards in rounds.
+
+Every round it advances each active request to its next forward (a denoising step, or an AR
+token) and runs up to `max_batch` of them as one batched pass, so concurrent conversations share
+block-denoising steps instead of queueing behind each other (continuous batching at block-step
+granularity). Each round the requests of the highest priority go first (`Request.level`: a reply
+that has not delivered a piece yet is WAITED); the others sit out, each forward at most
+`max_defer_s`, so they are delayed, never starved; a BACKGROUND request sits out even alone.
+Within a priority the least served requests go first (each is charged its rows' share of the model
+time of the batches it was in), and a prompt is prefilled in chunks of about `SLICE_S` of model
+time, one chunk a round: a conversation that sends a long prompt cannot hold the model from the
+others' steps, and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under way
+when it comes: a forward of long prompts' chunks only stops when someone starts waiting
+(`interrupt`: a new request, or the voice service's speech recognition or synthesis for a silent
+user), on kernels that can stop one (llama.cpp), and is read again after the others' turn.
+Cancelling a request (barge-in) drops it at the next round; the cache invariant in
+`engine.decode` keeps the conversation consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from engine.decode import Forward, Steps, run_many
+from engine.runtime import Interrupted, Model
+from engine.serving import probes
+from engine.serving.admission import Admission
+from engine.serving.caches import CachePool
+from engine.serving.cost import MIN_PREFILL_CHUNK, PrefillCost
+from engine.serving.requests import BACKGROUND, NORMAL, Reply, Request, Superseded
+
+log = logging.getLogger("engine.stream")
+
+# A prompt is prefilled in chunks of about this much model time, so a conversation's long prompt
+# holds the CPU from the others' steps at most this long at a time (an OS scheduler's quantum).
+SLICE_S = 0.25
+FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token costs here
+# A request alone prefills this many slices a forward: small chunks cost throughput (the 1.5B on
+# two Zen 3 cores: 48 tokens/s in chunks of 16, 62 in chunks of 64, 65 in chunks of 512), but a
+# reply that arrives meanwhile waits for the whole chunk (four slices of a 1,500-character message
+# took 1.35 s on two Zen 5 cores beside speech recognition): so only while nobody else may come
+# (`Admission.may_share`).
+ALONE_SLICES = 4
+# A prompt's chunk that sits out behind a less served request of its priority (a newcomer's reply)
+# rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
+# round it joins a slice longer, a step hardly at all. So does a long prompt's chunk (its request
+# has had more than `ALONE_SLICES` slices) while other work that someone waits for shares the
+# cores (`Scheduler.yield_to`: the voice service's speech recognition and synthesis). Chunks that sit
+# out together share that wait: each rejoins after it times their number, so beside six long
+# prompts a newcomer's steps are joined by about one chunk per `PREFILL_DEFER * max_defer_s`, not
+# one every round (`engine serve`: an 8-token request beside six ~1,700-token prompts).
+PREFILL_DEFER = 4
+
+# Plans an admitted request's steps beside `others` being served (the engine's: a reply or a probe).
+Plan = Callable[[Request, int], tuple[Steps, Reply]]
+
+
+def _chunk(request: Request) -> bool:
+    """Is the request's next forward a stretch of its prompt (several rows written at once)?"""
+    return request.forward is not None and len(request.forward.clean) > 1
+
+
+def _long_prompt(request: Request) -> bool:
+    """Is the request's next forward a chunk of a long prompt (one that has had more than
+    `ALONE_SLICES` slices already)? Such a chunk gives way to work someone waits for."""
+    return _chunk(request) and request.used_s > ALONE_SLICES * SLICE_S
+
+
+class Scheduler:
+    def __init__(self, model: Model, cost: PrefillCost, admission: Admission, pool: CachePool, plan: Plan,
+                 max_batch: int = 8, max_defer_s: float = 0.3):
+        """`max_defer_s`: how long a lower-priority forward may sit out rounds."""
+        self.model, self.cost, self.admission, self.pool, self.plan = model, cost, admission, pool, plan
+        self.max_batch, self.max_defer_s = max_batch, max_defer_s
+        # Is work someone waits for running beside the engine on the same cores now?
+        self.yield_to: Callable[[], bool] = lambda: False
+        self.forwards = 0  # batched forwards run so far
+        self.interrupted = 0  # forwards stopped by `interrupt` (read again later)
+        self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
+        self.sharing = False  # more than one request is active (the scheduler's view)
+        self.inbox: queue.Queue[Request] = queue.Queue()
+        self.queued: list[Request] = []  # waiting for room in the shared KV cache, first come first served
+        self.thread: threading.Thread | None = None
+
+    def submit(self, request: Request) -> None:
+        """Hand `request` to the scheduler thread (started with the first)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="engine-scheduler", daemon=True)
+            self.thread.start()
+        self.inbox.put(request)
+
+    def interrupt(self) -> None:
+        """Someone waits now (a new request; the voice service's speech recognition or synthesis
+        for a silent user): a forward of long prompts' chunks only, running now, stops (on kernels
+        that can stop one) and its chunks are read again after the others' turn, so nobody waits
+        for a chunk already under way."""
+        self.model.interrupt()
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill forward while others share the model: about `SLICE_S` of model time."""
+        if self.cost.token_s is None:
+            return FIRST_PREFILL_CHUNK
+        return max(MIN_PREFILL_CHUNK, int(SLICE_S / self.cost.token_s))
+
+    def chunking(self, background: bool = False) -> Callable[[], int]:
+        """A request's prefill chunk, asked before each: `ALONE_SLICES` times the shared one while
+        it has the model to itself and nobody else may come (`may_share`), unless it is BACKGROUND
+        (someone may come and wait any moment) or a token's cost is not measured yet."""
+        return lambda: self.prefill_chunk * (1 if background or self.sharing or self.cost.token_s is None
+                                             or self.admission.may_share else ALONE_SLICES)
+
+    def run(self) -> None:
+        """The thread: admit, refuse, pick the round, run its forwards in batches; forever."""
+        active: list[Request] = []
+        while True:
+            self.admit_new(active, timeout=0 if active or self.queued else None)
+            self.admission.refuse_late(active)
+            self.sharing = len(active) > 1  # (before `ready` plans the next forwards and their chunks)
+            batch_from = self.this_round(self.ready(active))
+            if not batch_from:  # everyone sits out this round: look for newcomers meanwhile
+                self.admit_new(active, timeout=0.005)
+                continue
+            for i in range(0, len(batch_from), self.max_batch):
+                self.run_batch(batch_from[i:i + self.max_batch])
+
+    def run_batch(self, batch: list[Request]) -> None:
+        """One batched forward of `batch`'s planned forwards; each request gets its result."""
+        self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
+        forwards = cast("list[Forward]", [request.forward for request in batch])  # `ready` planned them
+        rows = [len(f.clean) + len(f.draft) for f in forwards]
+        results: Sequence[object] | None
+        began = time.perf_counter()
+        try:
+            results = run_many(self.model, forwards, interruptible=all(map(_long_prompt, batch)))
+        except Interrupted:
+            results = None
+        except Exception as err:  # one bad batch fails its requests, not the scheduler
+            log.exception("batched forward failed")
+            results = [err] * len(batch)
+        took = time.perf_counter() - began
+        for request, n in zip(batch, rows):  # each is charged its rows' share, stopped or not
+            request.used_s += took * n / max(sum(rows), 1)
+        if results is None:  # the same forwards, planned still, sit out as if deferred
+            self.interrupted += 1
+            log.debug("a forward of %d rows of long prompts stopped after %.0f ms: someone waits",
+                      sum(rows), 1000 * took)
+            for request in batch:
+                request.ready_since = time.monotonic()
+            return
+        self.measure(forwards, took)
+        for request, result in zip(batch, results):
+            request.result, request.forward = result, None
+
+    def measure(self, forwards: list[Forward], took: float) -> None:
+        """Learn what a prompt token costs from forwards of many rows (prefill, mostly); not from
+        the first forward, which also pages the weights in (8 s for 64 tokens of the 1.5B here)."""
+        self.forwards += 1
+        if self.forwards > 1:
+            self.cost.learn(sum(len(f.clean) + len(f.draft) for f in forwards), took, self.prefill_chunk)
+
+    def admit_new(self, active: list[Request], timeout: float | None) -> None:
+        """Admit the queued requests there is room for now, then whatever is in the inbox, first
+        waiting up to `timeout` s for it (None: forever)."""
+        while self.queued and (self.queued[0].cancelled or self.admission.room_for(self.queued[0], active)):
+            request = self.queued.pop(0)
+            if not request.cancelled:  # (one whose caller left was never admitted: nothing to let go)
+                self.admit(request, active, queued=True)
+        if timeout is None and (active or self.queued):
+            timeout = 0
+        try:
+            request = self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
+            while True:
+                self.admit(request, active)
+                request = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def ready(self, active: list[Request]) -> list[Request]:
+        """Plan each request's next forward (finished and cancelled requests leave `active`)."""
+        for request in list(active):
+            if request.forward is None or request.cancelled:
+                request.forward, request.ready_since = self.advance(request), time.monotonic()
+                if request.forward is None:
+                    active.remove(request)
+        return active
+
+    def this_round(self, ready: list[Request]) -> list[Request]:
+        """The least served requests of the highest priority present (unless that is BACKGROUND):
+        a newcomer goes ahead of a conversation that has had the model for a while (a long
+        prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
+        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
+        and as many times again as such chunks sit out together: with six long prompts one of them
+        was due every round, and each of a newcomer's steps took a slice longer)."""
+        levels = [request.level() for request in ready]
+        top, now = max(levels, default=NORMAL), time.monotonic()
+        least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
+        yielding = self.yield_to()
+        behind_chunks = sum(1 for r, level in zip(ready, levels)
+                            if level == top > BACKGROUND and _chunk(r) and r.used_s > least + SLICE_S)
+
+        def due(request: Request, level: int) -> bool:
+            waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
+            if yielding and _long_prompt(request) and waited < patient:
+                return False
+            if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
+                return True
+            behind = level == top > BACKGROUND and _chunk(request)
+            return waited >= (patient * max(1, behind_chunks) if behind else self.max_defer_s)
+        chosen = [request for request, level in zip(ready, levels) if due(request, level)]
+        # One prompt chunk a round: a round is then at most a slice longer than its steps, and a
+        # reply that arrives meanwhile waits for at most that. First one deferred long enough (the
+        # one that has waited longest), else the least served's: a newcomer's prompt goes ahead of
+        # long prompts that have had less than a slice each so far (six sent 2 s before an 8-token
+        # request each went first, a chunk of seconds on a loaded machine).
+        def order(r: Request) -> tuple[bool, float, float]:
+            front = r.used_s <= least + SLICE_S
+            return front, r.used_s if front else 0.0, r.ready_since
+        chunks = sorted((r for r in chosen if _chunk(r)), key=order)
+        return [r for r in chosen if not _chunk(r)] + chunks[:1]
+
+    def admit(self, request: Request, active: list[Request], queued: bool = False) -> None:
+        """Start the request beside `active`; or, on a shared KV cache without room for it now, queue
+        it until there is (a request failing with "the LM's cache is full" after minutes of work, as
+        two of six ~1,700-token prompts did on the 1.5B, is worse than one that waits its turn)."""
+        conversation = request.conversation
+        if not queued and not request.warm and request.probe is None and \
+                (self.queued or not self.admission.room_for(request, active)):
+            self.queued.append(request)
+            return
+        others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
+        if request.probe is None and isinstance(conversation.active, Request) and conversation.active in active:
+            active.remove(conversation.active)
+            conversation.active.deliver(Superseded("a newer request on this conversation took its place"))
+        try:  # a probe runs beside the conversation's reply, on a copy of its cache
+            request.steps, request.reply = self.plan(request, others)
+        except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
+            request.deliver(err)
+            self.leave(request)
+            return
+        if request.probe is None:
+            conversation.active = request
+        active.append(request)
+
+    def advance(self, request: Request) -> Forward | None:
+        """Run the request's decoder up to its next forward, handing out blocks on the way."""
+        assert request.steps is not None and request.reply is not None  # set when admitted
+        if request.cancelled:
+            request.steps.close()
+            self.leave(request)
+            return None
+        try:
+            while True:
+                if isinstance(request.result, BaseException):
+                    raise request.result
+                item = request.steps.send(request.result)
+                request.result = None
+                if isinstance(item, Forward):
+                    return item
+                request.deliver(request.reply.piece(item))
+        except StopIteration:
+            request.deliver(None)
+        except Exception as err:  # noqa: BLE001 - the request that caused it gets it, the others go on
+            request.deliver(err)
+        self.leave(request)
+        return None
+
+    def leave(self, request: Request) -> None:
+        """The request is over (finished, failed or cancelled): its conversation lets go of it (else
+        the two keep each other, and the cache, alive until a full garbage collection), and an
+        abandoned conversation's cache (a one-off's, or one Engine.abandon was called for) goes back
+        to the pool."""
+        with self.pool.leave_lock:
+            if request.probe is not None:
+                probes.settle(request.probe, request.conversation, self.pool)
+                return
+            if request.conversation.active is request:
+                request.conversation.active = None
+            if request.conversation.abandoned:
+                self.pool.give_back(request.conversation)

@@ -27,10 +27,10 @@ from common import machine, percentile, write_json
 from engine.decode import CacheState, Forward, run_many
 from engine.loading import load
 from engine.train.data import VOICE_SYSTEM_PROMPT
-from voice.asr import SAMPLE_RATE, Whisper, encode_window, most_tokens
+from voice.pipeline.asr import SAMPLE_RATE, Whisper, encode_window, most_tokens
 from voice.audio import read_wav, resample
 from voice.config import AsrConfig
-from voice.spoken_eval import build_clips, turn_wer
+from voice.evals.spoken_eval import build_clips, turn_wer
 
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 2.0)
 

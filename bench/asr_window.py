@@ -22,7 +22,7 @@ import jiwer
 import numpy as np
 
 from common import REPO, machine, write_json
-from voice.asr import Whisper, repeats_itself
+from voice.pipeline.asr import Whisper, repeats_itself
 from voice.config import FULL_WINDOW_S, AsrConfig
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from voice.config import load_config
-from voice.eot_eval import Item, build_items
+from voice.evals.eot_eval import Item, build_items
 from voice.events import ReplyDone, SpeechStarted, Transcript
-from voice.room_eval import FRAME, RATE, Echo, Stream, _session
+from voice.evals.room_eval import FRAME, RATE, Echo, Stream, _session
 
 LEAD_S = 0.5  # silence before the user speaks
 
@@ -81,8 +81,8 @@ def main() -> None:
     p.add_argument("--no-synthetic", action="store_true", help="only tests/speech (no Piper sentences)")
     p.add_argument("--json", default="", help="write the results here")
     a = p.parse_args()
-    from voice.asr import Whisper
-    from voice.tts import load_voice
+    from voice.pipeline.asr import Whisper
+    from voice.pipeline.tts import load_voice
     config = load_config(None)
     items = build_items(Whisper(config.asr).model, None if a.no_synthetic else load_voice(config.tts))
     paused = [i for i in items if i.pauses and abs(i.pauses[0][1] - a.pause_s) < 1e-6]

@@ -81,7 +81,7 @@ def main() -> int:
 
     from voice.clients.bench import read_references, run_session
     from voice.config import Config
-    from voice.server import build_app
+    from voice.service.server import build_app
     from voice.stages import Stages
 
     config = Config()

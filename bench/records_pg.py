@@ -1,4 +1,4 @@
-"""Call records: SQLite against PostgreSQL on this machine, through `voice.records.Records`.
+"""Call records: SQLite against PostgreSQL on this machine, through `voice.service.records.Records`.
 
 Two figures per database, measured in rounds that alternate the databases (time is noisy here):
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from postgres import PostgresServer  # noqa: E402  (tests/postgres.py)
 
-from voice import records as rec  # noqa: E402
+from voice.service import records as rec  # noqa: E402
 
 
 def turn(uid: str, n: int) -> list:

@@ -68,8 +68,8 @@ def timed(fn, log: list, final: bool):
 def whisper_for(kind: str, config):
     if kind == "fake":
         return GrowingWhisper()
-    from voice.asr import Whisper
-    from voice.scheduler import Scheduler
+    from voice.pipeline.asr import Whisper
+    from voice.service.scheduler import Scheduler
     return Whisper(config.asr, Scheduler().worker("asr"))
 
 

@@ -5,7 +5,7 @@
 Each question is asked as the voice service asks it (its system prompt, its LM settings, a fresh
 conversation), once with no tools and once offered the configured tools ([tools], by default
 time, timer and calculator); a reply that calls tools gets the real results folded in and is
-asked again, as voice/reply.py does. Reported: answers right both ways, how often a tool was
+asked again, as voice/conversation/reply.py does. Reported: answers right both ways, how often a tool was
 called, and the first text block's time (tools make the prompt longer). One thread.
 """
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 async def ask(chat, messages: list[dict], toolbox, timers) -> dict:
     """One voice turn's LM part: (text, the tools called, ms to the first text block)."""
-    from voice.tools import ToolRun, with_results
+    from voice.pipeline.tools import ToolRun, with_results
     start, first, text, calls = time.perf_counter(), None, "", []
     async for block in chat.reply(messages, tools=toolbox.openai() or None if toolbox else None):
         text, calls = text + block.text, calls + block.calls
@@ -45,8 +45,8 @@ async def ask(chat, messages: list[dict], toolbox, timers) -> dict:
 async def run(a) -> dict:
     from engine.evals.eval import is_right, read_questions
     from voice.config import load_config
-    from voice.lm import LocalLM
-    from voice.tools import Timers, Toolbox
+    from voice.pipeline.lm import LocalLM
+    from voice.pipeline.tools import Timers, Toolbox
 
     config = load_config(a.config)
     config.lm.threads = 1

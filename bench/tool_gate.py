@@ -3,7 +3,7 @@
     python bench/tool_gate.py [--log-odds off 0 1.2] [--model NAME] [--json bench/results/tool_gate.json]
 
 Two sets of 20 prompts of our own, asked as the voice service asks them, offered the three
-built-ins (voice/tools.py): CALIBRATION (11 that need no tool, 9 that need one), on which each
+built-ins (voice/pipeline/tools.py): CALIBRATION (11 that need no tool, 9 that need one), on which each
 model's gate was chosen (engine.loading.TOOL_CALL_LOG_ODDS), and HELDOUT (10 and 10), written
 after that choice and never tuned on. A prompt scores when the reply calls exactly the expected
 tool, or none. `off`: plain greedy (no gate); 0: a call when its probability mass beats the
@@ -52,8 +52,8 @@ async def run(a) -> dict:
     from engine.grammar import Constraint
     from engine.loading import tool_call_log_odds
     from voice.config import Config
-    from voice.lm import LocalLM
-    from voice.tools import Toolbox
+    from voice.pipeline.lm import LocalLM
+    from voice.pipeline.tools import Toolbox
     config = Config()
     config.lm.threads = 1
     config.lm.model = a.model or config.lm.model

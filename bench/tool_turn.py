@@ -102,7 +102,7 @@ def main() -> int:
     from voice.audio import float_to_int16, resample
     from voice.clients.bench import speech_end_s
     from voice.config import Config, ToolsConfig
-    from voice.server import build_app
+    from voice.service.server import build_app
     from voice.stages import Stages
     from common import free_port
 

@@ -1,7 +1,7 @@
 """webrtcvad against Silero VAD for "is this the user speaking?": cost per 20 ms frame, and accuracy on
 `voice room-eval`'s rooms (issue 55), each detector alone and behind the endpointer's level gate.
 
-The rooms are mixed offline as the evaluation mixes them (voice/room_eval.py: every clip of tests/speech
+The rooms are mixed offline as the evaluation mixes them (voice/evals/room_eval.py: every clip of tests/speech
 at the speaker's level, the room under it, 1.5 s before and 2 s after). A frame is the user's where the
 clip alone is within 20 dB of its active level; "user" is the share of those frames a detector calls
 speech, "room" the share of the others (the room alone, and the clip's silences) it calls speech.
@@ -22,11 +22,11 @@ import numpy as np
 import onnxruntime
 import webrtcvad
 
-from voice import room_eval
+from voice.evals import room_eval
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.config import VadConfig
-from voice.room_eval import FRAME, RATE, SPEAKER_DB, Room
-from voice.vad import Levels
+from voice.evals.room_eval import FRAME, RATE, SPEAKER_DB, Room
+from voice.pipeline.vad import Levels
 
 SILERO_WINDOW, SILERO_CONTEXT = 512, 64
 
@@ -63,7 +63,7 @@ def webrtc_frames(audio: np.ndarray, aggressiveness: int = 2) -> np.ndarray:
 
 
 def gated(audio: np.ndarray, voiced: np.ndarray) -> np.ndarray:
-    """The level gate (voice/vad.py's Levels) over a detector's decisions, with the endpointer's warm-up,
+    """The level gate (voice/pipeline/vad.py's Levels) over a detector's decisions, with the endpointer's warm-up,
     start (3 frames) and hangover (20 frames) deciding when the user is in speech."""
     config = VadConfig()
     levels, pcm, out = Levels(config), float_to_pcm16(audio), []

@@ -305,7 +305,7 @@ class LlamaCppModel:
         lib = bindings()
         self.path = Path(path)
         # CPU threads for the next step, asked per step: the voice service gives the LM both cores
-        # while no speech recognition or synthesis is waiting for one (voice.lm.LocalLM)
+        # while no speech recognition or synthesis is waiting for one (voice.pipeline.lm.LocalLM)
         self.threads: Callable[[], int] = torch.get_num_threads
         params = lib.llama_model_default_params()
         params.use_mmap = True  # the weights stay in the page cache as packaged, shared between processes

@@ -8,7 +8,7 @@ refuses a prompt that cannot be read in time here and, on a KV cache shared by e
 conversation, makes a request wait for room (`Admission`); each conversation's own KV cache, so
 a new turn only prefills what is new, and the pool of idle ones that one-off requests borrow
 (`CachePool`); and the end-of-turn probes (`engine.serving.probes`). What deserves which priority
-is the caller's policy (voice/lm.py has the voice service's). Cancelling a stream (barge-in)
+is the caller's policy (voice/pipeline/lm.py has the voice service's). Cancelling a stream (barge-in)
 drops the request at the next round; the cache invariant in `engine.decode` keeps the
 conversation consistent.
 """

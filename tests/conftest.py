@@ -77,7 +77,7 @@ def live_voice_server(real_stages):
     from fakes import REAL_REPLY_TOKENS
     from liveserver import serving
     from voice.config import Config
-    from voice.server import build_app
+    from voice.service.server import build_app
 
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS

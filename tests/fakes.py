@@ -24,8 +24,8 @@ import websockets
 from liveserver import Served
 from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
-from voice.lm import Piece
-from voice.scheduler import Scheduler
+from voice.pipeline.lm import Piece
+from voice.service.scheduler import Scheduler
 from voice.stages import Stages
 
 SPEECH = Path(__file__).resolve().parent / "speech"  # real recordings (README there), in the repo
@@ -33,7 +33,7 @@ FRAME = 640  # 20 ms of 16 kHz PCM16
 
 
 class FakeWhisper:
-    """voice.asr.Whisper's shape; `fail` / `delay_s` simulate a broken or slow ASR."""
+    """voice.pipeline.asr.Whisper's shape; `fail` / `delay_s` simulate a broken or slow ASR."""
 
     def __init__(self, text: str = "eight of spades"):
         self.text, self.fail, self.delay_s = text, None, 0.0
@@ -161,12 +161,12 @@ def make_config(**sections) -> Config:
 
 class LiveServer(Served):
     """The voice app, `build_app(config, stages, auth)`, served (`graceful`: with the service's own
-    draining shutdown, voice.server.VoiceServer)."""
+    draining shutdown, voice.service.server.VoiceServer)."""
 
     def __init__(self, config: Config, stages, auth=None, graceful: bool = False):
         import uvicorn
 
-        from voice.server import VoiceServer, build_app
+        from voice.service.server import VoiceServer, build_app
         self.config, self.stages = config, stages
         self.app = build_app(config, stages, auth)
         server_cls = (lambda uv: VoiceServer(uv, self.app)) if graceful else uvicorn.Server

@@ -12,7 +12,7 @@ import urllib.request
 
 import uvicorn
 
-from voice.server import WEBSOCKETS
+from voice.service.server import WEBSOCKETS
 
 
 class Served:

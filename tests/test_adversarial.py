@@ -229,7 +229,7 @@ def test_300_unfinished_request_heads_are_not_held(guard):
     from engine.common.deadlines import guarded_http
     from fakes import fake_stages, make_config
     from liveserver import Served
-    from voice.server import build_app
+    from voice.service.server import build_app
     config = make_config()
     options = {"http": guarded_http(head_s=3.0, body_s=3.0)} if guard else {"timeout_keep_alive": 1}
     with Served(build_app(config, fake_stages(config)), **options) as srv:
@@ -307,7 +307,7 @@ def test_a_websocket_outlives_the_head_deadline():
     from engine.common.deadlines import guarded_http
     from fakes import fake_stages, make_config
     from liveserver import Served
-    from voice.server import build_app
+    from voice.service.server import build_app
     config = make_config()
     with Served(build_app(config, fake_stages(config)), http=guarded_http(head_s=0.3, body_s=0.3)) as srv:
         async def talk():
@@ -327,7 +327,7 @@ def test_both_servers_run_with_the_read_deadlines(monkeypatch):
 
     from engine.api import server as engine_server
     from engine.common.deadlines import HEAD_S
-    from voice import server as voice_server
+    from voice.service import server as voice_server
     seen = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(self.config.http))
     voice_server.serve(make_config_for_serve())
@@ -418,7 +418,7 @@ def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, co
     import websockets
 
     from fakes import LiveServer, fake_stages, make_config
-    from voice.auth import Auth
+    from voice.service.auth import Auth
     config = make_config()
 
     async def refused(url):
@@ -448,7 +448,7 @@ def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, co
     ("1e999", "too large"),  # infinity as written (found by the adversarial pass)
 ])
 def test_the_calculator_answers_in_words_not_python(expression, says):
-    from voice.tools import ToolError, calculate
+    from voice.pipeline.tools import ToolError, calculate
     with pytest.raises(ToolError) as err:
         calculate(expression)
     text = str(err.value)
@@ -459,7 +459,7 @@ def test_a_failing_tool_is_reported_to_the_model_without_python_text():
     import asyncio
 
     from voice.config import ToolsConfig
-    from voice.tools import Timers, Toolbox, ToolRun
+    from voice.pipeline.tools import Timers, Toolbox, ToolRun
     box = Toolbox(ToolsConfig(builtin=["calculator"]))
 
     async def broken(args, timers):
@@ -482,9 +482,9 @@ def test_resuming_again_and_again_cannot_grow_an_utterance_past_max_utterance_s(
     """Issue 41, item 2: talking with short pauses resumed the utterance each time; its audio (and
     ASR time) grew to 104 s against a 30 s limit. The carried audio counts towards the limit."""
     from fakes import FakeWhisper, make_config, speech
-    from voice.endofturn import Verdict
+    from voice.pipeline.endofturn import Verdict
     from voice.events import SpeechStarted
-    from voice.turns import Pause, TooLong, TurnTaker
+    from voice.conversation.turns import Pause, TooLong, TurnTaker
     limit = 6.0
     taker = TurnTaker(make_config(turn={"policy": "smart_turn", "resume_ms": 3000},
                                   limits={"max_utterance_s": limit}), FakeWhisper(), 16000, "t")
@@ -521,7 +521,7 @@ def test_a_websocket_upgrade_with_a_non_ascii_header_is_not_a_500():
     """uvicorn's legacy websockets protocol re-encoded the headers as latin-1 and answered 500."""
     from fakes import fake_stages, make_config
     from liveserver import Served
-    from voice.server import build_app
+    from voice.service.server import build_app
     config = make_config()
     with Served(build_app(config, fake_stages(config))) as srv:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as conn:

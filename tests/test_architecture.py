@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The session and its own parts: the only code that may touch what the Session keeps inside.
-SESSION_FILES = {"voice/session.py", "voice/reply.py"}
+SESSION_FILES = {"voice/conversation/session.py", "voice/conversation/reply.py"}
 SESSION_INSIDES = {"floor", "replies", "history"}  # besides every `_private` member
 
 
@@ -109,7 +109,7 @@ def import_graph(root: Path, *packages: str) -> dict[str, set[str]]:
                 targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
             else:
                 continue
-            for target in targets:  # the longest module name it starts with (`from voice import vad`: voice.vad)
+            for target in targets:  # the longest module name it starts with (`from voice.pipeline import vad`)
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != name:
@@ -193,7 +193,7 @@ def feature_probes(root: Path) -> list[str]:
 
 
 def test_stages_are_asked_through_their_protocols():
-    """What the service needs of its LM, synthesizer and ASR is a Protocol (voice/lm.py, tts.py,
+    """What the service needs of its LM, synthesizer and ASR is a Protocol (voice/pipeline/lm.py, tts.py,
     asr.py): no feature probes, no type checks on a concrete LM, no private calls from outside."""
     assert feature_probes(ROOT) == []
 
@@ -202,9 +202,9 @@ def test_the_fakes_implement_the_protocols():
     """Tests' stand-ins have every member the Protocol names (what production code may call)."""
     from fakes import FakeLM, FakeSynth, FakeWhisper
 
-    from voice.asr import Transcriber
-    from voice.lm import LanguageModel
-    from voice.tts import SpeechSynthesizer
+    from voice.pipeline.asr import Transcriber
+    from voice.pipeline.lm import LanguageModel
+    from voice.pipeline.tts import SpeechSynthesizer
 
     for protocol, fake in ((LanguageModel, FakeLM()), (SpeechSynthesizer, FakeSynth()), (Transcriber, FakeWhisper())):
         members = {n for n in (*vars(protocol), *protocol.__annotations__) if not n.startswith("_")}

@@ -5,7 +5,7 @@ import jiwer
 import numpy as np
 import pytest
 
-from voice.asr import StreamingTranscriber, Whisper, model_folder
+from voice.pipeline.asr import StreamingTranscriber, Whisper, model_folder
 from voice.config import AsrConfig
 from voice.audio import read_wav
 from voice.clients.bench import normalise, read_references
@@ -299,7 +299,7 @@ def test_the_initial_prompt_primes_the_decoder_without_entering_the_transcript()
 
 
 def test_a_knock_is_no_speech_and_a_short_word_is_heard(model):
-    """Whisper's own no-speech rule (voice/asr.py's NO_SPEECH_THRESHOLD, LOG_PROB_THRESHOLD) on the
+    """Whisper's own no-speech rule (voice/pipeline/asr.py's NO_SPEECH_THRESHOLD, LOG_PROB_THRESHOLD) on the
     window path: tiny.en wrote "Yeah." for a knock on the desk, which then talked over a reply in the
     real browser (tests/test_web.py); a short spoken word still comes through."""
     t = np.arange(1280)

@@ -1,6 +1,6 @@
 """Authentication: API keys, browser tokens, Origins, Twilio signatures, per-key limits, start-up refusal.
 
-The unit tests check voice/auth.py against Twilio's published signature vectors and the token
+The unit tests check voice/service/auth.py against Twilio's published signature vectors and the token
 rules; the live tests run the real app (tests/fakes.py: no models) on loopback with auth on and
 check what each endpoint lets through, and how refusals look on the wire.
 """
@@ -23,7 +23,7 @@ import websockets
 
 from fakes import LiveServer, fake_stages, make_config
 from engine.common.keys import parse_keys
-from voice.auth import (Auth, AuthError, ConfigError, RedactSecrets, check_exposure, twilio_signature,
+from voice.service.auth import (Auth, AuthError, ConfigError, RedactSecrets, check_exposure, twilio_signature,
                         url_variants, valid_twilio_signature)
 from voice.config import Config
 

@@ -5,7 +5,7 @@ What the page's microphone sends when nobody speaks (tests/test_web.py feeds it 
 digital silence, but around sound its processing leaves tails (-55 to -100 dBFS) that webrtcvad
 calls voiced, and a knock or a breath comes through as 160-340 ms of voiced audio: enough to start
 a turn (60 ms). tiny.en writes "you" for all of those, even for pure silence. So speech over a
-reply stops it only once it holds words (voice/asr.py's `has_words`) or has been voiced for
+reply stops it only once it holds words (voice/pipeline/asr.py's `has_words`) or has been voiced for
 `turn.barge_in_ms` (600 ms: fluent speech gets there 0.55-0.65 s after it starts; every blip
 measured stays under 340 ms). A blip leaves the reply playing and is a turn with no speech.
 """
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from fakes import REAL_REPLY_TOKENS, Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
-from voice.asr import has_words
+from voice.pipeline.asr import has_words
 from voice.config import VadConfig
 from voice.events import SpeechStarted
-from voice.turns import Talking, TurnTaker
-from voice.vad import Endpointer
+from voice.conversation.turns import Talking, TurnTaker
+from voice.pipeline.vad import Endpointer
 
 FRAME = 640  # bytes: 20 ms of 16 kHz PCM16
 LONG_REPLY = ("Sure,", " here is", " a reply", " long enough", " to be talked", " over by", " the user.")  # ~4 s
@@ -85,7 +85,7 @@ def real_whisper(real_stages):
 async def talk_over_reply(srv: LiveServer, over: bytes, started: bool = True) -> tuple[Client, float]:
     """Ask, and once the reply's audio is playing, send `over`; until the second turn is done. The
     Client's log, and seconds from `over`'s first frame on the wire to the reply's `clear` (or inf).
-    `started`: `over` must start a turn (a blip far under the user need not: voice/vad.py's Levels)."""
+    `started`: `over` must start a turn (a blip far under the user need not: voice/pipeline/vad.py's Levels)."""
     c = await Client.open(srv.ws + "/ws")
     c.listen(speed=1.0)  # real time: "still playing" is judged against the wall clock
     c.say(speech("001.wav"))
@@ -116,7 +116,7 @@ def test_a_blip_over_a_reply_leaves_it_playing_and_is_no_speech(real_stages, tmp
     """The phantom barge-in: before, the blip's speech_started cut the reply at once and its turn
     was answered as "you". Now the reply is heard whole and the blip is a turn with no speech, or
     (far under the user's level, issue 55) no turn at all."""
-    from voice import records as rec
+    from voice.service import records as rec
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=LONG_REPLY)
     stages = fake_stages(config, real_whisper(real_stages), lm=lm)
@@ -156,7 +156,7 @@ def test_a_contender_stops_the_reply_it_began_over_never_its_own():
     from types import SimpleNamespace
 
     from voice.events import Clear
-    from voice.reply import Floor, Reply
+    from voice.conversation.reply import Floor, Reply
 
     async def scenario() -> tuple[list, bool, bool]:
         sent: list = []
@@ -188,8 +188,8 @@ def test_a_barge_in_is_not_lost_when_a_block_arrives_at_the_same_moment():
     the one-at-a-time server busy, so the next turn timed out (tests/test_llamacpp_server.py's
     barge-in test, in full suites). The stage timeouts now use `asyncio.timeout`."""
     from voice.config import FaultsConfig
-    from voice.faults import blocks_within
-    from voice.lm import Piece
+    from voice.conversation.faults import blocks_within
+    from voice.pipeline.lm import Piece
 
     async def blocks():
         for _ in range(20_000):  # a stream that never waits long, and ends (a lost cancel does not hang)

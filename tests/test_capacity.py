@@ -1,6 +1,6 @@
 """Capacity measured, admission by it, and the deadline order of the scheduler (issue 59).
 
-The fast half: `voice.capacity.Capacity` on a given CPU clock, `Admission` with it, and a stage
+The fast half: `voice.service.capacity.Capacity` on a given CPU clock, `Admission` with it, and a stage
 worker's order among jobs whose listeners run out of audio at different moments. The live half
 (`slow`): the real service with the real models, refusing the session past its capacity within
 100 ms on every websocket front, /healthz's headroom dropping while a session talks, and the
@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from voice.capacity import Capacity
+from voice.service.capacity import Capacity
 from voice.config import Config, LimitsConfig
-from voice.limits import Admission, LimitError
-from voice.scheduler import Due, Scheduler
+from voice.service.limits import Admission, LimitError
+from voice.service.scheduler import Due, Scheduler
 
 
 class Clock:
@@ -127,7 +127,7 @@ def _serving_with_capacity(real_stages, limits: dict, agent_port: int = 0):
     this test's load)."""
     from fakes import REAL_REPLY_TOKENS
     from liveserver import serving
-    from voice.server import build_app
+    from voice.service.server import build_app
     from voice.stages import Stages
 
     config = Config()

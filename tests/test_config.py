@@ -23,7 +23,7 @@ def test_the_lm_device_choice(monkeypatch):
 
     from engine.loading import ModelLoadError, pick_device, weights_dtype
     from voice.config import LmConfig
-    from voice.lm import LocalLM
+    from voice.pipeline.lm import LocalLM
     with pytest.raises(ValueError, match="lm.device"):
         LmConfig(device="tpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

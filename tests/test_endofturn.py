@@ -1,4 +1,4 @@
-"""End of turn (voice/endofturn.py): Smart Turn on real recordings, its file's SHA-256 check, the
+"""End of turn (voice/pipeline/endofturn.py): Smart Turn on real recordings, its file's SHA-256 check, the
 LM's end-of-turn probability, the policy's waits and the Realtime eagerness mapping.
 
 The Smart Turn and LM tests load real models (slow); the policy's logic runs with the real Smart
@@ -17,9 +17,9 @@ import pytest
 from engine.common.packages import MissingPackageError
 from voice.audio import read_wav
 from voice.config import TurnConfig, VadConfig
-from voice.endofturn import (SMART_TURN_SHA256, SMART_TURN_SIZE, THRESHOLDS, EndOfTurn, SmartTurn, checked,
+from voice.pipeline.endofturn import (SMART_TURN_SHA256, SMART_TURN_SIZE, THRESHOLDS, EndOfTurn, SmartTurn, checked,
                              for_eagerness, smart_turn_path, wait_for)
-from voice.eot_eval import speech_end_s
+from voice.evals.eot_eval import speech_end_s
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_smart_turn_is_the_models_own_arithmetic_on_every_cpu(smart_turn):
     round either way), hence the tolerance."""
     import onnxruntime
 
-    from voice.endofturn import smart_turn_path
+    from voice.pipeline.endofturn import smart_turn_path
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -114,7 +114,7 @@ def test_a_modified_smart_turn_file_is_refused(tmp_path):
 
 def test_the_lms_end_of_turn_probability_is_higher_after_a_whole_question_than_a_cut_one():
     from voice.config import LmConfig
-    from voice.lm import LocalLM
+    from voice.pipeline.lm import LocalLM
     lm = LocalLM(LmConfig())
     messages = [{"role": "system", "content": LmConfig().system_prompt}]
 

@@ -27,7 +27,7 @@ import websockets
 from fakes import EncodingEngine, FakeLM, LiveServer, fake_stages, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import INVITE, SDP
-from voice.auth import Auth, AuthError, RedactSecrets
+from voice.service.auth import Auth, AuthError, RedactSecrets
 from voice.transports import rtp
 from voice.transports.sipmsg import SipError, SipMessage
 from voice.transports.telephony import calls

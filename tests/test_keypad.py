@@ -1,6 +1,6 @@
-"""The keypad's sequence rules (voice/keypad.py): `#`, a length, a pause end a sequence."""
+"""The keypad's sequence rules (voice/conversation/keypad.py): `#`, a length, a pause end a sequence."""
 
-from voice.keypad import Keypad, keypad_text
+from voice.conversation.keypad import Keypad, keypad_text
 
 
 def test_hash_ends_a_sequence_without_itself():

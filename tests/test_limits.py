@@ -20,8 +20,8 @@ import websockets
 
 from fakes import Client, LiveServer, RawWebSocket, fake_stages, make_config, speech
 from voice.events import ReplyText, TtsAudio
-from voice.records import read_sessions
-from voice.session import Session
+from voice.service.records import read_sessions
+from voice.conversation.session import Session
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 FRAME = 640  # 20 ms at 16 kHz
@@ -248,7 +248,7 @@ RELEASED_MEMORY = """
 import gc, sys, time
 import psutil
 from voice.config import LimitsConfig
-from voice.limits import Admission
+from voice.service.limits import Admission
 process = psutil.Process()
 ticket = Admission(LimitsConfig()).acquire("someone")
 blocks = [bytes(2000) for _ in range(100_000)]  # ~200 MB through malloc (over pymalloc's 512 bytes)

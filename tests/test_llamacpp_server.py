@@ -27,7 +27,7 @@ import pytest
 from fakes import Client, FakeWhisper, LiveServer, fake_stages, make_config, speech
 from liveserver import free_port, healthz, wait_for
 from engine import llamacpp
-from voice.lm import RemoteLM
+from voice.pipeline.lm import RemoteLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.live, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -1,4 +1,4 @@
-"""A phone agent's tools (voice/calltools.py): end_call and transfer_call against real peers.
+"""A phone agent's tools (voice/conversation/calltools.py): end_call and transfer_call against real peers.
 
 SIPp plays the caller's phone (it presses keys by SIP INFO; the scripted LM then calls the tool): the
 goodbye played, then our BYE; a REFER it accepts (202, NOTIFY 100 then 200: our BYE), one it refuses
@@ -31,11 +31,11 @@ from test_sip import SIPP_KEY, free_even_udp_ports, free_udp_port, wait_until
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
-from voice.calltools import call_tools
+from voice.conversation.calltools import call_tools
 from voice.config import TelephonyConfig
-from voice.records import read_sessions
-from voice.server import build_app
-from voice.tools import ToolError
+from voice.service.records import read_sessions
+from voice.service.server import build_app
+from voice.pipeline.tools import ToolError
 from voice.transports.telephony import calls
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]

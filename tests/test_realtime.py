@@ -24,7 +24,7 @@ from openai.types.realtime import RealtimeServerEvent
 from fakes import LiveServer, fake_stages, make_config, speech
 from engine.runtime import ContextOverflow
 from voice.audio import float_to_pcm16, pcm16_to_float, resample, ulaw_decode, ulaw_encode
-from voice.records import read_sessions
+from voice.service.records import read_sessions
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 GA = pydantic.TypeAdapter(RealtimeServerEvent)
@@ -276,7 +276,7 @@ def test_without_turn_detection_commit_ends_the_turn(served):
                                                ({"type": "semantic_vad", "eagerness": "low"}, "combined"),
                                                ({"type": "server_vad", "silence_duration_ms": 600}, "fixed")])
 def test_semantic_vad_runs_the_end_of_turn_policy_and_server_vad_the_plain_endpointer(served, detection, policy):
-    """semantic_vad's eagerness maps onto our end-of-turn policy (voice/endofturn.py: `high` a lower
+    """semantic_vad's eagerness maps onto our end-of-turn policy (voice/pipeline/endofturn.py: `high` a lower
     threshold and a shorter ceiling than `low`); server_vad stays the VAD, its silence the hangover."""
     async def go():
         async with connect(served) as conn:

@@ -1,4 +1,4 @@
-"""Call records (voice/records.py): committed before a turn is reported done, survive a crash.
+"""Call records (voice/service/records.py): committed before a turn is reported done, survive a crash.
 
 The writer, `voice records` and the session tests run on both databases: an SQLite file, and a
 real PostgreSQL (Debian's `postgresql`, a throwaway server from tests/postgres.py; those cases
@@ -41,10 +41,10 @@ import pytest
 import websockets
 
 from fakes import LiveServer, fake_stages, make_config, speech
-from voice import records as rec
+from voice.service import records as rec
 from voice.config import RecordsConfig
-from voice.latency import Metrics
-from voice.recordsdb import SCHEMA_VERSION, RecordsError, open_database
+from voice.conversation.latency import Metrics
+from voice.service.recordsdb import SCHEMA_VERSION, RecordsError, open_database
 
 ROOT = Path(__file__).resolve().parents[1]
 VOICE = [sys.executable, "-m", "voice.cli"]
@@ -204,7 +204,7 @@ def test_health_is_the_writers_state_now_not_its_failure_count(store):
     or once its probe gets through when no write comes; `failed` keeps counting."""
     from starlette.testclient import TestClient
 
-    from voice.server import build_app
+    from voice.service.server import build_app
     config = make_config()
     stages = fake_stages(config)
     records = stages.records = rec.Records(store.database, timeout_s=0.3, probe_s=0.2)

@@ -32,7 +32,7 @@ from fakes import SPEECH, speech
 from strategies import INVITE, sip_datagrams, start_messages, twilio_messages
 from voice.audio import pcm16_to_float, rms_dbfs
 from voice.config import Config
-from voice.server import build_app
+from voice.service.server import build_app
 from voice.stages import Stages
 
 RATE = 16000

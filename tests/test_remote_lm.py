@@ -20,7 +20,7 @@ import uvicorn
 
 from fakes import Client, LiveServer, StandInEngine, fake_stages, make_config, speech
 from liveserver import wait_for
-from voice.lm import RemoteLM
+from voice.pipeline.lm import RemoteLM
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -101,7 +101,7 @@ def test_tool_calls_a_server_writes_as_text_are_read(text, called):
     """llama.cpp's server passes Qwen's calls through as text (tests/test_llamacpp_server.py runs it);
     these are the shapes the packaged models write there. Each is held back from speech; a call
     written wrong gives no call (the reply is then answered without tools)."""
-    from voice.lm import calls_written, looks_like_a_call
+    from voice.pipeline.lm import calls_written, looks_like_a_call
     assert looks_like_a_call(text) and not looks_like_a_call("Sure, 17 times 23 is 391.")
     calls = calls_written(text)
     if called is None:

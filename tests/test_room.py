@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from fakes import FakeWhisper, LiveServer, fake_stages, make_config
-from voice import room_eval
-from voice.asr import echoes
+from voice.evals import room_eval
+from voice.pipeline.asr import echoes
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.clients.bench import speech_end_s
 from voice.config import VadConfig
-from voice.room_eval import RATE, Room
-from voice.vad import Endpointer, VoiceEnd, VoiceStart
+from voice.evals.room_eval import RATE, Room
+from voice.pipeline.vad import Endpointer, VoiceEnd, VoiceStart
 
 CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go on forever"
 
@@ -24,7 +24,7 @@ CLIP = room_eval.SPEECH / "forever.wav"  # one breath: "feels like these days go
 def server():
     config = make_config()  # the gate is on by default
     # A finished sentence, written as Whisper writes one: words that trail off would hold each reply for
-    # `turn.hold_ms` (voice/reply.py's Floor.voiced), and a room start in that second resumes the turn
+    # `turn.hold_ms` (voice/conversation/reply.py's Floor.voiced), and a room start in that second resumes the turn
     with LiveServer(config, fake_stages(config, FakeWhisper("Eight of spades."))) as srv:
         yield srv
 
@@ -57,7 +57,7 @@ def test_one_clip_per_room_is_answered_once_and_the_room_alone_starts_nothing(se
 
 
 
-# --- the endpointer follows the user (voice/vad.py's Levels), at the VAD itself ------------------------
+# --- the endpointer follows the user (voice/pipeline/vad.py's Levels), at the VAD itself ------------------------
 
 def in_room(kind: str, below_db: float, clip: str = CLIP.name, lead_s: float = 1.5, tail_s: float = 3.0):
     """`clip` at the speaker's level inside a room `below_db` under it: (the audio, where its speech ends)."""

@@ -23,8 +23,8 @@ import websockets
 from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample, rms_dbfs
 from voice.clients.bench import normalise
 from voice.config import Config
-from voice.latency import STAGES
-from voice.server import build_app
+from voice.conversation.latency import STAGES
+from voice.service.server import build_app
 from fakes import REAL_REPLY_TOKENS
 from fakes import SPEECH
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voice.asr import StreamingTranscriber
+from voice.pipeline.asr import StreamingTranscriber
 from voice.config import AsrConfig
 from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_dbfs, ulaw_encode
 from voice.config import Config
-from voice.server import build_app
+from voice.service.server import build_app
 from voice.stages import Stages
 from voice.transports import rtp, sdp, sip
 from voice.transports.telephony import calls

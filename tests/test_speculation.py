@@ -12,7 +12,7 @@ import pytest
 
 from fakes import FakeLM, FakeSynth, FakeWhisper, fake_stages, make_config, speech
 from voice.events import LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
-from voice.session import Session
+from voice.conversation.session import Session
 
 FRAME = 640  # 20 ms of 16 kHz PCM16
 

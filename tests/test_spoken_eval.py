@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from voice import spoken_eval
-from voice.spoken_eval import QUESTIONS, answered_right, summarise, through_g711
+from voice.evals import spoken_eval
+from voice.evals.spoken_eval import QUESTIONS, answered_right, summarise, through_g711
 
 
 def test_forty_distinct_questions_each_with_an_answer_check_that_compiles():

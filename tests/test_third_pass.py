@@ -170,7 +170,7 @@ def test_the_history_forgets_old_turns_until_the_prompt_fits_the_lms_context_in_
     """Three 1,900-character messages of digits are 5,700 characters, under `max_prompt_chars`
     (6,000: ~4 characters a token for prose), but ~5,000 tokens: every later turn was refused. With
     the LM's own count (`fits`) the oldest turns are forgotten until the prompt fits its context."""
-    from voice.history import History
+    from voice.conversation.history import History
 
     def fits(messages):  # a digit is about a token; a context of 2,048 tokens with 96 for the reply
         return sum(len(m["content"]) for m in messages) + 96 <= 2048
@@ -191,7 +191,7 @@ def test_a_reply_of_deeply_nested_json_is_no_tool_call_and_no_recursion_error():
     """The tool-call readers of a model's reply (ours, and a remote LM's text) used `json.loads`,
     which raises RecursionError (not a ValueError) on 1,000 nested brackets."""
     from engine.tools import calls_in
-    from voice.lm import calls_written
+    from voice.pipeline.lm import calls_written
     deep = '{"name": "f", "arguments": ' + "[" * 1000 + "]" * 1000 + "}"
     assert calls_in(deep) == [] and calls_in(f"<tool_call>{deep}</tool_call>") == []
     assert calls_written("[" * 1000 + "]" * 1000) == []

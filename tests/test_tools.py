@@ -1,4 +1,4 @@
-"""Tools in the voice loop (voice/tools.py), on the real app with stand-in models (tests/fakes.py).
+"""Tools in the voice loop (voice/pipeline/tools.py), on the real app with stand-in models (tests/fakes.py).
 
 The built-ins are tested as they are; webhooks call a real HTTP server on loopback (Starlette
 under uvicorn) that records what it was sent. The stand-in LM is scripted to call tools, so
@@ -31,10 +31,10 @@ from engine.common.keys import ConfigError
 from engine.common.redact import redact
 from fakes import Client, LiveServer, fake_stages, make_config, speech
 from liveserver import serving
-from voice import records as rec
+from voice.service import records as rec
 from voice.config import ToolsConfig, load_config
-from voice.records import read_sessions
-from voice.tools import CUT_NOTE, Timers, Toolbox, ToolError, ToolRun, calculate, with_results
+from voice.service.records import read_sessions
+from voice.pipeline.tools import CUT_NOTE, Timers, Toolbox, ToolError, ToolRun, calculate, with_results
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -383,7 +383,7 @@ def test_barge_in_cancels_a_pending_tool_call(hooks, tmp_path):
 def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks):
     """A speculative reply (started during the VAD hangover) may run get_time, never a webhook:
     if the user goes on talking, the webhook must not have been called."""
-    from voice.reply import Reply, ReplyRunner
+    from voice.conversation.reply import Reply, ReplyRunner
     config = make_config(tools=vars(webhook_config(hooks.base)))
     config.tools.builtin = ["time"]
     stages = fake_stages(config)
@@ -391,7 +391,7 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
     stages.lm.tool_calls = [call("get_time", id="a"), call("get_weather", {"city": "Lima"}, id="b")]
     emitted = []
 
-    class Sink:  # the session, as the runner sees it (voice.reply.ReplySink)
+    class Sink:  # the session, as the runner sees it (voice.conversation.reply.ReplySink)
         def emit(self, ev, wire=True, track=True):
             emitted.append(ev)
             return True

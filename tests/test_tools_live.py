@@ -16,7 +16,7 @@ import pytest
 from fakes import REAL_REPLY_TOKENS, Client, LiveServer
 from voice.audio import float_to_int16, resample
 from voice.config import Config
-from voice.records import read_sessions
+from voice.service.records import read_sessions
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -34,7 +34,7 @@ def server(real_stages, tmp_path_factory):
 def spoken(srv, text: str, lead_s: float = 0.5) -> bytes:
     """`text` in our Piper voice, as 16 kHz PCM16 (what a microphone client sends), after `lead_s` of
     silence: a microphone is open before its user speaks, and the level gate learns the room from the
-    stream's first frames (voice/vad.py), so a stream that opens mid-word would have its first words
+    stream's first frames (voice/pipeline/vad.py), so a stream that opens mid-word would have its first words
     taken for the room (Piper's voice starts 10 ms in: half of its renders of this question were)."""
     synth = srv.stages.synthesizer
     audio = synth.render(text, synth.voice_rate).astype("float32") / 32768.0

@@ -7,12 +7,12 @@ import numpy as np
 import psutil
 import pytest
 
-from voice.asr import StreamingTranscriber, Whisper
+from voice.pipeline.asr import StreamingTranscriber, Whisper
 from voice.config import AsrConfig, TtsConfig
 from voice.audio import resample, rms_dbfs, trim_silence
-from voice.scheduler import MAX_DEFER_S, Scheduler
-from voice.limits import trim_heap
-from voice.tts import PhraseSplitter, Synthesizer, load_voice
+from voice.service.scheduler import MAX_DEFER_S, Scheduler
+from voice.service.limits import trim_heap
+from voice.pipeline.tts import PhraseSplitter, Synthesizer, load_voice
 
 pytestmark = pytest.mark.slow
 
@@ -315,12 +315,12 @@ def test_held_jobs_go_as_soon_as_the_last_waiting_session_has_its_audio():
 
 
 def test_a_local_reply_is_waited_for_while_urgent_and_yields_while_anyone_waits():
-    """The voice service's policy for the engine's per-request priority (voice/lm.py): asked with
+    """The voice service's policy for the engine's per-request priority (voice/pipeline/lm.py): asked with
     the text decoded so far; a tool call being written is no text to speak."""
     from types import SimpleNamespace
 
     from engine.stream import BACKGROUND, NORMAL, WAITED
-    from voice.lm import LocalChat
+    from voice.pipeline.lm import LocalChat
     scheduler = Scheduler()
     chat = LocalChat(SimpleNamespace(scheduler=scheduler))
     urgent = threading.Event()

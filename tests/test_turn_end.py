@@ -13,9 +13,9 @@ import time
 import pytest
 
 from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
-from voice.endofturn import Verdict
+from voice.pipeline.endofturn import Verdict
 from voice.events import SpeechStarted as Started, SpeechStopped as Stopped
-from voice.turns import Pause, TurnTaker
+from voice.conversation.turns import Pause, TurnTaker
 
 FRAME = 640  # bytes: 20 ms of 16 kHz PCM16
 
@@ -78,7 +78,7 @@ def test_the_shape_policy_waits_for_a_transcript_that_trails_off():
     import numpy as np
 
     from voice.config import TurnConfig, VadConfig
-    from voice.endofturn import EndOfTurn, reads_finished
+    from voice.pipeline.endofturn import EndOfTurn, reads_finished
 
     policy = EndOfTurn(TurnConfig(policy="shape"), VadConfig())
     assert policy.smart_turn is None and policy.reads_text
@@ -134,7 +134,7 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
     """The user pauses long enough for the turn to end, a reply starts, and they go on before
     hearing it: the reply stops (a barge-in, its record `superseded`), and the next reply answers
     with one user message in its prompt, not the first half and then the whole."""
-    from voice import records as rec
+    from voice.service import records as rec
     config = make_config(turn={"policy": "fixed", "resume_ms": 3000}, vad={"hangover_ms": 300},
                          records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=("A slow", " reply."))
@@ -203,7 +203,7 @@ def test_only_a_turn_the_user_may_still_resume_holds_its_reply():
 
 
 def test_trails_off_reads_the_words_not_only_the_end_mark():
-    from voice.endofturn import trails_off
+    from voice.pipeline.endofturn import trails_off
     assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")
     assert trails_off("Can you remind me to call my") and trails_off("So I was thinking, maybe we...")
     assert not trails_off("Ten of clubs.") and not trails_off("What is it made of?") and not trails_off("")
@@ -213,7 +213,7 @@ def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
     """`voice eot-eval`'s hold rows: a 0.5 s pause after "Set a timer for." ends the turn at the 400 ms
     hangover (a cut-off), but with a 1000 ms hold its reply is not voiced before the user goes on; after
     "Ten of clubs." (finished) the hold does not apply, and the complete utterance's reply is not delayed."""
-    from voice.eot_eval import Ask, Policy, Record, outcome
+    from voice.evals.eot_eval import Ask, Policy, Record, outcome
 
     def record(said: str) -> Record:
         asks = [Ask(1.0, 0.5, None, None, said, 0, 0, 0, 0), Ask(2.5, 2.0, None, None, said + " Twenty.", 0, 0, 0, 0)]
@@ -290,7 +290,7 @@ def test_a_pause_mid_sentence_loses_no_word(real_stages, pause_s, policy):
     together hold every word (a resumed utterance's final holds both halves); one reply either way,
     to the last turn."""
     from voice.audio import float_to_pcm16, pcm16_to_float
-    from voice.eot_eval import boundary_s, with_pause
+    from voice.evals.eot_eval import boundary_s, with_pause
     config = make_config(lm={"max_new_tokens": 24}, turn={"policy": policy})
     stages = real_stages(config)
     audio = pcm16_to_float(speech("forever.wav"))  # "feels like these days go on forever"

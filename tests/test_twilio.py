@@ -24,7 +24,7 @@ import websockets
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode, float_to_int16
 from voice.clients.bench import normalise
 from voice.config import Config
-from voice.server import build_app
+from voice.service.server import build_app
 from voice.transports.telephony import calls
 from fakes import REAL_REPLY_TOKENS
 from fakes import SPEECH

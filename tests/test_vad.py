@@ -4,7 +4,7 @@ import pytest
 
 from voice.audio import float_to_pcm16, read_wav
 from voice.config import VadConfig
-from voice.vad import Endpointer, VoiceEnd as SpeechStopped, VoiceStart as SpeechStarted
+from voice.pipeline.vad import Endpointer, VoiceEnd as SpeechStopped, VoiceStart as SpeechStarted
 from fakes import SPEECH
 
 RATE = 16000

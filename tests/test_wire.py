@@ -46,7 +46,7 @@ from liveserver import healthz, next_json, serving
 from strategies import (BROKEN, ENGINE_BODIES, NATIVE_CONTROLS, NATIVE_STARTS, TWILIO_MESSAGES, hostile_json,
                         json_value, poison)
 from voice.audio import float_to_int16, read_wav, resample, ulaw_encode
-from voice.auth import Auth
+from voice.service.auth import Auth
 from voice.transports import native
 
 PURE = settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -449,7 +449,7 @@ def uvicorn_with_default_logging(app):
 def test_zz_no_secret_reaches_any_log_line(capfd):
     from engine.decode import DecodeConfig
     from engine.api.server import build_app as engine_app
-    from voice.server import build_app as voice_app
+    from voice.service.server import build_app as voice_app
 
     config = make_config()
     auth = Auth(keys={"web": KEY}, secret=TOKEN_SECRET.encode(), token_ttl_s=60, twilio_token=TWILIO_TOKEN,

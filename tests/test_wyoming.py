@@ -25,7 +25,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from fakes import FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
 from liveserver import free_port, healthz, wyoming_exchange
-from voice import records as rec
+from voice.service import records as rec
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_a_failing_lm_answers_not_handled_and_the_connection_goes_on(server):
 
 def test_a_failing_stage_under_wyoming_is_reported_in_healthz_as_under_ws(server):
     """The LM, the TTS and the ASR failing or overrunning their timeouts under Wyoming are stage faults
-    (/healthz "degraded", `voice_stage_faults`), classified as /ws's are (voice/faults.py)."""
+    (/healthz "degraded", `voice_stage_faults`), classified as /ws's are (voice/conversation/faults.py)."""
     assert healthz(server)["status"] == "ok"
     server.lm.fail_at = 0
     assert types(talk(server, Transcript(text="hello").event(), until="not-handled")) == ["handled-start",
@@ -284,7 +284,7 @@ def test_only_allowed_addresses_are_served():
 
 
 def test_serving_wyoming_to_anyone_off_loopback_is_refused():
-    from voice.auth import Auth, ConfigError, check_exposure
+    from voice.service.auth import Auth, ConfigError, check_exposure
     config = make_config(wyoming={"port": 10300, "host": "0.0.0.0"})
     with pytest.raises(ConfigError, match="wyoming.allow"):
         check_exposure(config, Auth(keys={"k": "x" * 32}, secret=b"s" * 32))
@@ -389,8 +389,8 @@ def test_an_answer_runs_in_the_callers_conversation_and_leaves_the_sessions_alon
     """Home Assistant's conversation agent: the answer's turn reads and extends the history the
     caller keeps, through its chat; the session's own history and chat are never swapped out, not
     even while the answer is made (before, they were, for the length of the call)."""
-    from voice.history import History
-    from voice.session import Session
+    from voice.conversation.history import History
+    from voice.conversation.session import Session
 
     lm = FakeLM()
     lm.delay_s = 0.05  # a reply that takes a while: the session is looked at while it is made

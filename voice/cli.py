@@ -11,7 +11,7 @@ from voice.config import load_config
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from voice.server import serve
+    from voice.service.server import serve
     config = load_config(a.config)
     if a.host:
         config.server.host = a.host
@@ -26,7 +26,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.records is not None:  # a postgresql:// URL, else the SQLite path ("" = off)
         postgres = a.records.startswith(("postgresql://", "postgres://"))
         config.records.url, config.records.path = (a.records, "") if postgres else ("", a.records)
-    from voice.auth import ConfigError
+    from voice.service.auth import ConfigError
     try:
         serve(config)
     except ConfigError as err:
@@ -40,7 +40,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def cmd_records(a: argparse.Namespace) -> int:
     import json
 
-    from voice import records
+    from voice.service import records
     if a.url and not a.url.startswith(("postgresql://", "postgres://")):
         print(f"voice records: --url must be a postgresql:// URL, not {a.url!r}", file=sys.stderr)
         return 2
@@ -80,7 +80,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def cmd_eot_eval(a: argparse.Namespace) -> int:
     import json
 
-    from voice.eot_eval import load_records, run, summarise, table
+    from voice.evals.eot_eval import load_records, run, summarise, table
     config = load_config(a.config)
     if a.records:
         report = summarise(load_records(Path(a.records)), config, a.phone)
@@ -93,7 +93,7 @@ def cmd_eot_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_room_eval(a: argparse.Namespace) -> int:
-    from voice import room_eval
+    from voice.evals import room_eval
     try:
         rooms = [room_eval.Room.parse(r) for r in (a.rooms.split(",") if a.rooms else room_eval.ROOMS)]
     except ValueError as err:
@@ -125,7 +125,7 @@ def cmd_room_eval(a: argparse.Namespace) -> int:
 def cmd_spoken_eval(a: argparse.Namespace) -> int:
     import shlex
 
-    from voice import spoken_eval
+    from voice.evals import spoken_eval
     if not spoken_eval.espeak_available():
         print("voice spoken-eval: espeak-ng is not installed (apt-get install espeak-ng)", file=sys.stderr)
         return 2
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Builds the end-of-turn set (tests/speech whole and with pauses inserted, Piper "
                                    "sentences), streams it through the VAD, Smart Turn and the LM's signal, "
                                    "calibrates each policy on one split and reports the held-out one "
-                                   "(voice/eot_eval.py; BENCHMARKS.md \"End of turn\").")
+                                   "(voice/evals/eot_eval.py; BENCHMARKS.md \"End of turn\").")
     p.add_argument("--config", default=None, help="TOML config ([turn], [vad], [asr], [lm], [tts])")
     p.add_argument("--json", default="", help="write the report and every item's signals here")
     p.add_argument("--phone", action="store_true", help="every item through 8 kHz G.711 µ-law first, as Twilio/SIP")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="Streams tests/speech inside rooms (pink noise, background talk of several voices, "
                                    "the reply's own echo) to a running service, and each room alone; reports turns "
                                    "answered, WER, voice-to-voice, turns the room started, replies it cut "
-                                   "(voice/room_eval.py; BENCHMARKS.md \"Heard in a room\").")
+                                   "(voice/evals/room_eval.py; BENCHMARKS.md \"Heard in a room\").")
     p.add_argument("--url", default="ws://127.0.0.1:8000/ws")
     p.add_argument("--audio", default=str(Path(__file__).resolve().parent.parent / "tests" / "speech"),
                    help="folder of 16-bit mono WAVs (+ transcripts.tsv); its other clips make the background talk")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                        description="40 questions spoken by espeak-ng voices, at 16 kHz and through 8 kHz G.711, "
                                    "streamed in real time to a running service; reports transcript WER, answers "
                                    "right, voice-to-voice p50/p95 and the asr stage per configuration "
-                                   "(voice/spoken_eval.py; BENCHMARKS.md \"Asked by voice\").")
+                                   "(voice/evals/spoken_eval.py; BENCHMARKS.md \"Asked by voice\").")
     p.add_argument("--url", action="append", default=[], metavar="[NAME=]URL",
                    help="the service's /ws (default ws://127.0.0.1:8000/ws); repeat to compare services, each clip "
                         "asked of each in turn")

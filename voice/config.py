@@ -19,7 +19,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     web_dir: str = ""  # empty: the repository's web/ folder
-    agent_port: int = 0  # HAProxy's agent-check: a TCP port answering the capacity left (voice/server.py); 0 = none
+    agent_port: int = 0  # HAProxy's agent-check: a TCP port answering the capacity left (service/server.py); 0 = none
 
 
 @dataclass
@@ -30,7 +30,7 @@ class VadConfig:
     hangover_ms: int = 400  # consecutive unvoiced audio after speech that declares it stopped
     warmup_ms: int = 120  # audio at stream start that cannot start speech (webrtcvad adapting)
     # A voiced frame is the user's only when it is loud like them: floor_margin_db above the room's floor,
-    # or within user_margin_db of their speech level and room_margin_db above the floor (voice/vad.py's
+    # or within user_margin_db of their speech level and room_margin_db above the floor (voice/pipeline/vad.py's
     # Levels; BENCHMARKS.md "Heard in a room"); once they speak, a room the detector hears as silence lets
     # its voiced frames hold them (clean speech stays whole). false: every voiced frame is the user's
     follow_user: bool = True
@@ -57,7 +57,7 @@ TURN_POLICIES = ("fixed", "smart_turn", "lm", "combined", "shape")
 
 @dataclass
 class TurnConfig:
-    """When the user's turn is over (voice/endofturn.py): after `min_silence_ms` of silence the policy
+    """When the user's turn is over (voice/pipeline/endofturn.py): after `min_silence_ms` of silence the policy
     weighs how likely the turn is over and waits for more silence the less likely it is, up to
     `ceiling_ms`, where it is over regardless. `fixed`: the VAD's hangover alone (vad.hangover_ms)."""
 
@@ -74,7 +74,7 @@ class TurnConfig:
     # "you") or this much voiced audio, whichever comes first: a VAD blip (a click, a breath, a browser's
     # microphone settling) leaves the reply playing
     barge_in_ms: int = 600
-    # A reply to words that trail off ("Set a timer for.": voice/endofturn.py's trails_off) is prepared
+    # A reply to words that trail off ("Set a timer for.": voice/pipeline/endofturn.py's trails_off) is prepared
     # (LM and TTS) as any, but its first audio waits until the user has been quiet this long: if they go
     # on meanwhile (a pause mid-sentence), it is dropped unheard and their turn resumes (0: never held)
     hold_ms: int = 1000
@@ -289,7 +289,7 @@ class TelephonyConfig:
     # text: the LM does not write it (that would put an LM turn before the first audio); it goes into the
     # history as the assistant's first words (as far as the caller heard them), so the LM knows it greeted.
     greeting: str = ""
-    # The call's own tools, offered to the LM on phone calls only (voice/calltools.py): end_call (the goodbye is
+    # The call's own tools, offered to the LM on phone calls only (conversation/calltools.py): end_call (the goodbye is
     # spoken to the end, then the call ends), transfer_call (to one of transfer_targets, by name)
     tools: list = field(default_factory=list)
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
@@ -458,7 +458,7 @@ class WebhookConfig:
 
 @dataclass
 class ToolsConfig:
-    """Tools the assistant may call in a voice turn (voice/tools.py)."""
+    """Tools the assistant may call in a voice turn (voice/pipeline/tools.py)."""
 
     builtin: list = field(default_factory=list)  # any of time, timer, calculator; off by default (docs/TOOLS.md)
     time_zone: str = ""  # IANA name for the time tool, e.g. "Europe/Paris"; "" = the host's
@@ -499,7 +499,7 @@ class LimitsConfig:
     """Maxima with clear errors (PROTOCOL.md); 0 = no limit where it says so."""
 
     max_sessions: int = 32  # concurrent sessions over all transports, whatever the capacity; more are refused
-    # Capacity (voice/capacity.py): a session is admitted while the open ones, at their measured cost, and the
+    # Capacity (voice/service/capacity.py): a session is admitted while the open ones, at their measured cost, and the
     # measured load leave room for one more within max_load of the cores; 0 = admit by max_sessions only.
     max_load: float = 0.9  # the share of the cores' time the sessions may take
     session_cores: float = 0.8  # what one session costs (cores) until one is measured: 2 cores hold 2 at a cold start

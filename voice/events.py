@@ -46,7 +46,7 @@ class Ready(Event):
 class SpeechStarted(Event):
     """The user started talking: turn `turn` begins. `resumes`: the turn this one continues (0:
     none): they went on after a pause that ended it before its reply was heard, so this turn's
-    transcript holds that one's words too and supersedes it (voice/turns.py). On the wire only
+    transcript holds that one's words too and supersedes it (voice/conversation/turns.py). On the wire only
     when set."""
 
     resumes: int = 0
@@ -138,7 +138,7 @@ class Clear(Event):
 
 @dataclass
 class ToolCall(Event):
-    """The LM called a tool (voice/tools.py); its result follows as `tool_result`."""
+    """The LM called a tool (voice/pipeline/tools.py); its result follows as `tool_result`."""
 
     id: str = ""
     name: str = ""

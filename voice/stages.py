@@ -1,7 +1,7 @@
 """The models and the service-wide state every session shares.
 
 Built from its parts, so tests can pass fakes; `Stages.load(config)` loads the real models. Each
-stage queues its own work on a worker of the one `voice.scheduler.Scheduler`.
+stage queues its own work on a worker of the one `voice.service.scheduler.Scheduler`.
 """
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ from __future__ import annotations
 import logging
 import time
 
-from voice import records as rec
-from voice.asr import Transcriber, Whisper
+from voice.service import records as rec
+from voice.pipeline.asr import Transcriber, Whisper
 from voice.audio import RATES, float_to_int16, resample
-from voice.capacity import Capacity
+from voice.service.capacity import Capacity
 from voice.config import Config
-from voice.endofturn import EndOfTurn, SmartTurn
-from voice.latency import Metrics
-from voice.limits import Admission
-from voice.lm import LanguageModel, load_lm
-from voice.faults import StageFailure
-from voice.scheduler import Scheduler
-from voice.tools import Toolbox
-from voice.tts import SpeechSynthesizer, Synthesizer, load_voice
+from voice.pipeline.endofturn import EndOfTurn, SmartTurn
+from voice.conversation.latency import Metrics
+from voice.service.limits import Admission
+from voice.pipeline.lm import LanguageModel, load_lm
+from voice.conversation.faults import StageFailure
+from voice.service.scheduler import Scheduler
+from voice.pipeline.tools import Toolbox
+from voice.pipeline.tts import SpeechSynthesizer, Synthesizer, load_voice
 
 log = logging.getLogger("voice.session")
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
@@ -40,7 +40,7 @@ class Stages:
         if capacity is not None:
             self.scheduler.load_high = capacity.strained
         self.admission = Admission(config.limits, self.metrics, capacity)
-        self.records: rec.Records | None = None  # the app opens them (voice.server)
+        self.records: rec.Records | None = None  # the app opens them (voice.service.server)
         self.live: set = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
         self.tools = Toolbox(config.tools)

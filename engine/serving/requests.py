@@ -1,7 +1,7 @@
 """A request inside the engine, and what it hands its caller: `Piece`s of committed text, made
 from a decoder's blocks by `Reply` (incremental detokenisation, timings). A request's priority
 (`Request.level`) is what the scheduler ranks rounds by; what deserves which priority is the
-caller's policy (voice/lm.py has the voice service's)."""
+caller's policy (voice/pipeline/lm.py has the voice service's)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ SHARD_REPLIES = 256  # replies a shard holds: a few minutes of one thread, so a 
 MAX_TURNS = 3
 TOOL_SHARE = 0.08  # conversations offered the service's tools
 
-# the voice service's built-in tools (voice/tools.py `Toolbox`), as its `[tools] builtin` declares them
+# the voice service's built-in tools (voice/pipeline/tools.py `Toolbox`), as its `[tools] builtin` declares them
 TOOLS = [
     Tool("get_time", "The current local time and date.",
          {"type": "object", "properties": {}, "additionalProperties": False}),

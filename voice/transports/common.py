@@ -12,7 +12,7 @@ session's events into its wire. Everything between is here, once:
                   however it ends, `finish`: cancel its tasks, `session.close`, release.
 
 What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming's connections run
-here too, their session one that serves requests (its dictate, recite, answer_in: voice/modes.py).
+here too, their session one that serves requests (its dictate, recite, answer_in: voice/conversation/modes.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voice.auth import Auth, AuthError
+from voice.service.auth import Auth, AuthError
 from voice.events import Clear, Event, TtsAudio
-from voice.limits import LimitError, Ticket
-from voice.session import Session
+from voice.service.limits import LimitError, Ticket
+from voice.conversation.session import Session
 from voice.stages import Stages
 
 log = logging.getLogger("voice.native")  # the name the refusals and closes were always logged under
@@ -92,7 +92,7 @@ async def admit(ws: WebSocket, stages: Stages, auth: Auth | None,
         if auth is not None:
             auth.check_origin(ws.headers)
             if twilio and auth.twilio_token:
-                from voice.auth import request_url
+                from voice.service.auth import request_url
                 auth.check_twilio(ws.headers, request_url(ws.scope, ws.headers))
                 principal = "twilio"
             else:

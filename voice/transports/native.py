@@ -4,7 +4,7 @@ Bad input is answered with an `error` event and dropped; only a missing or inval
 closes the socket, because without it nothing else can be understood. Every text frame goes
 through `engine.common.wire.decode_json`, the one bounded JSON decoder of every front (size, depth,
 number length, no lone surrogates), so that nothing a client sends raises past it. Before
-that, the connection is authenticated and admitted (`voice.auth`, `voice.limits`); a refusal is an
+that, the connection is authenticated and admitted (`voice.service.auth`, `voice.service.limits`); a refusal is an
 `error` and a close too. A session the server ends (a limit, shutdown) gets its `error`,
 then a close with the error code as reason.
 """
@@ -22,10 +22,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.common.wire import WireError, decode_json
 from voice.audio import RATES
-from voice.auth import Auth
+from voice.service.auth import Auth
 from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, Event, Ready, TtsAudio
-from voice.session import Session
+from voice.conversation.session import Session
 from voice.stages import Stages
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, fail, run_admitted
 

@@ -1,6 +1,6 @@
 """OpenAI's Realtime API on /v1/realtime: any Realtime client talks to the same session as /ws.
 
-A Realtime connection is one more transport on `voice.session.Session`: its audio goes through
+A Realtime connection is one more transport on `voice.conversation.session.Session`: its audio goes through
 the same VAD, ASR, LM, TTS, barge-in, latency tracker, limits and call records. This module only
 translates. Client events in: `session.update`, `input_audio_buffer.append / commit / clear`,
 `conversation.item.create` (text, audio, function outputs), `response.create / cancel`,
@@ -45,13 +45,13 @@ from starlette.websockets import WebSocket
 
 from engine.common.wire import WireError, decode_json
 from voice.audio import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
-from voice.auth import Auth
-from voice.endofturn import for_eagerness
+from voice.service.auth import Auth
+from voice.pipeline.endofturn import for_eagerness
 from voice.events import (Error, Event, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall,
                           Transcript, TtsAudio)
-from voice.session import Session
+from voice.conversation.session import Session
 from voice.stages import Stages
-from voice.tools import with_results
+from voice.pipeline.tools import with_results
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.native import system_prompt_problem
 from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend, FunctionCallOutput, FunctionTool,
@@ -60,7 +60,7 @@ from voice.transports.realtime_events import (BETA_FORMATS, FORMATS, AudioAppend
 from voice.transports.realtime_items import Items, RealtimeError, new_id, where
 
 if TYPE_CHECKING:
-    from voice.playback import Playback
+    from voice.conversation.playback import Playback
 
 log = logging.getLogger("voice.realtime")
 BETA_NAMES = {"response.output_audio.delta": "response.audio.delta",
@@ -334,7 +334,7 @@ class RealtimeFront:
         items = self.items
         if items.pending_outputs:  # the answer to a function call: the question again, with the outputs
             runs, items.pending_outputs = items.pending_outputs, []
-            session = self.ensure_session()  # the question again, folded with them as voice/tools.py does
+            session = self.ensure_session()  # the question again, folded with them as voice/pipeline/tools.py does
             question = [{"role": "user", "content": session.take_unanswered()}]
             session.text_turn(with_results(question, runs)[-1]["content"].strip())
             return []

@@ -51,7 +51,7 @@ Format = Annotated[AudioFormat, BeforeValidator(_named_format)]
 
 class TurnDetection(Strict):
     """server_vad: the VAD alone, `silence_duration_ms` its hangover; semantic_vad: our end-of-turn
-    policy (voice/endofturn.py), `eagerness` mapped onto its threshold and ceiling."""
+    policy (voice/pipeline/endofturn.py), `eagerness` mapped onto its threshold and ceiling."""
 
     type: Literal["server_vad", "semantic_vad"]
     eagerness: Literal["low", "medium", "high", "auto"] | None = None

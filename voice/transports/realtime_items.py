@@ -16,8 +16,8 @@ from typing import Any
 
 from voice.config import SessionConfig
 from voice.events import ReplyDone, ToolCall
-from voice.playback import Playback
-from voice.tools import ToolRun
+from voice.conversation.playback import Playback
+from voice.pipeline.tools import ToolRun
 
 Events = list[dict[str, Any]]
 _ids = itertools.count(1)
@@ -119,7 +119,7 @@ class Items:
 
     def refused(self, turn: int) -> Events:
         """The LM refused `turn` for what its user items hold (too long for its context): they are
-        not in the conversation the LM sees any more (voice/reply.py), so they are deleted here too,
+        not in the conversation the LM sees any more (voice/conversation/reply.py), so they are deleted here too,
         and the next message is answered without them."""
         gone = [i for i in [self.user_items.pop(turn, None), *self.typed.pop(turn, [])] if i is not None]
         while self.last_item in gone:

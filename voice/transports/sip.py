@@ -20,10 +20,10 @@ from typing import Any, cast
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from voice.auth import source_allowed
+from voice.service.auth import source_allowed
 from voice.config import SipConfig
-from voice.limits import LimitError, Ticket
-from voice.session import Session
+from voice.service.limits import LimitError, Ticket
+from voice.conversation.session import Session
 from voice.stages import Stages
 from voice.transports import rtp, sdp
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
@@ -86,7 +86,7 @@ class Call:
         self.sender = rtp.RtpSender(answer.payload_type)
         self.remote_ssrc: int | None = None
         self.last_rtp = time.monotonic()
-        self.ticket: Ticket | None = None  # admission (voice.limits), released when the call ends
+        self.ticket: Ticket | None = None  # admission (voice.service.limits), released when the call ends
         # a transfer in progress (transfer_call): the REFER's final response, then the NOTIFYs' sipfrag statuses
         self.refer_cseq: int | None = None
         self.refer_progress: asyncio.Queue[int] | None = None
@@ -212,7 +212,7 @@ class Call:
         self.ep.spawn(self.end(reason))
 
     async def transfer(self, name: str, target: str) -> str | None:
-        """transfer_call (voice/calltools.py): a REFER (RFC 3515) to `target` (a phone number goes as
+        """transfer_call (voice/conversation/calltools.py): a REFER (RFC 3515) to `target` (a phone number goes as
         sip:NUMBER@ the caller's host), then its NOTIFYs until a final status: 2xx = done, we hang up (BYE);
         a REFER refused, a failure, or no final within `telephony.transfer_timeout_s`: the caller stays."""
         if self.state != "confirmed" or self.refer_progress is not None:

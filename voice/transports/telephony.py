@@ -3,7 +3,7 @@
 * `CallSummary` / `calls`: one summary per call in memory (transcripts, replies, what was heard,
   latency reports, DTMF, counters), kept while the call is up and for a while after. Operators
   read it in the logs; tests read it directly. (The call records proper, on disk, are
-  voice/calllog.py's: every session's, a call's too.)
+  voice/conversation/calllog.py's: every session's, a call's too.)
 * `PacedOutput`: a call's output on the conversation runner (voice/transports/common.py): reply
   audio as 20 ms frames of 8 kHz PCM, paced in real time, whatever is queued dropped on barge-in.
   The transport only says how one frame goes on the wire (a µ-law media message, an RTP packet).
@@ -24,7 +24,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from voice.events import Error, Event, LatencyReport, ReplyDone, Transcript, TtsAudio
-from voice.session import Session
+from voice.conversation.session import Session
 from voice.transports.common import DISCONNECTED
 
 log = logging.getLogger("voice.telephony")

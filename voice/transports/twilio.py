@@ -27,8 +27,8 @@ from starlette.websockets import WebSocket
 
 from engine.common.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
-from voice.auth import Auth
-from voice.session import Session
+from voice.service.auth import Auth
+from voice.conversation.session import Session
 from voice.stages import Stages
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.telephony import MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
@@ -152,7 +152,7 @@ class TwilioCall:
         await close_ws(self.ws, code, reason)
 
     async def transfer(self, name: str, target: str) -> str | None:
-        """transfer_call (voice/calltools.py): the call's TwiML becomes a `<Dial>` of `target` (Twilio's REST
+        """transfer_call (conversation/calltools.py): the call's TwiML becomes a `<Dial>` of `target` (Twilio's REST
         API); once Twilio took it, the stream ends here."""
         dial = f"<Sip>{escape(target)}</Sip>" if target.startswith("sip") else escape(target)
         if (why := await self.update_call({"Twiml": f"<Response><Dial>{dial}</Dial></Response>"})) is not None:

@@ -4,7 +4,7 @@ One TCP server offers three programs on every connection (`describe` lists them)
 - speech-to-text: [transcribe] audio-start audio-chunk* audio-stop -> transcript-start,
   transcript-chunk* (partials, as soon as two decodes agree on them), transcript, transcript-stop.
   Two things make it answer sooner than a plain Whisper server: the encoder window is sized to
-  the audio (voice/asr.py), and once the speaker has been quiet `asr.early_final_ms` the final
+  the audio (voice/pipeline/asr.py), and once the speaker has been quiet `asr.early_final_ms` the final
   is decoded speculatively, while the client's own VAD still waits out its silence.
 - text-to-speech: synthesize -> audio-start audio-chunk* audio-stop; streamed text
   (synthesize-start, synthesize-chunk*, synthesize-stop) is spoken phrase by phrase as it comes,
@@ -24,7 +24,7 @@ socket back on every way out.
 
 This file is only the codec: Wyoming's events and its request model (one request at a time, each
 answered before the next event is read). The work is a `Session` that serves requests (its
-`dictate`, `recite` and `answer_in`: voice/session.py, voice/modes.py) on the conversation runner
+`dictate`, `recite` and `answer_in`: conversation/session.py and modes.py) on the conversation runner
 every front uses (voice/transports/common.py): admission, the call records (transport "wyoming", a connection
 with a request is a session, each request a turn), latency and /metrics, stage faults, the
 scheduler and the end of each turn are the session's, as for /ws (docs/HOME_ASSISTANT.md).
@@ -58,14 +58,14 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from engine.common.wire import WireError, decode_json
 from voice import events
-from voice.asr import SAMPLE_RATE
+from voice.pipeline.asr import SAMPLE_RATE
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float
-from voice.auth import source_allowed
+from voice.service.auth import source_allowed
 from voice.config import TtsConfig, WyomingConfig
-from voice.history import History
-from voice.limits import LimitError, Ticket, give_back_freed_memory
-from voice.lm import Chat
-from voice.session import Session
+from voice.conversation.history import History
+from voice.service.limits import LimitError, Ticket, give_back_freed_memory
+from voice.pipeline.lm import Chat
+from voice.conversation.session import Session
 from voice.stages import Stages
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 
@@ -235,7 +235,7 @@ class Reported(Exception):
 
 
 class Connection:
-    """One client connection, a wire codec over a session that serves requests (voice/modes.py) on
+    """One client connection, a wire codec over a session that serves requests (voice/conversation/modes.py) on
     the conversation runner (voice/transports/common.py): its events are read in order, a request
     at a time (`receive`); what the session says comes through the runner's one drain (`play`,
     `send`) and is written in Wyoming's events. The session opens with the first request."""
@@ -577,7 +577,7 @@ def answered(request: Request) -> None:
 
 
 class WyomingServer:
-    """The TCP server, started and stopped with the voice app (voice/server.py)."""
+    """The TCP server, started and stopped with the voice app (voice/service/server.py)."""
 
     def __init__(self, stages: Stages, config: WyomingConfig):
         self.stages, self.config = stages, config

@@ -24,7 +24,7 @@ from faster_whisper.tokenizer import Tokenizer
 
 from engine.common.packages import PackagedFile, assemble, numbered_pieces, package_folder
 from voice.config import FULL_WINDOW_S, AsrConfig
-from voice.scheduler import Scheduler, Worker
+from voice.service.scheduler import Scheduler, Worker
 
 if TYPE_CHECKING:
     from ctranslate2 import StorageView

@@ -1,4 +1,4 @@
-"""Limits: how many sessions may run, by the instance's measured capacity (voice/capacity.py), in
+"""Limits: how many sessions may run, by the instance's measured capacity (voice/service/capacity.py), in
 all and per API key, and whether we are draining (admission); how long one session may last and
 stay silent (`watch_session`).
 
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 from voice.config import Config, LimitsConfig
 
 if TYPE_CHECKING:
-    from voice.capacity import Capacity
-    from voice.latency import Metrics
+    from voice.service.capacity import Capacity
+    from voice.conversation.latency import Metrics
 
 log = logging.getLogger("voice.limits")
 
@@ -146,7 +146,7 @@ class Admission:
 
 
 class Watched(Protocol):
-    """What `watch_session` reads of a session (voice/session.py), and how it ends one."""
+    """What `watch_session` reads of a session (voice/conversation/session.py), and how it ends one."""
 
     config: Config
     closed: bool

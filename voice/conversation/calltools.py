@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from voice.config import TelephonyConfig
-from voice.tools import Timers, Tool, ToolError
+from voice.pipeline.tools import Timers, Tool, ToolError
 
 
 class Phone(Protocol):

@@ -1,4 +1,4 @@
-"""One session's rows in the call records (voice/records.py): every turn gets exactly one row.
+"""One session's rows in the call records (voice/service/records.py): every turn gets exactly one row.
 
 A turn's row is written when it ends: `replied` (awaited, so its reply_done follows the commit),
 `unreplied` (no reply: superseded, no speech, ASR failed), or at close `abandoned` (the session
@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import Counter
 
-from voice import records as rec
+from voice.service import records as rec
 from voice.events import Error, Event, LatencyReport
 
 log = logging.getLogger("voice.session")

@@ -1,5 +1,5 @@
 """Endpointing: where voice starts and ends in a stream of PCM, with webrtcvad (in audio time; the
-turn those make is voice/turns.py's, and events.SpeechStarted / SpeechStopped are its moments).
+turn those make is voice/conversation/turns.py's, and events.SpeechStarted / SpeechStopped are its moments).
 
 Single voiced frames are common in noise and short pauses are common in speech, so the
 start needs a run of voiced frames and the stop needs a run of unvoiced ones (the hangover).

@@ -8,7 +8,7 @@ faster-whisper's word timestamps; a pause is filled with the recording's own qui
 Each item is labelled with where speech really ends (`true_end_s`); items split into calibration
 and held-out by a hash of their utterance (`split_of`).
 
-Each item is streamed in VAD frames as the service hears it (voice.vad.Endpointer, pre-roll
+Each item is streamed in VAD frames as the service hears it (voice.pipeline.vad.Endpointer, pre-roll
 included). Every silence that reaches `turn.min_silence_ms` asks the policy's signals once, as
 the service would: Smart Turn on the utterance so far, and the LM on Whisper's transcript of it.
 Since every policy asks at the same moments, the signals are recorded once and each policy's
@@ -39,18 +39,18 @@ import numpy as np
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
 from voice.config import Config, VadConfig
-from voice.endofturn import EndOfTurn, SmartTurn, reads_finished, trails_off, wait_for
+from voice.pipeline.endofturn import EndOfTurn, SmartTurn, reads_finished, trails_off, wait_for
 
 if TYPE_CHECKING:
     from faster_whisper import WhisperModel
     from piper import PiperVoice
 
-    from voice.lm import Chat
+    from voice.pipeline.lm import Chat
 
 log = logging.getLogger("voice.eot_eval")
 SAMPLE_RATE = 16000
 SPEECH = Path(__file__).resolve().parent.parent / "tests" / "speech"
-PRE_ROLL_S = 0.3  # as voice.turns: audio from before the VAD's start goes with the utterance
+PRE_ROLL_S = 0.3  # as voice.conversation.turns: audio from before the VAD's start goes with the utterance
 TAIL_S = 2.0  # silence after the last word: past any ceiling
 PAUSES_S = (0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2, 1.5)  # inserted mid-sentence, taken in turn
 # Calibration: the fewest cut-offs among thresholds that answer at least this much sooner (p50) than
@@ -234,7 +234,7 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
                   system_prompt: str, frame_ms: int = 20) -> Record:
     """Stream `item` in VAD frames; ask the signals once per silence that reaches `min_silence_ms`."""
     from voice.audio import float_to_pcm16
-    from voice.vad import Endpointer, VoiceStart
+    from voice.pipeline.vad import Endpointer, VoiceStart
     endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)  # never stops speech by itself
     frame = SAMPLE_RATE * frame_ms // 1000
     start_s: float | None = None
@@ -324,7 +324,7 @@ class Outcome:
 def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int, start_ms: int = 60) -> Outcome:
     """When `policy` ends the turn, on the signals recorded for the item. With a hold (`Policy.hold_ms`), a
     turn ended in a pause whose transcript trails off is no cut-off if the user resumes (`start_ms` of voice)
-    before the hold is over: its reply, prepared, is dropped unheard (voice/reply.py's Floor.voiced). The
+    before the hold is over: its reply, prepared, is dropped unheard (voice/conversation/reply.py's Floor.voiced). The
     transcript is the one taken at `min_silence_ms` (the service's early final comes at `asr.early_final_ms`)."""
     asks = {a.silence_start_s: a for a in record.asks}
     held = 0
@@ -414,9 +414,9 @@ def calibrate(name: str, records: list[Record], min_silence_ms: int, ceiling_ms:
 
 def run(config: Config, out: Path | None, phone: bool = False, synthetic: bool = True, use_lm: bool = True) -> dict:
     """Build the set, record the signals, calibrate on one split, report on the other."""
-    from voice.asr import Whisper
-    from voice.lm import LocalLM
-    from voice.tts import load_voice
+    from voice.pipeline.asr import Whisper
+    from voice.pipeline.lm import LocalLM
+    from voice.pipeline.tts import load_voice
     turn = config.turn
     load_before = os.getloadavg()
     whisper = Whisper(config.asr)

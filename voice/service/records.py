@@ -1,5 +1,5 @@
 """Call records: every session and every turn, in an embedded SQLite database (the default) or
-in PostgreSQL (`[records] url`, shared by several instances); voice/recordsdb.py has the schema
+in PostgreSQL (`[records] url`, shared by several instances); voice/service/recordsdb.py has the schema
 and the two dialects.
 
 One writer thread per process owns the connection and drains a bounded queue of writes,
@@ -32,10 +32,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from voice.recordsdb import TABLES, Op, RecordsError, open_database
+from voice.service.recordsdb import TABLES, Op, RecordsError, open_database
 
 if TYPE_CHECKING:
-    from voice.latency import Metrics
+    from voice.conversation.latency import Metrics
 
 log = logging.getLogger("voice.records")
 

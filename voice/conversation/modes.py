@@ -1,5 +1,5 @@
 """A session that serves requests instead of holding a conversation: Wyoming's three programs,
-the session's `dictate`, `recite` and `answer_in` (voice/session.py).
+the session's `dictate`, `recite` and `answer_in` (voice/conversation/session.py).
 
     listen   audio from the client's start to its stop -> one final transcript, no reply
              (`Dictation`, the session's TurnTaker: every sample transcribed; the VAD only
@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from voice import vad
-from voice.asr import SAMPLE_RATE, Transcriber
+from voice.pipeline import vad
+from voice.pipeline.asr import SAMPLE_RATE, Transcriber
 from voice.audio import pcm16_to_float
 from voice.config import Config
 from voice.events import SpeechStarted, SpeechStopped
-from voice.lm import Piece
-from voice.turns import Final, Partial, SpeculationDropped, TurnEvent, TurnTaker
+from voice.pipeline.lm import Piece
+from voice.conversation.turns import Final, Partial, SpeculationDropped, TurnEvent, TurnTaker
 
 
 class Dictation(TurnTaker):

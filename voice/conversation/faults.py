@@ -2,7 +2,7 @@
 
 A stage that fails or overruns its `[faults]` timeout becomes a `StageFailure` (which stage, a timeout
 or an error, or the client's own doing). The native session and the Realtime, Twilio and SIP fronts
-end the turn with it and the apology (voice/reply.py); Wyoming answers with its own events. Either
+end the turn with it and the apology (voice/conversation/reply.py); Wyoming answers with its own events. Either
 way the failure is reported to `Stages.fault`, so /healthz and `voice_stage_faults` see every front's.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import numpy as np
 
 from voice.config import FaultsConfig
-from voice.lm import Piece
-from voice.tts import SpeechSynthesizer
+from voice.pipeline.lm import Piece
+from voice.pipeline.tts import SpeechSynthesizer
 
 log = logging.getLogger("voice.faults")
 

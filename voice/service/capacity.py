@@ -12,9 +12,9 @@ the sessions open), quick to rise and slow to fall, so a lull of silent sessions
 crowd that then all talks at once. Until a session has been measured, `limits.session_cores`
 stands in for it.
 
-Admission (`voice.limits.Admission`) asks `admits(open)`: a session is let in while both the
+Admission (`voice.service.limits.Admission`) asks `admits(open)`: a session is let in while both the
 sessions already open, at their measured cost, and the load measured now leave room for one more.
-`report()` is what /healthz shows, for a load balancer's agent (voice.server) and for operators.
+`report()` is what /healthz shows, for a load balancer's agent (voice.service.server) and for operators.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from voice.config import LimitsConfig
 
-SAMPLE_S = 1.0  # the load is sampled this often (voice.server's loop; /healthz and admission sample too)
+SAMPLE_S = 1.0  # the load is sampled this often (voice.service.server's loop; /healthz and admission sample too)
 LOAD_WINDOW_S = 5.0  # the load is averaged over about this long
 STRAINED = 0.75  # past this share of the usable cores, best-effort work (partial transcripts) backs off
 RISE, FALL = 0.3, 0.02  # per sample: how fast the cost of a session follows a higher / a lower measurement
@@ -112,7 +112,7 @@ class Capacity:
                     self.session_cores += (per_session - self.session_cores) * rate
 
     def strained(self) -> bool:
-        """Is the load near what the cores give? (Best-effort work backs off: voice.scheduler.)"""
+        """Is the load near what the cores give? (Best-effort work backs off: voice.service.scheduler.)"""
         return self.load > self.usable * STRAINED
 
     def sessions_max(self) -> int:

@@ -34,7 +34,7 @@ from voice.audio import float_to_pcm16, pcm16_to_float, read_wav, resample
 from voice.clients.bench import normalise, pct, read_references, speech_end_s
 from voice.config import VadConfig
 from voice.events import Clear, Ready, ReplyDone, SpeechStarted, Transcript, from_wire
-from voice.vad import Endpointer, VoiceEnd, VoiceStart
+from voice.pipeline.vad import Endpointer, VoiceEnd, VoiceStart
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -411,7 +411,7 @@ class Endpoints:
 
 def offline(rooms: list[Room], files: list[Path], vad: VadConfig, alone_s: float = 60.0, seed: int = 0,
             barge_in_ms: int = 600) -> list[Endpoints]:
-    """Each room's mixes through voice.vad.Endpointer as a session hears them (one stream per room, 1.5 s
+    """Each room's mixes through voice.pipeline.vad.Endpointer as a session hears them (one stream per room, 1.5 s
     of room, the clip, 3 s of room); echo rooms: after each clip, the other clips back to back as the reply,
     `below_db` under the speaker and 50 ms late, with `playing` set while it plays, and the user talking
     over its second half."""

@@ -28,32 +28,32 @@ from typing import Any, Protocol, cast
 
 from prometheus_client import Counter
 
-from voice.asr import echoes, has_words
-from voice.calllog import CallLog
+from voice.pipeline.asr import echoes, has_words
+from voice.conversation.calllog import CallLog
 from voice.config import Config
-from voice.endofturn import trails_off
+from voice.pipeline.endofturn import trails_off
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
-from voice.faults import StageFailure, blocks_within, synthesis_within
-from voice.history import History
-from voice.lm import Chat
-from voice.outbox import Outbox
-from voice.playback import Playback
-from voice.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due, Scheduler
-from voice.tools import Timers, Toolbox, ToolRun, with_results
-from voice.tts import PhraseSplitter, SpeechSynthesizer
-from voice.turns import TurnTaker
+from voice.conversation.faults import StageFailure, blocks_within, synthesis_within
+from voice.conversation.history import History
+from voice.pipeline.lm import Chat
+from voice.conversation.outbox import Outbox
+from voice.conversation.playback import Playback
+from voice.service.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due, Scheduler
+from voice.pipeline.tools import Timers, Toolbox, ToolRun, with_results
+from voice.pipeline.tts import PhraseSplitter, SpeechSynthesizer
+from voice.conversation.turns import TurnTaker
 
 
 class Send(Protocol):
-    """The session's way out (voice/session.py's `emit`): to the client if `wire`, to the latency
+    """The session's way out (voice/conversation/session.py's `emit`): to the client if `wire`, to the latency
     tracker if `track`; False if the client was not sent it."""
 
     def __call__(self, ev: Event, wire: bool = True, track: bool = True) -> bool: ...
 
 # A reply whose audio is about to run out (less than this left to play, nothing being synthesised)
 # speaks the words it has, at least this many, without waiting for the phrase's punctuation: a cut
-# between words (its silence trimmed, voice/tts.py) is heard less than a pause mid-sentence.
+# between words (its silence trimmed, voice/pipeline/tts.py) is heard less than a pause mid-sentence.
 DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 
 log = logging.getLogger("voice.reply")
@@ -138,7 +138,7 @@ class ReplyRunner:
         self.apology = apology
         self.sink = sink
         self.name = name  # the session, for logs
-        # A session that serves requests (voice/modes.py): its LM replies are text only, and the
+        # A session that serves requests (voice/conversation/modes.py): its LM replies are text only, and the
         # conversation is its caller's (nothing is prepared ahead in it).
         self.requests = requests
 
@@ -194,7 +194,7 @@ class ReplyRunner:
     async def _generate(self, reply: Reply, messages: list[dict], phrases: asyncio.Queue,
                         speaker: asyncio.Task, chat: Chat) -> None:
         """LM blocks -> reply events and phrases for the speaker. A reply that calls tools is not
-        spoken: the calls run and the model answers again with their results (voice/tools.py)."""
+        spoken: the calls run and the model answers again with their results (voice/pipeline/tools.py)."""
         splitter = PhraseSplitter(self.config.tts.min_chars, self.config.tts.first_words,
                                   self.config.tts.max_phrase_chars)
         offered = (self.tools.openai() + self.client_tools) or None
@@ -313,7 +313,7 @@ class ReplyRunner:
                                           round(run.ms, 1)))
 
     async def recite(self, reply: Reply, texts: AsyncIterator[str]) -> None:
-        """Speak `texts` as they come, no LM (voice/modes.py's speak): phrase by phrase, each next
+        """Speak `texts` as they come, no LM (voice/conversation/modes.py's speak): phrase by phrase, each next
         one handed over once the last is on the wire, so a client that reads slowly holds the
         synthesis back rather than the outbox dropping its audio."""
         tts = self.config.tts
@@ -388,7 +388,7 @@ class ReplyRunner:
 
 
 class Floor:
-    """The assistant's side of one conversation (voice/session.py): the reply that has the floor,
+    """The assistant's side of one conversation (voice/conversation/session.py): the reply that has the floor,
     from its start to its record, what of it reaches the wire and is heard, the user talking over
     it (barge-in), and announcements between turns. It is its ReplyRunner's sink.
 
@@ -510,7 +510,7 @@ class Floor:
         return []
 
     def talked_over(self, turn: int, now: float) -> list[Event]:
-        """`turn` is speech (voice/turns.py's Talking, or words heard: `heard_words`): if it is the
+        """`turn` is speech (voice/conversation/turns.py's Talking, or words heard: `heard_words`): if it is the
         contender, the reply it began over stops, never the turn's own (a late partial can land
         after its speculative reply started)."""
         if turn == self.contender and self.reply is not None and self.reply.turn != turn:
@@ -519,7 +519,7 @@ class Floor:
 
     def heard_words(self, turn: int, text: str, final: bool = False) -> bool:
         """`turn`'s transcript so far (`final`: all of it) is `text`: is it a turn to answer? One begun over
-        a reply must hold words, not Whisper's near-silence "you" (voice/asr.py's has_words) nor mostly the
+        a reply must hold words, not Whisper's near-silence "you" (voice/pipeline/asr.py's has_words) nor mostly the
         reply's own (its echo through a speakerphone: `echoes`), and then it talks over the reply
         (`talked_over`); else it is no speech, and the reply goes on."""
         if turn != self.contender:

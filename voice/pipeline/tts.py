@@ -18,7 +18,7 @@ from piper import PiperConfig, PiperVoice, SynthesisConfig
 
 from voice.audio import float_to_int16, resample, trim_silence
 from voice.config import TtsConfig
-from voice.scheduler import Scheduler, Worker
+from voice.service.scheduler import Scheduler, Worker
 
 
 LEAD_MS, TAIL_MS = 10, 30  # silence kept before a phrase, and after one cut between words (`Synthesizer.render`)

@@ -1,19 +1,19 @@
 """One conversation: audio in -> VAD -> ASR -> LM -> TTS -> audio out, with barge-in and history.
 
-    runner --push_audio--> TurnTaker (VAD, ASR, end of turn)    voice/turns.py
+    runner --push_audio--> TurnTaker (VAD, ASR, end of turn)    voice/conversation/turns.py
            <--its turn events, dispatched in `_on_turn`
-           --final transcript--> Floor -> ReplyRunner (LM -> TTS)  voice/reply.py
-           <--outbox-- events; audio_sent --> Playback ledger   voice/playback.py
+           --final transcript--> Floor -> ReplyRunner (LM -> TTS)  voice/conversation/reply.py
+           <--outbox-- events; audio_sent --> Playback ledger   voice/conversation/playback.py
 
 The conversation runner (voice/transports/common.py) feeds `push_audio`, drains `outbox` and reports with `audio_sent`
 what reached the wire: what the user heard. Beside the line: the call log writes each turn's row before its
-`reply_done` is sent; the history is what the LM sees; `watch_session` (voice/limits.py) sets `ending` past a limit; a
+`reply_done` is sent; the history is what the LM sees; `watch_session` (service/limits.py) sets `ending` past a limit; a
 failed stage ends the turn with an `error` and a spoken apology (docs/RELIABILITY.md). From the end of the user's
 speech to their reply's first audio the session waits with the `Scheduler`: other sessions' background work yields.
 
 A front asks the session only through its public methods (`push_audio`, `audio_sent`, `text_turn`, `press`,
 `instruct`, `offer_tools`, `cancel_reply`, `heard_only`, ...; Wyoming's `dictate`, `recite`, `answer_in`; a phone
-call's `greet`, `hang_up`, and its `phone` given at the start for the call's tools, voice/calltools.py); its parts
+call's `greet`, `hang_up`, and its `phone` given at the start for the call's tools, calltools.py); its parts
 get their collaborators, never the Session, and return their events to it (tests/test_architecture.py holds both).
 """
 
@@ -27,23 +27,23 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import assert_never
 
-from voice import modes
-from voice.calllog import CallLog
-from voice.calltools import Phone, call_tools
+from voice.conversation import modes
+from voice.conversation.calllog import CallLog
+from voice.conversation.calltools import Phone, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
-from voice.faults import StageFailure, transcript_within
-from voice.history import History
-from voice.keypad import KEYS, Keypad, keypad_text
-from voice.latency import LatencyTracker
-from voice.limits import watch_session
-from voice.lm import Chat
-from voice.outbox import Outbox
-from voice.playback import Playback
-from voice.reply import Floor, Reply, ReplyRunner
+from voice.conversation.faults import StageFailure, transcript_within
+from voice.conversation.history import History
+from voice.conversation.keypad import KEYS, Keypad, keypad_text
+from voice.conversation.latency import LatencyTracker
+from voice.service.limits import watch_session
+from voice.pipeline.lm import Chat
+from voice.conversation.outbox import Outbox
+from voice.conversation.playback import Playback
+from voice.conversation.reply import Floor, Reply, ReplyRunner
 from voice.stages import Stages
-from voice.tools import Timers
-from voice.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooLong, TurnEvent, TurnTaker
+from voice.pipeline.tools import Timers
+from voice.conversation.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooLong, TurnEvent, TurnTaker
 
 log = logging.getLogger("voice.session")
 STOP_WAIT_S = 5.0  # a request stopped by its client's error gets this long to record itself
@@ -67,11 +67,11 @@ class Session:
         self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
                                cfg.lm.history_turns, cfg.lm.max_prompt_chars, stages.lm.fits)
-        self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/modes.py)
+        self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/conversation/modes.py)
         self.turns = (modes.Dictation if requests else TurnTaker)(cfg, stages.whisper, in_rate, self.id)
         self.end_of_turn = stages.end_of_turn(cfg)
         self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
-        # the assistant's side: the reply being made or heard (voice/reply.py)
+        # the assistant's side: the reply being made or heard (voice/conversation/reply.py)
         self.floor = Floor(self.id, self.turns, self.history, self.outbox, self.call_log, stages.scheduler, self.emit,
                            stages.fault, stages.metrics.barge_ins)
         self.timers = Timers(self._announce, stages.tools.zone)
@@ -79,7 +79,7 @@ class Session:
             cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
             None if requests else stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers,
             requests)
-        if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/calltools.py)
+        if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/conversation/calltools.py)
             self.replies.tools = stages.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
@@ -152,7 +152,7 @@ class Session:
         self._on_turn(await self.turns.judge(pause, self.end_of_turn, self._end_signal))
 
     async def _end_signal(self, text: str) -> float | None:
-        """The LM's probability that the user's turn ends after `text` (voice/endofturn.py)."""
+        """The LM's probability that the user's turn ends after `text` (voice/pipeline/endofturn.py)."""
         replies = self.replies
         tools = (replies.tools.openai() + replies.client_tools) or None
         return await replies.chat.end_of_turn_probability(self.history.messages(text)[:-1], text, tools)
@@ -203,7 +203,7 @@ class Session:
             self.unreplied(turn, "", "no_speech")
 
     def _heard_words(self, turn: int, text: str, final: bool = False) -> bool:
-        """Is `turn`'s transcript so far a turn to answer (voice/reply.py's `Floor.heard_words`)? If
+        """Is `turn`'s transcript so far a turn to answer (voice/conversation/reply.py's `Floor.heard_words`)? If
         so, and it began over a reply, that reply stops."""
         if not self.floor.heard_words(turn, text, final):
             return False
@@ -262,7 +262,7 @@ class Session:
         return reply
 
     def press(self, key: str) -> int | None:
-        """A key pressed on the keypad (DTMF; one of voice/keypad.py's KEYS). It stops a reply as speech
+        """A key pressed on the keypad (DTMF; one of voice/conversation/keypad.py's KEYS). It stops a reply as speech
         does; the sequence it ends (`#`, `session.keypad_max_digits` keys) is the user's turn, answered
         like a transcript, as is the one a pause of `session.keypad_pause_s` ends. That turn's number."""
         if self.closed:
@@ -336,7 +336,7 @@ class Session:
         """What of the current reply is on the wire and heard (None: no reply has the floor)."""
         return self.floor.reply.playback if self.floor.reply is not None else None
 
-    # --- requests: Wyoming's programs (a session opened with requests=True, voice/modes.py) -------
+    # --- requests: Wyoming's programs (a session opened with requests=True, voice/conversation/modes.py) -------
 
     def dictate(self) -> int:
         """Start a dictation (one in flight is dropped, unanswered: `superseded`). Its turn."""
@@ -396,7 +396,7 @@ class Session:
         self._on_turn(self.turns.clear(time.monotonic()))
 
     def audio_sent(self, turn: int, text: str, seconds: float) -> None:
-        """The runner put a phrase's first audio on the wire: heard from now (voice/reply.py's Floor)."""
+        """The runner put a phrase's first audio on the wire: heard from now (voice/conversation/reply.py's Floor)."""
         self._send(self.floor.audio_sent(turn, text, seconds))
 
     def is_current(self, turn: int) -> bool:

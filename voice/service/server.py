@@ -3,7 +3,7 @@
 
 With `[sip] port` set, the SIP/RTP endpoint runs alongside, started and stopped with the app; so
 does the Wyoming server for Home Assistant with `[wyoming] port` (voice/transports/wyoming.py).
-The app also owns the call records (`voice.records`), authentication (`voice.auth`) and the
+The app also owns the call records (`voice.service.records`), authentication (`voice.service.auth`) and the
 graceful shutdown: `VoiceServer` (what `voice serve` runs) stops admitting sessions, lets
 turns in flight finish for up to `limits.shutdown_grace_s`, then ends every session with
 `shutting_down` (websocket close 1001, SIP BYE) before uvicorn closes the sockets. It keeps
@@ -34,17 +34,17 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocket
 
 from engine.common.deadlines import guarded_http
-from voice.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
-from voice.capacity import SAMPLE_S, Capacity
+from voice.service.auth import Auth, AuthError, check_exposure, install_redaction, is_loopback
+from voice.service.capacity import SAMPLE_S, Capacity
 from voice.config import Config
-from voice.limits import LimitError
-from voice.records import Records, RecordsError
+from voice.service.limits import LimitError
+from voice.service.records import Records, RecordsError
 from voice.stages import Stages
-from voice.tools import webhook_secrets
+from voice.pipeline.tools import webhook_secrets
 from voice.transports import native, twilio
 
 if TYPE_CHECKING:
-    from voice.lm import RemoteLM
+    from voice.pipeline.lm import RemoteLM
 
 log = logging.getLogger("voice.server")
 # uvicorn's websocket protocol on the `websockets` library's sans-I/O core: its legacy one ("websockets")

@@ -5,7 +5,7 @@ tools is not spoken: the calls run, and the model answers again with their resul
 the user's message, `What time is it?\\n\\n(Result of get_time: 3:47 PM on ...)`. Our default
 model answers that form well; given OpenAI's `tool` messages instead it talked about the JSON
 ("This response indicates that...": docs/TOOLS.md). Pure tools (time, calculator) may run
-while the reply is still a speculation (voice/turns.py); webhooks and timers act on the world,
+while the reply is still a speculation (voice/conversation/turns.py); webhooks and timers act on the world,
 so they wait until the user's turn has really ended. Barge-in cancels calls still running.
 """
 
@@ -244,7 +244,7 @@ class Toolbox:
         return bool(self.tools)
 
     def with_tools(self, extra: dict[str, Tool]) -> Toolbox:
-        """These tools and `extra` (one session's own: a phone call's, voice/calltools.py); the webhooks' client
+        """These tools and `extra` (one session's own: a phone call's, conversation/calltools.py); the webhooks' client
         stays this toolbox's."""
         out = copy.copy(self)
         out.tools = {**self.tools, **extra}

@@ -8,7 +8,7 @@ ended there, that transcript (and the reply the session started on it) is kept a
 off the critical path; if they speak again, it is dropped.
 
 When the turn ends: after `turn.min_silence_ms` of silence a `Pause` asks the session's
-end-of-turn policy (voice/endofturn.py: Smart Turn on the audio, the LM on the early final's
+end-of-turn policy (voice/pipeline/endofturn.py: Smart Turn on the audio, the LM on the early final's
 words); its verdict (`verdict`) ends the turn now or after more silence, up to `turn.ceiling_ms`,
 where the VAD ends it anyway. With `turn.policy = "fixed"` the VAD's `vad.hangover_ms` alone
 does. A user who resumes within `turn.resume_ms` of the end, before hearing the reply, continues
@@ -18,7 +18,7 @@ final transcript (the superseded one's too, of the audio it had when it ended); 
 final says which turn it `resumes`. `limits.max_utterance_s` bounds the whole of
 it, the resumed halves included: past it the utterance is cut (`TooLong`) and cannot be resumed.
 Once an utterance has `turn.barge_in_ms` of voiced audio it is `Talking`: speech, not a VAD blip,
-which is what lets it interrupt a reply before its words are transcribed (voice/reply.py's Floor).
+which is what lets it interrupt a reply before its words are transcribed (voice/conversation/reply.py's Floor).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from voice import vad
-from voice.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
+from voice.pipeline import vad
+from voice.pipeline.asr import SAMPLE_RATE, StreamingTranscriber, Transcriber
 from voice.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from voice.config import Config
-from voice.endofturn import EndOfTurn, TextSignal, Verdict
+from voice.pipeline.endofturn import EndOfTurn, TextSignal, Verdict
 from voice.events import SpeechStarted, SpeechStopped
 
 log = logging.getLogger("voice.session")
@@ -67,7 +67,7 @@ class Final:
 @dataclass(frozen=True)
 class Pause:
     """The user has been quiet `turn.min_silence_ms`: is their turn over? The session asks the
-    end-of-turn policy (voice/endofturn.py) and gives its verdict back (`TurnTaker.verdict`)."""
+    end-of-turn policy (voice/pipeline/endofturn.py) and gives its verdict back (`TurnTaker.verdict`)."""
 
     turn: int
     pause: int  # which pause of the session (a verdict for an earlier one is stale)
@@ -176,7 +176,7 @@ class TurnTaker:
 
     def push(self, pcm16: bytes, now: float, playing: bool = False) -> list[TurnEvent]:
         """PCM16LE mono at the session's input rate, any length: what it did to the turn, in order.
-        `playing`: a reply is playing, whose echo is not the user (voice/vad.py's Levels)."""
+        `playing`: a reply is playing, whose echo is not the user (voice/pipeline/vad.py's Levels)."""
         audio = self.resampler.push(pcm16_to_float(pcm16), self.in_rate)
         if not len(audio):
             return []

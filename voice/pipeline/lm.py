@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from engine.common.wire import WireError, decode_json
 from engine.tools import MAX_CALL_BYTES, calls_in, starts_a_call
 from voice.config import LmConfig
-from voice.scheduler import Scheduler
+from voice.service.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
@@ -70,7 +70,7 @@ class Chat(Protocol):
                                       tools: list[dict] | None = None) -> float | None:
         """How likely the user's turn is over after saying `text` (a transcript, maybe partial),
         following `messages`: the LM's probability of ending the user's message there. None: this
-        backend cannot tell (voice.endofturn then decides on the audio alone)."""
+        backend cannot tell (voice.pipeline.endofturn then decides on the audio alone)."""
         ...
 
     def close(self) -> None:
@@ -89,7 +89,7 @@ class LanguageModel(Protocol):
 
     def fits(self, messages: list[dict]) -> bool:
         """Do `messages` and a whole reply fit the LM's context, by its own tokenizer? (True where
-        it cannot count: the history's bound in characters is then the only one, voice/history.py.)"""
+        it cannot count: the history's bound in characters is then the only one, voice/conversation/history.py.)"""
         ...
 
     def serve(self, max_prefill_s: float, tools: list[dict]) -> None:
@@ -162,7 +162,7 @@ class LocalLM:
 
     def fits(self, messages: list[dict]) -> bool:
         """Do `messages` and a whole reply fit the engine's context, by its own tokenizer? (The
-        history's bound beyond characters: voice/history.py.)"""
+        history's bound beyond characters: voice/conversation/history.py.)"""
         return len(self.engine.prompt_ids(messages)) + self.decode.max_new_tokens <= self.engine.max_seq_len
 
     def serve(self, max_prefill_s: float, tools: list[dict]) -> None:

@@ -284,7 +284,7 @@ def transcribe_only(clips: list[Clip], variants: dict[str, AsrConfig], log: Call
     """The end-of-turn transcript of every clip as the service decodes it, by each [asr] variant in turn
     (clip by clip, so a busy moment of a shared machine falls on all of them alike), how long each decode
     took, and how many finals each decoded again (asr.redecode_log_prob)."""
-    from voice.asr import StreamingTranscriber, Whisper
+    from voice.pipeline.asr import StreamingTranscriber, Whisper
     models = {name: Whisper(asr) for name, asr in variants.items()}
     rows: dict[str, list[dict]] = {name: [] for name in variants}
 

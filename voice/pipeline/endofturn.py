@@ -4,7 +4,7 @@ A fixed VAD hangover is both too long for a finished "Yes." and too short for so
 the middle of a phone number. Two signals say which it is: Smart Turn v3.2 (Pipecat's ~8M-parameter
 audio model, BSD-2) hears whether the speech so far sounds finished, and the LM reads whether the
 transcript so far is (the probability of its end-of-turn token right after the user's words,
-`voice.lm.Chat.end_of_turn_probability`). The less likely the turn is over, the longer the policy
+`voice.pipeline.lm.Chat.end_of_turn_probability`). The less likely the turn is over, the longer the policy
 waits in silence: done at `min_silence_ms` from the policy's threshold on, then a threshold falling
 linearly to 0 at `ceiling_ms`, where the turn is over whatever the signals say. If the user speaks
 again before then, it was a pause, and the next silence asks again.
@@ -33,7 +33,7 @@ from faster_whisper.feature_extractor import FeatureExtractor
 
 from engine.common.packages import MissingPackageError
 from voice.config import TurnConfig, VadConfig
-from voice.scheduler import Scheduler, Worker
+from voice.service.scheduler import Scheduler, Worker
 
 SAMPLE_RATE = 16000
 
@@ -76,7 +76,7 @@ def trails_off(text: str) -> bool:
     """Do the words so far read unfinished: no sentence end (`reads_finished`), or a statement that
     ends on one of TRAILING_WORDS ("Set a timer for.")? A question ends a turn whatever its last
     word ("What is it made of?"). The Floor holds the first audio of a reply to such words for
-    `turn.hold_ms` of silence (voice/reply.py); BENCHMARKS.md "Heard in a room"."""
+    `turn.hold_ms` of silence (voice/conversation/reply.py); BENCHMARKS.md "Heard in a room"."""
     text = text.strip()
     if not text:
         return False

@@ -2,7 +2,7 @@
 PostgreSQL server (`[records] url`), which several voice instances can share (docs/SCALING.md).
 
 Both get the same tables from one schema and the same numbered migrations, and offer the writer
-(voice/records.py) the same few operations: connect, run statements (written once, with `?`
+(voice/service/records.py) the same few operations: connect, run statements (written once, with `?`
 placeholders) as one transaction, read rows as dicts, and say whether a failure lost the
 connection (PostgreSQL: the writer reconnects and retries; an SQLite file cannot be lost).
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("voice.eot_eval")
 SAMPLE_RATE = 16000
-SPEECH = Path(__file__).resolve().parent.parent / "tests" / "speech"
+SPEECH = Path(__file__).resolve().parents[2] / "tests" / "speech"
 PRE_ROLL_S = 0.3  # as voice.conversation.turns: audio from before the VAD's start goes with the utterance
 TAIL_S = 2.0  # silence after the last word: past any ceiling
 PAUSES_S = (0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.2, 1.5)  # inserted mid-sentence, taken in turn

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 RATE = 16000
 FRAME_MS = 20
 FRAME = RATE * FRAME_MS // 1000
-SPEECH = Path(__file__).resolve().parent.parent / "tests" / "speech"
+SPEECH = Path(__file__).resolve().parents[2] / "tests" / "speech"
 LEAD_S = 1.5  # the room before the user speaks
 ECHO_DELAY_S = 0.05  # the reply comes back into the microphone this long after it plays
 HEARD_S = 5.0  # a clip is over once its reply is done, or has been heard this long

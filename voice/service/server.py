@@ -50,7 +50,7 @@ log = logging.getLogger("voice.server")
 # uvicorn's websocket protocol on the `websockets` library's sans-I/O core: its legacy one ("websockets")
 # answered 500 to an upgrade with a non-ASCII header byte (it re-encodes the headers as latin-1).
 WEBSOCKETS = "websockets-sansio"
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 
 class VoiceApp:

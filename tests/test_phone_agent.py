@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from fakes import FakeLM, fake_stages, make_config
 from liveserver import serving
-from test_sip import SIPP_KEY, free_even_udp_ports, free_udp_port, wait_until
+from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wait_until
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
@@ -151,49 +151,7 @@ def test_telephony_config_is_checked():
 
 # --- SIP: SIPp calls in, presses 1 #, the LM calls the tool ----------------------------------------------
 
-UAC = """<?xml version="1.0" encoding="ISO-8859-1" ?>
-<scenario name="a phone agent's caller">
-  <send retrans="500">
-    <![CDATA[
-      INVITE sip:bot@[remote_ip]:[remote_port] SIP/2.0
-      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
-      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
-      To: <sip:bot@[remote_ip]:[remote_port]>
-      Call-ID: [call_id]
-      CSeq: 1 INVITE
-      Contact: <sip:sipp@[local_ip]:[local_port]>
-      Max-Forwards: 70
-      Content-Type: application/sdp
-      Content-Length: [len]
-
-      v=0
-      o=sipp 53655765 2353687637 IN IP[local_ip_type] [local_ip]
-      s=-
-      c=IN IP[media_ip_type] [media_ip]
-      t=0 0
-      m=audio [media_port] RTP/AVP 0
-      a=rtpmap:0 PCMU/8000
-      a=ptime:20
-    ]]>
-  </send>
-  <recv response="100" optional="true"/>
-  <recv response="180" optional="true"/>
-  <recv response="200" rtd="true" rrs="true"/>
-  <send>
-    <![CDATA[
-      ACK [next_url] SIP/2.0
-      Via: SIP/2.0/[transport] [local_ip]:[local_port];branch=[branch]
-      From: sipp <sip:sipp@[local_ip]:[local_port]>;tag=[pid]SIPpTag00[call_number]
-      To: <sip:bot@[remote_ip]:[remote_port]>[peer_tag_param]
-      Call-ID: [call_id]
-      CSeq: 1 ACK
-      Contact: <sip:sipp@[local_ip]:[local_port]>
-      Max-Forwards: 70
-      Content-Length: 0
-    ]]>
-  </send>
-  <nop><action><exec rtp_stream="{audio},1,0"/></action></nop>
-{keys}{then}
+UAC = SIPP_DIAL + """{keys}{then}
 </scenario>
 """
 OK = """  <send>

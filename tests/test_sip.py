@@ -473,7 +473,9 @@ def test_rtp_checks_dtmf_and_a_second_call_unaffected(service):
 
 # --- real peers -------------------------------------------------------------------------------
 
-SIPP_SCENARIO = """<?xml version="1.0" encoding="ISO-8859-1" ?>
+# SIPp dials, offers PCMU and telephone-event, acknowledges the answer and streams {audio}:
+# every SIPp call here (and tests/test_phone_agent.py's) starts so
+SIPP_DIAL = """<?xml version="1.0" encoding="ISO-8859-1" ?>
 <scenario name="call the voice assistant">
   <send retrans="500">
     <![CDATA[
@@ -517,6 +519,8 @@ SIPP_SCENARIO = """<?xml version="1.0" encoding="ISO-8859-1" ?>
     ]]>
   </send>
   <nop><action><exec rtp_stream="{audio},1,0"/></action></nop>
+"""
+SIPP_SCENARIO = SIPP_DIAL + """\
   <!-- The caller hangs up once the test says the reply is out (an INFO in the dialog), whatever the CPU's
        speed; at the latest after {wait_ms} ms. -->
   <recv request="INFO" timeout="{wait_ms}" ontimeout="hang_up"/>

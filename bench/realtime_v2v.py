@@ -82,12 +82,12 @@ def main() -> int:
     from voice.clients.bench import read_references, run_session
     from voice.config import Config
     from voice.service.server import build_app
-    from voice.stages import Stages
+    from voice.service.instance import Instance
 
     config = Config()
     config.records.path = str(Path(tempfile.mkdtemp()) / "records.sqlite3")
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(config, Stages.load(config)), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(config, Instance.load(config)), host="127.0.0.1", port=port,
                                            log_level="warning", ws="websockets"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech  # noqa: E402
+from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_instance, make_config, speech  # noqa: E402
 
 CLIPS = ["001.wav", "002.wav", "003.wav", "004.wav", "005.wav", "forever.wav", "goforward.wav"]
 
@@ -91,7 +91,7 @@ def main() -> None:
     partials: list[tuple[float, float, float]] = []
     whisper.transcribe_final = timed(whisper.transcribe_final, finals, True)  # (early finals too)
     whisper.transcribe = timed(whisper.transcribe, partials, False)
-    stages = fake_stages(config, whisper, lm=lm)
+    instance = fake_instance(config, whisper, lm=lm)
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     rng = random.Random(args.seed)
@@ -103,7 +103,7 @@ def main() -> None:
         talked += len(clip) / 32000 + pause
         pauses.append(round(pause, 2))
 
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             t0 = time.monotonic()

@@ -103,7 +103,7 @@ def main() -> int:
     from voice.clients.bench import speech_end_s
     from voice.config import Config, ToolsConfig
     from voice.service.server import build_app
-    from voice.stages import Stages
+    from voice.service.instance import Instance
     from common import free_port
 
     hook_port, port = free_port(), free_port()
@@ -115,9 +115,9 @@ def main() -> int:
                                           "url": f"http://127.0.0.1:{hook_port}/weather", "parameters": {
                                               "type": "object", "required": ["city"], "additionalProperties": False,
                                               "properties": {"city": {"type": "string", "maxLength": 40}}}}])
-    stages = Stages.load(config)
-    serve(build_app(config, stages), port)
-    synth = stages.synthesizer
+    instance = Instance.load(config)
+    serve(build_app(config, instance), port)
+    synth = instance.synthesizer
     rows = []
     for r in range(a.repeat):
         for kind, question in QUESTIONS:

@@ -3,7 +3,7 @@
 `require_system`: tests that need a system tool (a browser, PulseAudio, PortAudio) skip when
 it is missing locally, but fail under CI (VOICE_CI=1), where .ci/run installs everything.
 
-`real_stages(config)`: the real models, loaded once per test run, in a fresh `Stages` per module.
+`real_stages(config)`: the real models, loaded once per test run, in a fresh `Instance` per module.
 `live_voice_server`: the real voice service behind uvicorn on a free port, shared by the client
 tests (test_web.py, test_mic.py).
 
@@ -47,32 +47,32 @@ def require_system():
 
 
 @pytest.fixture(scope="session")
-def real_stages():
-    """`real_stages(config)`: a fresh `voice.stages.Stages` for `config` (its own metrics, records,
+def real_instance():
+    """`real_stages(config)`: a fresh `voice.service.instance.Instance` for `config` (its own metrics, records,
     limits, sessions) around the real models: Whisper, Piper and the default LM, loaded once per
     test run, on the first call. `config`'s asr, tts and lm sections must be the defaults (with
     replies of REAL_REPLY_TOKENS), since the models were loaded for them."""
     from fakes import REAL_REPLY_TOKENS
     from voice.config import Config
-    from voice.stages import Stages
-    loaded: list[Stages] = []
+    from voice.service.instance import Instance
+    loaded: list[Instance] = []
 
-    def build(config: Config) -> Stages:
+    def build(config: Config) -> Instance:
         if not loaded:
             base = Config()
             base.lm.max_new_tokens = REAL_REPLY_TOKENS
-            loaded.append(Stages.load(base))
+            loaded.append(Instance.load(base))
         models = loaded[0]
         for section in ("asr", "tts", "lm"):
             assert getattr(config, section) == getattr(models.config, section), \
                 f"the shared real models were loaded for the default [{section}]"
-        return Stages(config, models.whisper, models.synthesizer, models.lm, models.scheduler)
+        return Instance(config, models.whisper, models.synthesizer, models.lm, models.scheduler)
 
     return build
 
 
 @pytest.fixture(scope="session")
-def live_voice_server(real_stages):
+def live_voice_server(real_instance):
     """Base URL (http://127.0.0.1:PORT) of the real service with the default models, short replies."""
     from fakes import REAL_REPLY_TOKENS
     from liveserver import serving
@@ -81,7 +81,7 @@ def live_voice_server(real_stages):
 
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
-    with serving(build_app(config, real_stages(config))) as port:
+    with serving(build_app(config, real_instance(config))) as port:
         yield f"http://127.0.0.1:{port}"
 
 

@@ -1,7 +1,7 @@
 """Stand-ins for the models, and a live server around them, for tests that are about the service's
 plumbing (auth, limits, records, shutdown, fuzzing) rather than about speech.
 
-`fake_stages(config)` is a real `voice.stages.Stages` (metrics, admission, records, apology
+`fake_stages(config)` is a real `voice.service.instance.Instance` (metrics, admission, records, apology
 cache) whose models are replaced: webrtcvad still runs on the audio (so real speech clips make
 real turns), the "ASR" returns a fixed transcript, the "LM" a scripted reply, and the "TTS" a
 tone 60 ms per character. `LiveServer` runs `build_app` under uvicorn in a thread on a free
@@ -26,7 +26,7 @@ from voice.audio import float_to_int16, read_wav, resample
 from voice.config import Config
 from voice.pipeline.lm import Piece
 from voice.service.scheduler import Scheduler
-from voice.stages import Stages
+from voice.service.instance import Instance
 
 SPEECH = Path(__file__).resolve().parent / "speech"  # real recordings (README there), in the repo
 FRAME = 640  # 20 ms of 16 kHz PCM16
@@ -138,9 +138,9 @@ class FakeSynth:
         return self.render(text, out_rate)
 
 
-def fake_stages(config: Config | None = None, whisper=None, synthesizer=None, lm=None) -> Stages:
-    """Stages of instant stand-ins (or the parts given), for tests of everything around the models."""
-    return Stages(config or Config(), whisper or FakeWhisper(), synthesizer or FakeSynth(), lm or FakeLM())
+def fake_instance(config: Config | None = None, whisper=None, synthesizer=None, lm=None) -> Instance:
+    """Instance of instant stand-ins (or the parts given), for tests of everything around the models."""
+    return Instance(config or Config(), whisper or FakeWhisper(), synthesizer or FakeSynth(), lm or FakeLM())
 
 
 REAL_REPLY_TOKENS = 24  # the real LM's replies in tests (conftest's real_stages): short, so the suite stays quick
@@ -160,15 +160,15 @@ def make_config(**sections) -> Config:
 
 
 class LiveServer(Served):
-    """The voice app, `build_app(config, stages, auth)`, served (`graceful`: with the service's own
+    """The voice app, `build_app(config, instance, auth)`, served (`graceful`: with the service's own
     draining shutdown, voice.service.server.VoiceServer)."""
 
-    def __init__(self, config: Config, stages, auth=None, graceful: bool = False):
+    def __init__(self, config: Config, instance, auth=None, graceful: bool = False):
         import uvicorn
 
         from voice.service.server import VoiceServer, build_app
-        self.config, self.stages = config, stages
-        self.app = build_app(config, stages, auth)
+        self.config, self.instance = config, instance
+        self.app = build_app(config, instance, auth)
         server_cls = (lambda uv: VoiceServer(uv, self.app)) if graceful else uvicorn.Server
         super().__init__(self.app, server_cls, timeout_graceful_shutdown=5)
 

@@ -227,12 +227,12 @@ def test_300_unfinished_request_heads_are_not_held(guard):
     uvicorn's `timeout_keep_alive` does not help (its timer starts after a first response): the
     guard (engine.common.deadlines) closes them at the head deadline, with a 408."""
     from engine.common.deadlines import guarded_http
-    from fakes import fake_stages, make_config
+    from fakes import fake_instance, make_config
     from liveserver import Served
     from voice.service.server import build_app
     config = make_config()
     options = {"http": guarded_http(head_s=3.0, body_s=3.0)} if guard else {"timeout_keep_alive": 1}
-    with Served(build_app(config, fake_stages(config)), **options) as srv:
+    with Served(build_app(config, fake_instance(config)), **options) as srv:
         time.sleep(0.3)
         baseline = open_fds()
         socks = unfinished_heads(srv.port, 300)
@@ -305,11 +305,11 @@ def test_a_websocket_outlives_the_head_deadline():
     import websockets
 
     from engine.common.deadlines import guarded_http
-    from fakes import fake_stages, make_config
+    from fakes import fake_instance, make_config
     from liveserver import Served
     from voice.service.server import build_app
     config = make_config()
-    with Served(build_app(config, fake_stages(config)), http=guarded_http(head_s=0.3, body_s=0.3)) as srv:
+    with Served(build_app(config, fake_instance(config)), http=guarded_http(head_s=0.3, body_s=0.3)) as srv:
         async def talk():
             async with websockets.connect(f"{srv.ws}/ws") as ws:
                 await ws.send(json.dumps({"type": "start", "sample_rate": 16000}))
@@ -417,7 +417,7 @@ def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, co
 
     import websockets
 
-    from fakes import LiveServer, fake_stages, make_config
+    from fakes import LiveServer, fake_instance, make_config
     from voice.service.auth import Auth
     config = make_config()
 
@@ -433,7 +433,7 @@ def test_a_refused_websocket_gets_the_error_event_before_1008(query, headers, co
                     got.append(json.loads(await asyncio.wait_for(ws.recv(), 5)))
             return got, ws.close_code, ws.close_reason
 
-    with LiveServer(config, fake_stages(config), Auth(keys={"web": WS_KEY})) as srv:
+    with LiveServer(config, fake_instance(config), Auth(keys={"web": WS_KEY})) as srv:
         got, close_code, reason = asyncio.run(refused(f"{srv.ws}/ws{query}"))
     assert [e["type"] for e in got] == ["error"] and got[0]["code"] == code and got[0]["message"], got
     assert close_code == 1008 and reason == code
@@ -519,11 +519,11 @@ def asyncio_run(coro):
 
 def test_a_websocket_upgrade_with_a_non_ascii_header_is_not_a_500():
     """uvicorn's legacy websockets protocol re-encoded the headers as latin-1 and answered 500."""
-    from fakes import fake_stages, make_config
+    from fakes import fake_instance, make_config
     from liveserver import Served
     from voice.service.server import build_app
     config = make_config()
-    with Served(build_app(config, fake_stages(config))) as srv:
+    with Served(build_app(config, fake_instance(config))) as srv:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as conn:
             conn.sendall(b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                          b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"

@@ -29,7 +29,7 @@ def _is_session_type(annotation: ast.expr | None) -> bool:
 
 def _session_names(tree: ast.Module) -> set[str]:
     """Names that hold a Session in this module: built from `Session(...)`, annotated as one, or
-    taken from the open sessions (`stages.live`)."""
+    taken from the open sessions (`instance.live`)."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
@@ -71,17 +71,17 @@ def test_no_front_reaches_inside_a_session():
 
 
 def test_the_rule_sees_a_front_reaching_inside(tmp_path: Path):
-    """The rule finds each way a front used to reach in (realtime.py and modes.py before)."""
+    """The rule finds each way a front used to reach in (realtime.py and the one-shot requests, oneshot.py, before)."""
     front = tmp_path / "voice" / "transports" / "front.py"
     front.parent.mkdir(parents=True)
     (tmp_path / "bench").mkdir()
-    front.write_text("def f(self, stages, session: Session | None):\n"
+    front.write_text("def f(self, instance, session: Session | None):\n"
                      "    self.session.history.system_prompt = 'x'\n"
                      "    session.floor.barge_in(0)\n"
                      "    session._on_turn([])\n"
-                     "    s = Session(stages)\n"
+                     "    s = Session(instance)\n"
                      "    s.replies.chat = None\n"
-                     "    busy = [x.floor for x in stages.live]\n"
+                     "    busy = [x.floor for x in instance.live]\n"
                      "    self.floor = 0  # a VAD's noise floor is not a session's\n")
     assert [line.split(" ")[0] for line in reaches_inside(tmp_path)] == [
         f"voice/transports/front.py:{n}" for n in (2, 3, 4, 6, 7)]
@@ -172,19 +172,19 @@ def feature_probes(root: Path) -> list[str]:
     """`getattr(x, "name", default)` / `hasattr(x, "name")` on a stage or the service's context, a
     private member of one, and `isinstance(..., LocalLM | RemoteLM)`, in production code: what a
     Protocol should say instead."""
-    stages = ("stages", "lm", "synthesizer", "whisper", "model", "session")
+    holders = ("instance", "lm", "synthesizer", "whisper", "model", "session")
     found = []
     for path in _python_files(root, "voice"):
         rel = path.relative_to(root).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                    and ast.unparse(node.value).split(".")[-1].lstrip("_") in stages:  # a stage's private member
+                    and ast.unparse(node.value).split(".")[-1].lstrip("_") in holders:  # a stage's private member
                 found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
                 continue
             subject = ast.unparse(node.args[0])
             probe = node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
-                and isinstance(node.args[1], ast.Constant) and subject.split(".")[-1].lstrip("_") in stages
+                and isinstance(node.args[1], ast.Constant) and subject.split(".")[-1].lstrip("_") in holders
             concrete = node.func.id == "isinstance" and len(node.args) == 2 \
                 and any(name in ast.unparse(node.args[1]) for name in ("LocalLM", "RemoteLM"))
             if probe or concrete:

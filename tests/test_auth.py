@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from fakes import LiveServer, fake_stages, make_config
+from fakes import LiveServer, fake_instance, make_config
 from engine.common.keys import parse_keys
 from voice.service.auth import (Auth, AuthError, ConfigError, RedactSecrets, check_exposure, twilio_signature,
                         url_variants, valid_twilio_signature)
@@ -164,7 +164,7 @@ def server():
     config = make_config(limits={"max_sessions": 3, "max_sessions_per_key": 1})
     auth = Auth(keys={"alice": KEY_A, "bob": KEY_B}, secret=b"t" * 32, token_ttl_s=60,
                 origins=["https://voice.example.com"])
-    with LiveServer(config, fake_stages(config), auth) as srv:
+    with LiveServer(config, fake_instance(config), auth) as srv:
         yield srv
 
 
@@ -271,8 +271,8 @@ def test_origin_allow_list_on_browser_connections(server):
 def wait_no_tickets(server, timeout: float = 10) -> None:
     """Sessions of earlier tests release their admission when their handler ends: wait for that."""
     deadline = time.monotonic() + timeout
-    while server.stages.admission.total:
-        assert time.monotonic() < deadline, server.stages.admission.active
+    while server.instance.admission.total:
+        assert time.monotonic() < deadline, server.instance.admission.active
         time.sleep(0.05)
 
 
@@ -300,7 +300,7 @@ def test_sessions_per_key_and_in_all_are_limited(server):
 
 def test_global_session_limit():
     config = make_config(limits={"max_sessions": 2})
-    with LiveServer(config, fake_stages(config)) as srv:  # auth off (loopback)
+    with LiveServer(config, fake_instance(config)) as srv:  # auth off (loopback)
         async def scenario():
             held = [await attempt(srv.ws + "/ws", hold=0.05) for _ in range(2)]
             third = await attempt(srv.ws + "/ws")
@@ -319,7 +319,7 @@ def test_twilio_signature_is_required_when_a_twilio_token_is_set():
     config = make_config()
     token = "twilio-auth-token-for-tests"
     auth = Auth(twilio_token=token)
-    with LiveServer(config, fake_stages(config), auth) as srv:
+    with LiveServer(config, fake_instance(config), auth) as srv:
         url = srv.ws + "/twilio?caller=x"
         own = twilio_signature(token, f"ws://127.0.0.1:{srv.port}/twilio?caller=x")
 
@@ -331,7 +331,7 @@ def test_twilio_signature_is_required_when_a_twilio_token_is_set():
                     "streamSid": "MZsig", "callSid": "CAsig",
                     "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}))
                 await asyncio.sleep(0.3)
-                opened = len(srv.stages.live)
+                opened = len(srv.instance.live)
                 await ws.send(json.dumps({"event": "stop", "streamSid": "MZsig"}))
                 await asyncio.wait_for(ws.wait_closed(), 5)
             except websockets.ConnectionClosed:
@@ -355,7 +355,7 @@ def test_twilio_signature_is_required_when_a_twilio_token_is_set():
 
 def test_token_endpoint_says_when_auth_is_off():
     config = make_config()
-    with LiveServer(config, fake_stages(config)) as srv:
+    with LiveServer(config, fake_instance(config)) as srv:
         status, body = http(srv, "POST", "/token", KEY_A)
         assert status == 404 and body["error"]["code"] == "auth_off"
         assert http(srv, "GET", "/metrics")[0] == 200  # no keys: open, like before

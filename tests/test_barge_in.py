@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from fakes import REAL_REPLY_TOKENS, Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from fakes import REAL_REPLY_TOKENS, Client, FakeLM, FakeWhisper, LiveServer, fake_instance, make_config, speech
 from voice.pipeline.asr import has_words
 from voice.config import VadConfig
 from voice.events import SpeechStarted
@@ -77,9 +77,9 @@ def test_speech_is_talking_once_it_has_been_voiced_long_enough_a_knock_never():
     assert [type(ev) for _, ev in at_once[:2]] == [SpeechStarted, Talking] and at_once[0][0] == at_once[1][0]
 
 
-def real_whisper(real_stages):
+def real_whisper(real_instance):
     """The real ASR (tiny.en, as served); the LM and TTS stay stand-ins, so the reply is known and long."""
-    return real_stages(make_config(lm={"max_new_tokens": REAL_REPLY_TOKENS})).whisper
+    return real_instance(make_config(lm={"max_new_tokens": REAL_REPLY_TOKENS})).whisper
 
 
 async def talk_over_reply(srv: LiveServer, over: bytes, started: bool = True) -> tuple[Client, float]:
@@ -112,15 +112,15 @@ async def talk_over_reply(srv: LiveServer, over: bytes, started: bool = True) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("blip", [knock, hiss])
-def test_a_blip_over_a_reply_leaves_it_playing_and_is_no_speech(real_stages, tmp_path, blip):
+def test_a_blip_over_a_reply_leaves_it_playing_and_is_no_speech(real_instance, tmp_path, blip):
     """The phantom barge-in: before, the blip's speech_started cut the reply at once and its turn
     was answered as "you". Now the reply is heard whole and the blip is a turn with no speech, or
     (far under the user's level, issue 55) no turn at all."""
     from voice.service import records as rec
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=LONG_REPLY)
-    stages = fake_stages(config, real_whisper(real_stages), lm=lm)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, real_whisper(real_instance), lm=lm)
+    with LiveServer(config, instance) as srv:
         c, clear_s = asyncio.run(talk_over_reply(srv, silence(0.3) + blip() + silence(1.5), started=False))
     assert not c.events("clear") and clear_s == float("inf"), c.events()
     (done,) = [m for m in c.events("reply_done") if m["turn"] == 1]
@@ -133,11 +133,11 @@ def test_a_blip_over_a_reply_leaves_it_playing_and_is_no_speech(real_stages, tmp
 
 
 @pytest.mark.slow
-def test_speech_over_a_reply_stops_it_within_its_first_second(real_stages, tmp_path):
+def test_speech_over_a_reply_stops_it_within_its_first_second(real_instance, tmp_path):
     config = make_config()
     lm = FakeLM(blocks=LONG_REPLY)
-    stages = fake_stages(config, real_whisper(real_stages), lm=lm)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, real_whisper(real_instance), lm=lm)
+    with LiveServer(config, instance) as srv:
         c, clear_s = asyncio.run(talk_over_reply(srv, speech("goforward.wav") + silence(1.0)))
     print(f"\nbarge-in: the reply's clear {clear_s * 1000:.0f} ms after the speech's first frame was sent")
     assert clear_s < 1.5, c.events()  # goforward.wav has 0.6 s voiced ~0.9 s after its first frame

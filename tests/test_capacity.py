@@ -121,37 +121,37 @@ def test_the_phrase_about_to_run_dry_is_synthesised_first():
 # --- the real service -------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _serving_with_capacity(real_stages, limits: dict, agent_port: int = 0):
-    """The real service whose Stages admit by a Capacity of `limits` (real_stages' have none):
-    (port, stages). The shared scheduler is given back as it was (its partials not held back by
+def _serving_with_capacity(real_instance, limits: dict, agent_port: int = 0):
+    """The real service whose Instance admits by a Capacity of `limits` (real_instance has none):
+    (port, instance). The shared scheduler is given back as it was (its partials not held back by
     this test's load)."""
     from fakes import REAL_REPLY_TOKENS
     from liveserver import serving
     from voice.service.server import build_app
-    from voice.stages import Stages
+    from voice.service.instance import Instance
 
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.server.agent_port = agent_port
     for key, value in limits.items():
         setattr(config.limits, key, value)
-    base = real_stages(config)
+    base = real_instance(config)
     load_high = base.scheduler.load_high
-    stages = Stages(config, base.whisper, base.synthesizer, base.lm, base.scheduler, Capacity(config.limits))
+    instance = Instance(config, base.whisper, base.synthesizer, base.lm, base.scheduler, Capacity(config.limits))
     try:
-        with serving(build_app(config, stages)) as port:
-            yield port, stages
+        with serving(build_app(config, instance)) as port:
+            yield port, instance
     finally:
         base.scheduler.load_high = load_high
 
 
 @pytest.mark.slow
-def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_stages):
+def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_instance):
     import websockets
     from websockets.exceptions import InvalidStatus
 
     from fakes import Client
-    with _serving_with_capacity(real_stages, {"session_cores": 64.0, "retry_after_s": 3}) as (port, stages):
+    with _serving_with_capacity(real_instance, {"session_cores": 64.0, "retry_after_s": 3}) as (port, instance):
         async def scenario() -> dict[str, tuple[float, int, dict, str]]:
             first = await Client.open(f"ws://127.0.0.1:{port}/ws")
             refusals = {}
@@ -169,12 +169,12 @@ def test_past_capacity_every_websocket_front_is_refused_within_100_ms(real_stage
         assert (status, body["error"]["code"], body["error"]["retry_after_s"], retry_after) == \
             (503, "too_many_sessions", 3, "3"), (path, body)
         assert ms < 100, (path, ms)
-    assert stages.metrics.refused.labels("capacity")._value.get() == 3
+    assert instance.metrics.refused.labels("capacity")._value.get() == 3
     print("\nrefused in " + ", ".join(f"{path} {ms:.1f} ms" for path, (ms, *_) in refusals.items()))
 
 
 @pytest.mark.slow
-def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real_stages):
+def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real_instance):
     import urllib.request
 
     from cluster import free_port
@@ -189,7 +189,7 @@ def test_healthz_headroom_drops_while_a_session_talks_and_the_agent_says_so(real
         with socket.create_connection(("127.0.0.1", agent_port), timeout=5) as s:
             return s.makefile().readline().strip()
 
-    with _serving_with_capacity(real_stages, {"session_cores": 0.6}, agent_port) as (port, stages):
+    with _serving_with_capacity(real_instance, {"session_cores": 0.6}, agent_port) as (port, instance):
         time.sleep(2.5)  # the idle load settles (models loaded before; the sampler runs each second)
         idle = healthz(port)
         idle_agent = agent()

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fakes import fake_stages, make_config
+from fakes import fake_instance, make_config
 from strategies import INVITE, SDP, json_scalar, json_value, sdp_texts, sip_datagrams, start_messages, twilio_messages
 from voice.audio import RATES
 from voice.config import SipConfig
@@ -116,15 +116,15 @@ class FakeWebSocket:
 
 
 @pytest.fixture(scope="module")
-def stages():
-    return fake_stages(make_config())
+def instance():
+    return fake_instance(make_config())
 
 
 @STATEFUL
 @given(st.lists(twilio_messages(), min_size=1, max_size=12))
-def test_twilio_messages_are_dropped_or_handled_never_raised(stages, messages):
+def test_twilio_messages_are_dropped_or_handled_never_raised(instance, messages):
     async def scenario():
-        call = twilio.TwilioCall(FakeWebSocket(), stages)
+        call = twilio.TwilioCall(FakeWebSocket(), instance)
         try:
             for text in messages:
                 result = await call.handle(text)
@@ -138,7 +138,7 @@ def test_twilio_messages_are_dropped_or_handled_never_raised(stages, messages):
     with no_hang("twilio message sequence"):
         call = asyncio.run(scenario())
     assert call.session is None or call.session.closed
-    assert not stages.live, "a session outlived its call"
+    assert not instance.live, "a session outlived its call"
 
 
 # --- SIP, SDP, RTP ----------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_jitter_buffer_stays_bounded(packets):
 
 @STATEFUL
 @given(st.lists(sip_datagrams(), min_size=1, max_size=6))
-def test_sip_endpoint_survives_any_datagrams(stages, datagrams):
+def test_sip_endpoint_survives_any_datagrams(instance, datagrams):
     class Transport:
         def __init__(self):
             self.sent: list[tuple[bytes, tuple]] = []
@@ -228,7 +228,7 @@ def test_sip_endpoint_survives_any_datagrams(stages, datagrams):
             pass
 
     async def scenario():
-        ep = SipEndpoint(stages, SipConfig(port=0, rtp_port_min=41000, rtp_port_max=41099))
+        ep = SipEndpoint(instance, SipConfig(port=0, rtp_port_min=41000, rtp_port_max=41099))
         ep.transport = Transport()
         try:
             for data in datagrams:
@@ -244,17 +244,17 @@ def test_sip_endpoint_survives_any_datagrams(stages, datagrams):
 
     with no_hang("SIP endpoint datagram sequence", 15.0):
         asyncio.run(scenario())
-    assert not stages.live
+    assert not instance.live
 
 
-def test_sip_allow_list_drops_other_sources_silently(stages):
+def test_sip_allow_list_drops_other_sources_silently(instance):
     class Transport:
         sent: list = []
 
         def sendto(self, data, addr):
             self.sent.append(addr)
 
-    ep = SipEndpoint(stages, SipConfig(port=0, allow=["10.1.0.0/16", "192.0.2.7"]))
+    ep = SipEndpoint(instance, SipConfig(port=0, allow=["10.1.0.0/16", "192.0.2.7"]))
     ep.transport = Transport()
     options = INVITE.format(length=0, body="").replace("INVITE", "OPTIONS").replace("application/sdp", "x")
     ep.datagram(options.encode(), ("198.51.100.9", 5060))

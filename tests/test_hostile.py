@@ -24,7 +24,7 @@ import time
 import pytest
 import websockets
 
-from fakes import EncodingEngine, FakeLM, LiveServer, fake_stages, make_config, speech
+from fakes import EncodingEngine, FakeLM, LiveServer, fake_instance, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import INVITE, SDP
 from voice.service.auth import Auth, AuthError, RedactSecrets
@@ -71,8 +71,8 @@ class StrictLM(FakeLM):
 def server(tmp_path_factory):
     db = tmp_path_factory.mktemp("records") / "records.sqlite3"
     config = make_config(records={"path": str(db)})
-    stages = fake_stages(config, lm=StrictLM())
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, lm=StrictLM())
+    with LiveServer(config, instance) as srv:
         srv.db = db
         yield srv
 
@@ -211,7 +211,7 @@ def test_token_with_non_ascii_signature_is_bad_token():
 
 def test_ws_with_non_ascii_token_signature_gets_bad_token_not_500():
     config = make_config()
-    with LiveServer(config, fake_stages(config), Auth(keys={"web": KEY}, secret=b"s" * 32)) as srv:
+    with LiveServer(config, fake_instance(config), Auth(keys={"web": KEY}, secret=b"s" * 32)) as srv:
         async def scenario():
             async with websockets.connect(srv.ws + "/ws?token=v1.d2Vi.9999999999.%C3%A9", open_timeout=10) as ws:
                 first = await next_json(ws)
@@ -279,7 +279,7 @@ def turn_rows(db, session_id: str, timeout: float = 8.0) -> list[dict]:
 async def cut_off(srv, until: str | None, asr_delay_s: float = 0.0, tail_s: float = 0.0) -> str:
     """Speak (at twice real time), disconnect as soon as `until` is seen (None: at the end of the
     clip), after `tail_s` more seconds of silence in real time; returns the session id."""
-    srv.stages.whisper.delay_s = asr_delay_s
+    srv.instance.whisper.delay_s = asr_delay_s
     try:
         async with websockets.connect(srv.ws + "/ws", max_size=None) as ws:
             await ws.send(json.dumps({"type": "start", "sample_rate": 16000}))
@@ -298,7 +298,7 @@ async def cut_off(srv, until: str | None, asr_delay_s: float = 0.0, tail_s: floa
                 await asyncio.sleep(0.02)
         return ready["session_id"]
     finally:
-        srv.stages.whisper.delay_s = 0.0
+        srv.instance.whisper.delay_s = 0.0
 
 
 @pytest.mark.parametrize("when", ["speech", "hangover", "final_transcript"])
@@ -322,7 +322,7 @@ def test_oversized_rtp_packets_are_dropped_and_counted():
     from voice.transports.sip import SipEndpoint
 
     config = make_config()
-    stages = fake_stages(config)
+    instance = fake_instance(config)
 
     class Transport:
         def sendto(self, data, addr):
@@ -332,7 +332,7 @@ def test_oversized_rtp_packets_are_dropped_and_counted():
             pass
 
     async def scenario():
-        ep = SipEndpoint(stages, SipConfig(port=0, rtp_port_min=41200, rtp_port_max=41299))
+        ep = SipEndpoint(instance, SipConfig(port=0, rtp_port_min=41200, rtp_port_max=41299))
         ep.transport = Transport()
         ep.datagram(INVITE.format(length=len(SDP), body=SDP).replace("fuzz-call-1", "rtp-cap-1").encode(),
                     ("127.0.0.1", 5099))

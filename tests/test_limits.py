@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import websockets
 
-from fakes import Client, LiveServer, RawWebSocket, fake_stages, make_config, speech
+from fakes import Client, LiveServer, RawWebSocket, fake_instance, make_config, speech
 from voice.events import ReplyText, TtsAudio
 from voice.service.records import read_sessions
 from voice.conversation.session import Session
@@ -27,10 +27,10 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 FRAME = 640  # 20 ms at 16 kHz
 
 
-def wait_idle(stages, timeout: float = 10):
+def wait_idle(instance, timeout: float = 10):
     deadline = time.monotonic() + timeout
-    while stages.live or stages.admission.total:
-        assert time.monotonic() < deadline, (stages.live, stages.admission.active)
+    while instance.live or instance.admission.total:
+        assert time.monotonic() < deadline, (instance.live, instance.admission.active)
         time.sleep(0.05)
 
 
@@ -53,8 +53,8 @@ def ends_with_error_and_close(c: Client, code: str, close_code: int):
 
 def test_idle_session_is_closed():
     config = make_config(limits={"idle_timeout_s": 1.0})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             t0 = time.monotonic()
@@ -63,27 +63,27 @@ def test_idle_session_is_closed():
         c, took = asyncio.run(scenario())
         ends_with_error_and_close(c, "idle_timeout", 1008)
         assert 0.9 < took < 5, took
-        wait_idle(stages)
-        assert stages.metrics.ended.labels("idle_timeout")._value.get() == 1
+        wait_idle(instance)
+        assert instance.metrics.ended.labels("idle_timeout")._value.get() == 1
 
 
 def test_session_duration_is_limited_even_while_streaming():
     config = make_config(limits={"max_session_s": 1.5})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)  # silence, in real time: never idle
             return c, await c.closed(10)
         c, _ = asyncio.run(scenario())
         ends_with_error_and_close(c, "session_too_long", 1008)
-        wait_idle(stages)
+        wait_idle(instance)
 
 
 def test_long_utterance_is_cut_and_not_chopped_into_turns():
     config = make_config(limits={"max_utterance_s": 1.0})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=2.0)
@@ -103,9 +103,9 @@ def test_long_utterance_is_cut_and_not_chopped_into_turns():
 
 def test_reply_length_is_capped():
     config = make_config(limits={"max_reply_chars": 30})
-    stages = fake_stages(config)
-    stages.lm.blocks = ["word " * 2] * 50  # 500 characters if nobody stops it
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.blocks = ["word " * 2] * 50  # 500 characters if nobody stops it
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=3.0)
@@ -124,10 +124,10 @@ def test_outbox_drops_audio_then_ends_a_session_nobody_reads():
     """Unit level: nothing drains the outbox. Reply audio over the limit is dropped (and counted);
     past the event limit the session ends with slow_client."""
     config = make_config(limits={"outbox_audio_s": 2.0, "outbox_max_events": 30})
-    stages = fake_stages(config)
+    instance = fake_instance(config)
 
     async def scenario():
-        s = Session(stages, 16000, 16000)
+        s = Session(instance, 16000, 16000)
         one_second = bytes(32000)
         queued = [s.emit(TtsAudio(1, time.monotonic(), one_second, 16000, "x")) for _ in range(4)]
         assert queued == [True, True, False, False]  # a phrase fits while the queue is empty, then 2 s
@@ -140,15 +140,15 @@ def test_outbox_drops_audio_then_ends_a_session_nobody_reads():
         return s
 
     asyncio.run(scenario())
-    assert stages.metrics.audio_dropped.labels("native")._value.get() == 2.0
-    assert stages.metrics.ended.labels("slow_client")._value.get() == 1
+    assert instance.metrics.audio_dropped.labels("native")._value.get() == 2.0
+    assert instance.metrics.ended.labels("slow_client")._value.get() == 1
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_others_are_fine():
     config = make_config(limits={"outbox_audio_s": 3.0, "outbox_max_events": 40, "max_reply_chars": 100000})
-    stages = fake_stages(config)
-    stages.lm.blocks = [f"This is phrase number {i}, " for i in range(400)]  # ~1.4 s of "audio" each
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.blocks = [f"This is phrase number {i}, " for i in range(400)]  # ~1.4 s of "audio" each
+    with LiveServer(config, instance) as srv:
         async def scenario():
             ws = RawWebSocket("127.0.0.1", srv.port, "/ws")  # reads nothing after the handshake
             send = lambda data: asyncio.to_thread(ws.send, data)  # noqa: E731 - blocking socket
@@ -158,14 +158,14 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_are_fine():
                 await send(pcm[i:i + FRAME])
             t0 = time.monotonic()
             try:
-                while time.monotonic() - t0 < 60 and not stages.metrics.ended.labels("slow_client")._value.get():
+                while time.monotonic() - t0 < 60 and not instance.metrics.ended.labels("slow_client")._value.get():
                     await send(bytes(FRAME))
                     await asyncio.sleep(0.02)
             except OSError:
                 pass
             took = time.monotonic() - t0
             ws.abort()
-            stages.lm.blocks = ["Fine."]
+            instance.lm.blocks = ["Fine."]
             c = await Client.open(srv.ws + "/ws")  # someone else is served normally
             c.listen(speed=3.0)
             c.say(speech("001.wav"))
@@ -173,9 +173,9 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_are_fine():
             await c.shut()
             return took
         took = asyncio.run(scenario())
-        wait_idle(stages)
-    assert stages.metrics.ended.labels("slow_client")._value.get() == 1, took
-    assert stages.metrics.audio_dropped.labels("native")._value.get() > 0
+        wait_idle(instance)
+    assert instance.metrics.ended.labels("slow_client")._value.get() == 1, took
+    assert instance.metrics.audio_dropped.labels("native")._value.get() > 0
     print(f"\nslow client cut off after {took:.1f} s")
 
 
@@ -183,10 +183,10 @@ def test_a_client_that_stops_reading_is_cut_off_and_others_are_fine():
 
 def test_shutdown_lets_the_turn_in_flight_finish_then_says_goodbye(tmp_path):
     config = make_config(records={"path": str(tmp_path / "r.sqlite3")}, limits={"shutdown_grace_s": 10.0})
-    stages = fake_stages(config)
-    stages.lm.blocks = ["One,", " two,", " three,", " four,", " five."]
-    stages.lm.delay_s = 0.4  # about 2 s of generation: still going when the shutdown starts
-    srv = LiveServer(config, stages, graceful=True).__enter__()
+    instance = fake_instance(config)
+    instance.lm.blocks = ["One,", " two,", " three,", " four,", " five."]
+    instance.lm.delay_s = 0.4  # about 2 s of generation: still going when the shutdown starts
+    srv = LiveServer(config, instance, graceful=True).__enter__()
     try:
         async def scenario():
             busy = await Client.open(srv.ws + "/ws")
@@ -230,18 +230,18 @@ def test_shutdown_lets_the_turn_in_flight_finish_then_says_goodbye(tmp_path):
 def test_bad_frame_flood_is_bounded():
     """A client repeating a mistake fast gets its errors, but nothing grows without bound."""
     config = make_config()
-    stages = fake_stages(config)
+    instance = fake_instance(config)
 
     async def scenario():
-        s = Session(stages, 16000, 16000)
+        s = Session(instance, 16000, 16000)
         for _ in range(5000):
             s.error("bad_frame", "odd length")
         assert len(s.call_log.open_turns) == 0 and s.call_log.error_counts["bad_frame"] == 5000
         assert len(s.tracker.turns) == 0
         await s.close()
-        assert stages.lm.closed == 1  # the session's conversation was given back
+        assert instance.lm.closed == 1  # the session's conversation was given back
     asyncio.run(scenario())
-    assert np.isclose(stages.metrics.errors.labels("bad_frame")._value.get(), 5000)
+    assert np.isclose(instance.metrics.errors.labels("bad_frame")._value.get(), 5000)
 
 
 RELEASED_MEMORY = """

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fakes import Client, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from fakes import Client, FakeWhisper, LiveServer, fake_instance, make_config, speech
 from liveserver import free_port, healthz, wait_for
 from engine import llamacpp
 from voice.pipeline.lm import RemoteLM
@@ -103,7 +103,7 @@ def remote(llama: LlamaServer, transcript: str, tools: list[str] | None = None, 
     """The voice app's config and stages: the LM at llama.cpp's server, stand-in ASR hearing `transcript`."""
     config = make_config(lm={"backend": "openai", "url": llama.url, "model": MODEL, "mode": "ar", **lm},
                          tools={"builtin": tools or []})
-    return config, fake_stages(config, whisper=FakeWhisper(transcript), lm=RemoteLM(config.lm))
+    return config, fake_instance(config, whisper=FakeWhisper(transcript), lm=RemoteLM(config.lm))
 
 
 def turns(srv, *clips: str, timeout: float = 120) -> Client:
@@ -124,8 +124,8 @@ def of_turn(c: Client, kind: str, turn: int) -> list[dict]:
 
 
 def test_a_reply_streams_in_blocks_through_the_session(llama):
-    config, stages = remote(llama, "Tell me a joke.", max_new_tokens=48)
-    with LiveServer(config, stages) as srv:
+    config, instance = remote(llama, "Tell me a joke.", max_new_tokens=48)
+    with LiveServer(config, instance) as srv:
         c = turns(srv, "001.wav")
     blocks, done = of_turn(c, "reply", 1), of_turn(c, "reply_done", 1)[0]
     assert not c.events("error"), c.events("error")
@@ -142,15 +142,15 @@ def test_barge_in_ends_the_http_stream_on_the_server(llama):
     """The user speaks over a 500-token story: the reply stops, the server sees its request end
     and stops generating (it serves one request at a time, so the next turn's reply would otherwise
     wait for the rest of the story, 15-40 s here), and the next turn is answered at once."""
-    config, stages = remote(llama, STORY, **STORYTELLER)
+    config, instance = remote(llama, STORY, **STORYTELLER)
     before = llama.disconnects()
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         async def scenario() -> Client:
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)
             c.say(speech("001.wav"))
             await c.wait(lambda m: m["type"] == "reply" and m["turn"] == 1, 60)
-            stages.whisper.text = "What is the capital of France?"
+            instance.whisper.text = "What is the capital of France?"
             c.say(speech("002.wav"))
             await c.wait(lambda m: m["type"] == "latency" and m["turn"] == 2, 60)
             await c.shut()
@@ -170,9 +170,9 @@ def test_barge_in_ends_the_http_stream_on_the_server(llama):
 def test_a_tool_call_written_as_text_is_run_and_answered(llama):
     """llama.cpp's server renders Qwen's template with the tools but parses no calls: the 0.5B's
     call arrives as content text (`{"name": "calculate", ...}`), which is read, never spoken."""
-    config, stages = remote(llama, "What is seventeen times twenty three?", tools=["calculator"],
+    config, instance = remote(llama, "What is seventeen times twenty three?", tools=["calculator"],
                             max_new_tokens=48)
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         c = turns(srv, "001.wav")
     calls, results = c.events("tool_call"), c.events("tool_result")
     assert [(m["name"], m["arguments"]) for m in calls] == [("calculate", {"expression": "17 * 23"})], c.events()
@@ -215,10 +215,10 @@ def test_a_server_that_goes_away_and_comes_back(gguf, tmp_path):
     """Killed: the probe sees it, /healthz says degraded, a turn gets the apology. Started again
     on the same port: the probe sees it, /healthz is ok, the next turn is answered by it."""
     llama = LlamaServer(gguf, free_port(), tmp_path / "server.log").start()
-    config, stages = remote(llama, "What is the capital of France?", max_new_tokens=24, retries=1,
+    config, instance = remote(llama, "What is the capital of France?", max_new_tokens=24, retries=1,
                             retry_backoff_s=0.05, probe_interval_s=0.3)
     try:
-        with LiveServer(config, stages) as srv:
+        with LiveServer(config, instance) as srv:
             assert healthz(srv)["status"] == "ok" and healthz(srv)["lm_health"]["ok"]
             llama.kill()
             down = wait_for(lambda: (h := healthz(srv))["status"] == "degraded" and h, 10, "never degraded")
@@ -231,7 +231,7 @@ def test_a_server_that_goes_away_and_comes_back(gguf, tmp_path):
             llama.start()
             up = wait_for(lambda: (h := healthz(srv))["lm_health"]["ok"] and h, 10, "the probe never saw it up")
             assert up["lm_health"]["consecutive_failures"] == 0 and up["faults"] == {"lm": "error"}, up
-            stages.faults.clear()  # the failed turn keeps /healthz degraded for a minute
+            instance.faults.clear()  # the failed turn keeps /healthz degraded for a minute
             assert healthz(srv)["status"] == "ok"
 
             c = turns(srv, "001.wav")

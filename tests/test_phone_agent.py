@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from fakes import FakeLM, fake_stages, make_config
+from fakes import FakeLM, fake_instance, make_config
 from liveserver import serving
 from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wait_until
 from test_sip import Phone as RawPhone
@@ -91,7 +91,7 @@ def service(rest, tmp_path_factory):
     config.sip.rtp_port_min = free_even_udp_ports(20)
     config.sip.rtp_port_max = config.sip.rtp_port_min + 19
     lm = FakeLM(GOODBYE)
-    app = build_app(config, fake_stages(config, lm=lm))
+    app = build_app(config, fake_instance(config, lm=lm))
     mp = pytest.MonkeyPatch()
     with serving(app) as port:
         # the REST API's credential, read when a call is updated; set once the app runs, so that its websocket

@@ -21,7 +21,7 @@ import websockets
 from openai.types.beta.realtime import RealtimeServerEvent as BetaServerEvent
 from openai.types.realtime import RealtimeServerEvent
 
-from fakes import LiveServer, fake_stages, make_config, speech
+from fakes import LiveServer, fake_instance, make_config, speech
 from engine.runtime import ContextOverflow
 from voice.audio import float_to_pcm16, pcm16_to_float, resample, ulaw_decode, ulaw_encode
 from voice.service.records import read_sessions
@@ -95,8 +95,8 @@ def connect(srv, beta: bool = False, **kw):
 @pytest.fixture
 def served(tmp_path):
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as srv:
         yield srv
 
 
@@ -153,7 +153,7 @@ def ask_text(served, text: str) -> Talk:
 def test_text_in_audio_out(served):
     talk = ask_text(served, "Hello there")
     assert talk.of("conversation.item.added")[0]["item"]["content"][0]["text"] == "Hello there"
-    assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "Hello there"}
+    assert served.instance.lm.asked[-1][0][-1] == {"role": "user", "content": "Hello there"}
     assert talk.of("response.output_audio.delta") and talk.of("response.done")[0]["response"]["status"] == "completed"
     assert not talk.of("input_audio_buffer.speech_started")
 
@@ -166,7 +166,7 @@ def test_a_reply_the_lm_cannot_give_is_a_failed_response(served, failure, code, 
     """The LM refuses the conversation (too long to read before the first block's timeout) or
     breaks: an `error` of the client's or the server's type, then response.done `failed` with
     that error (not `cancelled`: the apology that follows is not the reply)."""
-    served.stages.lm.fail_at, served.stages.lm.failure = 0, failure
+    served.instance.lm.fail_at, served.instance.lm.failure = 0, failure
     talk = ask_text(served, "Hello there")
     assert [(e["error"]["type"], e["error"]["code"]) for e in talk.of("error")] == [(kind, code)]
     response = talk.of("response.done")[0]["response"]
@@ -175,7 +175,7 @@ def test_a_reply_the_lm_cannot_give_is_a_failed_response(served, failure, code, 
 
 
 def test_response_cancel_mid_reply(served):
-    served.stages.lm.delay_s = 0.3  # a block every 0.3 s
+    served.instance.lm.delay_s = 0.3  # a block every 0.3 s
 
     async def go():
         async with connect(served) as conn:
@@ -193,7 +193,7 @@ def test_response_cancel_mid_reply(served):
 
 
 def test_truncate_keeps_only_what_was_heard_for_the_next_turn(served):
-    served.stages.lm.blocks = ["One two three four five six seven eight nine ten."]
+    served.instance.lm.blocks = ["One two three four five six seven eight nine ten."]
 
     async def go():
         async with connect(served) as conn:
@@ -210,7 +210,7 @@ def test_truncate_keeps_only_what_was_heard_for_the_next_turn(served):
     talk = asyncio.run(go())
     truncated = talk.of("conversation.item.truncated")[0]
     assert truncated["audio_end_ms"] == 1500
-    history = served.stages.lm.asked[-1][0]
+    history = served.instance.lm.asked[-1][0]
     # the phrase is 50 characters, 3 s of FakeSynth audio: 1.5 s is half of its ten words
     assert history[-2] == {"role": "assistant", "content": "One two three four five"}, history
 
@@ -285,7 +285,7 @@ def test_semantic_vad_runs_the_end_of_turn_policy_and_server_vad_the_plain_endpo
             updated = await talk.wait("session.updated")
             talk.stream(at_24k())
             await talk.wait("response.done")
-            (session,) = served.stages.live
+            (session,) = served.instance.live
             turn = session.end_of_turn.config
             await conn.close()
             return updated, turn, session.config.vad.hangover_ms
@@ -349,7 +349,7 @@ def test_function_calling_round_trip(served):
     asks again: the spoken answer is made from it."""
     weather = {"type": "function", "name": "get_weather", "description": "Today's weather in a city.",
                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-    served.stages.lm.tool_calls = [{"id": "call_7", "type": "function",
+    served.instance.lm.tool_calls = [{"id": "call_7", "type": "function",
                                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
 
     async def go():
@@ -359,7 +359,7 @@ def test_function_calling_round_trip(served):
             await talk.wait("session.updated")
             await talk.ask({"type": "input_text", "text": "What's the weather in Paris?"})
             await talk.wait("response.done")
-            served.stages.lm.tool_calls = []  # the answer speaks
+            served.instance.lm.tool_calls = []  # the answer speaks
             call = talk.of("response.function_call_arguments.done")[0]
             await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call["call_id"],
                                                       "output": "Sunny, 21 degrees"})
@@ -369,7 +369,7 @@ def test_function_calling_round_trip(served):
             return talk
     talk = asyncio.run(go())
     assert talk.of("session.updated")[0]["session"]["tools"][0]["name"] == "get_weather"
-    offered = served.stages.lm.asked[0][1]
+    offered = served.instance.lm.asked[0][1]
     assert offered == [{"type": "function", "function": {k: weather[k] for k in ("name", "description", "parameters")}}]
     call = talk.of("response.function_call_arguments.done")[0]
     assert ((call["name"], json.loads(call["arguments"]), call["call_id"])
@@ -378,18 +378,18 @@ def test_function_calling_round_trip(served):
     assert [o["type"] for o in first["response"]["output"]] == ["function_call"]
     assert not [e for e in talk.events if e["type"] == "response.output_audio.delta" and e["_at"] < talk.of(
         "response.done")[0]["_at"]]  # the call is not spoken
-    asked = served.stages.lm.asked[-1][0][-1]["content"]
+    asked = served.instance.lm.asked[-1][0][-1]["content"]
     assert asked == "What's the weather in Paris?\n\n(Result of get_weather: Sunny, 21 degrees)", asked
     assert [o["type"] for o in second["response"]["output"]] == ["message"]
     assert second["response"]["output"][0]["content"][0]["transcript"] == "Sure, here is a short reply."
-    history = [m for m in served.stages.lm.asked[-1][0] if m["role"] == "user"]
+    history = [m for m in served.instance.lm.asked[-1][0] if m["role"] == "user"]
     assert len(history) == 1, history  # the question is asked again with the output, not twice
 
 
 def test_a_connection_that_never_starts_a_session_is_closed_when_idle():
     config = make_config(limits={"idle_timeout_s": 1.0})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as srv:
         async def go():
             async with connect(srv) as conn:
                 talk = Talk(conn)
@@ -398,9 +398,9 @@ def test_a_connection_that_never_starts_a_session_is_closed_when_idle():
                 return talk
         talk = asyncio.run(go())
         deadline = time.monotonic() + 5
-        while stages.admission.total and time.monotonic() < deadline:
+        while instance.admission.total and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not stages.admission.total and not stages.live  # its admission ticket is given back
+        assert not instance.admission.total and not instance.live  # its admission ticket is given back
     assert talk.of("error")[-1]["error"]["code"] == "idle_timeout"
 
 
@@ -416,7 +416,7 @@ def test_an_audio_item_is_transcribed_and_answered(served):
     item = talk.of("conversation.item.added")[0]["item"]
     assert item["content"] == [{"type": "input_audio", "transcript": "eight of spades"}], item
     assert talk.of("conversation.item.input_audio_transcription.completed")[0]["transcript"] == "eight of spades"
-    assert served.stages.lm.asked[-1][0][-1] == {"role": "user", "content": "eight of spades"}
+    assert served.instance.lm.asked[-1][0][-1] == {"role": "user", "content": "eight of spades"}
     assert talk.of("response.done")[0]["response"]["status"] == "completed"
 
 
@@ -504,7 +504,7 @@ def test_wrongly_typed_function_outputs_get_errors_and_the_connection_stays_open
 def test_a_response_cancelled_before_its_first_text_is_created_and_done(served):
     """Regression: response.cancel right after response.create left the response unanswered: no
     response.created, no response.done."""
-    served.stages.lm.delay_s = 0.5
+    served.instance.lm.delay_s = 0.5
 
     async def go():
         async with connect(served) as conn:
@@ -512,7 +512,7 @@ def test_a_response_cancelled_before_its_first_text_is_created_and_done(served):
             await talk.ask({"type": "input_text", "text": "Go on"})
             await conn.response.cancel()
             await talk.wait("response.done")
-            served.stages.lm.delay_s = 0.0
+            served.instance.lm.delay_s = 0.0
             await still_answers(talk, 2)
             await conn.close()
             return talk
@@ -557,10 +557,10 @@ def test_an_item_flood_is_refused_and_the_prompt_stays_within_the_window(served)
     assert len(full) == 3 * (limits.max_items + 8 - accepted) + 8, len(full)
     assert {e["code"] for e in full} == {"conversation_full"} and all("item" in e["message"] for e in full)
     assert [e["response"]["status"] for e in talk.of("response.done")] == ["completed"] * 4
-    for messages, _ in served.stages.lm.asked:
+    for messages, _ in served.instance.lm.asked:
         assert prompt_chars(messages) <= served.config.lm.max_prompt_chars, prompt_chars(messages)
         assert messages[0]["role"] == "system"
-    last = served.stages.lm.asked[-1][0]
+    last = served.instance.lm.asked[-1][0]
     assert last[-1]["content"] == " ".join(["hi"] * limits.max_items)
 
 
@@ -584,7 +584,7 @@ def test_a_system_item_flood_keeps_the_instructions_bounded(served):
     instructions = talk.of("session.updated")[0]["session"]["instructions"]
     assert limit - len(text) <= len(instructions) <= limit, len(instructions)
     assert talk.of("error") and {e["error"]["code"] for e in talk.of("error")} == {"string_above_max_length"}
-    assert served.stages.lm.asked[-1][0][0] == {"role": "system", "content": instructions}
+    assert served.instance.lm.asked[-1][0][0] == {"role": "system", "content": instructions}
 
 
 def test_tool_lists_are_bounded(served):
@@ -635,7 +635,7 @@ def test_a_resumed_turn_deletes_the_item_it_supersedes_so_no_transcript_repeats(
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")}, turn={"resume_ms": 3000})
     lm = FakeLM(blocks=("Ok.",))
     lm.delay_s = 2.0  # no reply is heard before the user goes on
-    with LiveServer(config, fake_stages(config, WordsWhisper(), lm=lm)) as srv:
+    with LiveServer(config, fake_instance(config, WordsWhisper(), lm=lm)) as srv:
         async def go():
             async with connect(srv, beta) as conn:
                 talk = Talk(conn, beta)

@@ -22,11 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 
 
 @pytest.fixture(scope="module")
-def server(real_stages, tmp_path_factory):
+def server(real_instance, tmp_path_factory):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
-    with LiveServer(config, real_stages(config)) as srv:
+    with LiveServer(config, real_instance(config)) as srv:
         yield srv
 
 
@@ -71,5 +71,5 @@ def test_a_real_recording_through_the_sdk_is_transcribed_and_answered_in_speech(
     audio = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
     assert len(audio) / 2 / 24000 > 0.5, kinds
     # the reply's audio is speech that says the reply: our own ASR hears the same words
-    heard = server.stages.whisper.transcribe(resample(pcm16_to_float(audio), 24000, 16000).astype(np.float32))
+    heard = server.instance.whisper.transcribe(resample(pcm16_to_float(audio), 24000, 16000).astype(np.float32))
     assert jiwer.wer(normalise(said), normalise(heard)) < 0.5, (said, heard)

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from fakes import LiveServer, fake_stages, make_config, speech
+from fakes import LiveServer, fake_instance, make_config, speech
 from voice.service import records as rec
 from voice.config import RecordsConfig
 from voice.conversation.latency import Metrics
@@ -206,9 +206,9 @@ def test_health_is_the_writers_state_now_not_its_failure_count(store):
 
     from voice.service.server import build_app
     config = make_config()
-    stages = fake_stages(config)
-    records = stages.records = rec.Records(store.database, timeout_s=0.3, probe_s=0.2)
-    client = TestClient(build_app(config, stages))
+    instance = fake_instance(config)
+    records = instance.records = rec.Records(store.database, timeout_s=0.3, probe_s=0.2)
+    client = TestClient(build_app(config, instance))
 
     def health() -> dict:
         response = client.get("/healthz")
@@ -382,7 +382,7 @@ def test_a_server_that_goes_away_times_turns_out_and_queued_writes_land_when_it_
 def test_turns_are_committed_before_reply_done_arrives(store):
     config = make_config(records={"path": store.database} if store.kind == "sqlite" else {"url": store.database},
                          limits={"outbox_audio_s": 60.0})
-    stages = fake_stages(config)
+    instance = fake_instance(config)
 
     def row(turn: int):
         rows = store.query("SELECT * FROM turns WHERE turn = ?", (turn,))
@@ -423,20 +423,20 @@ def test_turns_are_committed_before_reply_done_arrives(store):
                         ev["type"] == "latency" or (ev.get("final") and not ev["text"])):
                     turn_done = ev["turn"]
                     nxt = turn_done + 1
-                    stages.lm.delay_s = 0.3 if nxt == 2 else 0.0
-                    stages.lm.blocks = ["Well,"] + [" and so on,"] * 10 if nxt == 2 else ["Sure,", " fine."]
-                    stages.lm.fail_at = 1 if nxt == 4 else None
-                    stages.whisper.text = "" if nxt == 5 else "eight of spades"
+                    instance.lm.delay_s = 0.3 if nxt == 2 else 0.0
+                    instance.lm.blocks = ["Well,"] + [" and so on,"] * 10 if nxt == 2 else ["Sure,", " fine."]
+                    instance.lm.fail_at = 1 if nxt == 4 else None
+                    instance.whisper.text = "" if nxt == 5 else "eight of spades"
                     if nxt in (2, 4, 5):
                         await asyncio.sleep(0.5)
                         say("001.wav")
             m.cancel()
             return rows, seen, plan
 
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         rows, seen, plan = asyncio.run(scenario())
         deadline = time.monotonic() + 10
-        while stages.live:
+        while instance.live:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     done = {e["turn"]: e for e in seen if e["type"] == "reply_done"}

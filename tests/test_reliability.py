@@ -1,6 +1,6 @@
 """Faults, live fuzzing and a short soak against the real service (real models, one server).
 
-* Fault injection: the live server's Stages get thin wrappers around the real LM, ASR and
+* Fault injection: the live server's Instance get thin wrappers around the real LM, ASR and
   TTS that raise, hang or slow down on demand. Each faulty turn must end with an `error`
   naming the stage (and `apology: true`), the cached spoken apology as reply audio, a
   `reply_done` with `interrupted: true`; the failure is logged with the session id, /healthz
@@ -33,7 +33,7 @@ from strategies import INVITE, sip_datagrams, start_messages, twilio_messages
 from voice.audio import pcm16_to_float, rms_dbfs
 from voice.config import Config
 from voice.service.server import build_app
-from voice.stages import Stages
+from voice.service.instance import Instance
 
 RATE = 16000
 FRAME = 640
@@ -135,8 +135,8 @@ def free_udp_port() -> int:
 
 
 class Service:
-    def __init__(self, config: Config, stages: Stages, port: int):
-        self.config, self.stages, self.port = config, stages, port
+    def __init__(self, config: Config, instance: Instance, port: int):
+        self.config, self.instance, self.port = config, instance, port
         self.url = f"ws://127.0.0.1:{port}"
 
     def get(self, path: str) -> tuple[int, str]:
@@ -149,23 +149,23 @@ class Service:
     def wait_no_sessions(self, timeout: float = 15, sip: bool = False) -> None:
         """No sessions left (SIP calls set up by the fuzzer end on their own: no ACK -> BYE after 32 s)."""
         deadline = time.monotonic() + timeout
-        while [s for s in self.stages.live if sip or s.transport != "sip"]:
+        while [s for s in self.instance.live if sip or s.transport != "sip"]:
             assert time.monotonic() < deadline, f"sessions left open: {[s.transport for s in self.stages.live]}"
             time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, real_stages):
+def service(tmp_path_factory, real_instance):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
     config.sip.port = free_udp_port()
     config.sip.rtp_port_min, config.sip.rtp_port_max = 42000, 42099
-    stages = real_stages(config)
-    stages.lm, stages.whisper, stages.synthesizer = (FaultyLM(stages.lm), FaultyWhisper(stages.whisper),
-                                                     FaultySynth(stages.synthesizer))
-    with serving(build_app(config, stages)) as port:
-        yield Service(config, stages, port)
+    instance = real_instance(config)
+    instance.lm, instance.whisper, instance.synthesizer = (FaultyLM(instance.lm), FaultyWhisper(instance.whisper),
+                                                     FaultySynth(instance.synthesizer))
+    with serving(build_app(config, instance)) as port:
+        yield Service(config, instance, port)
     print("\nreliability figures:", json.dumps(FIGURES, indent=1))
 
 
@@ -243,7 +243,7 @@ def test_a_failing_stage_ends_the_turn_with_an_apology_and_the_session_goes_on(s
     code, stage, timeouts = FAULTS[mode]
     faults = service.config.faults
     saved = {k: getattr(faults, k) for k in timeouts}
-    apology = service.stages.apology[RATE]
+    apology = service.instance.apology[RATE]
 
     async def scenario():
         async with websockets.connect(service.url + "/ws", max_size=None, open_timeout=30) as ws:
@@ -430,7 +430,7 @@ def test_after_fuzzing_every_transport_still_serves(service):
                 "streamSid": "MZafter", "callSid": "CA1",
                 "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}))
             await asyncio.sleep(0.5)
-            opened = any(s.transport == "twilio" for s in service.stages.live)
+            opened = any(s.transport == "twilio" for s in service.instance.live)
             await ws.send(json.dumps({"event": "stop", "streamSid": "MZafter"}))
             await asyncio.wait_for(ws.wait_closed(), 10)
             return opened

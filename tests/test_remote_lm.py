@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import uvicorn
 
-from fakes import Client, LiveServer, StandInEngine, fake_stages, make_config, speech
+from fakes import Client, LiveServer, StandInEngine, fake_instance, make_config, speech
 from liveserver import wait_for
 from voice.pipeline.lm import RemoteLM
 
@@ -40,9 +40,9 @@ def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
     config = make_config(lm={"backend": "openai", "url": f"http://127.0.0.1:{lm_port}/v1", "model": "stand-in",
                              "retries": 2, "retry_backoff_s": 0.05, "probe_interval_s": 0.3})
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
-    stages = fake_stages(config, lm=RemoteLM(config.lm))
+    instance = fake_instance(config, lm=RemoteLM(config.lm))
     lm_server = None
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         down = wait_for(lambda: (h := health(srv))["status"] == "degraded" and h, 10, "healthz never degraded")
         assert down["lm_health"]["ok"] is False and "Connect" in down["lm_health"]["last_error"], down
 
@@ -54,9 +54,9 @@ def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
         async def first():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=3.0)
-            failures_before = stages.lm.failures
+            failures_before = instance.lm.failures
             events = await turn(c, 1)
-            return c, events, stages.lm.failures - failures_before
+            return c, events, instance.lm.failures - failures_before
 
         loop = asyncio.new_event_loop()
         try:
@@ -74,7 +74,7 @@ def test_remote_lm_down_is_retried_reported_and_recovers(monkeypatch):
             assert up["lm_health"]["consecutive_failures"] == 0
             # still "degraded" for a minute because a turn failed, and only for that reason
             assert up["status"] == "degraded" and up["faults"] == {"lm": "error"}, up
-            stages.faults.clear()
+            instance.faults.clear()
             assert health(srv)["status"] == "ok"
 
             events = loop.run_until_complete(turn(c, 2))  # same session

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import FakeWhisper, LiveServer, fake_stages, make_config
+from fakes import FakeWhisper, LiveServer, fake_instance, make_config
 from voice.evals import room_eval
 from voice.pipeline.asr import echoes
 from voice.audio import float_to_pcm16, read_wav, resample
@@ -25,7 +25,7 @@ def server():
     config = make_config()  # the gate is on by default
     # A finished sentence, written as Whisper writes one: words that trail off would hold each reply for
     # `turn.hold_ms` (voice/conversation/reply.py's Floor.voiced), and a room start in that second resumes the turn
-    with LiveServer(config, fake_stages(config, FakeWhisper("Eight of spades."))) as srv:
+    with LiveServer(config, fake_instance(config, FakeWhisper("Eight of spades."))) as srv:
         yield srv
 
 

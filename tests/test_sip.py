@@ -30,7 +30,7 @@ from voice.config import AsrConfig
 from voice.audio import float_to_int16, pcm16_to_float, read_wav, resample, rms_dbfs, ulaw_encode
 from voice.config import Config
 from voice.service.server import build_app
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.transports import rtp, sdp, sip
 from voice.transports.telephony import calls
 from fakes import REAL_REPLY_TOKENS
@@ -95,8 +95,8 @@ def words(text: str) -> set[str]:
 
 
 class Service:
-    def __init__(self, config: Config, http_port: int, stages: Stages, app):
-        self.config, self.http_port, self.stages, self.app = config, http_port, stages, app
+    def __init__(self, config: Config, http_port: int, instance: Instance, app):
+        self.config, self.http_port, self.instance, self.app = config, http_port, instance, app
         self.sip_port = config.sip.port
 
     def metric(self, line_start: str) -> float | None:
@@ -111,7 +111,7 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(real_stages):
+def service(real_instance):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.sip.port = free_udp_port()
@@ -119,11 +119,11 @@ def service(real_stages):
     config.sip.media_timeout_s = MEDIA_TIMEOUT_S
     config.sip.rtp_port_min = free_even_udp_ports(40)
     config.sip.rtp_port_max = config.sip.rtp_port_min + 39
-    stages = real_stages(config)
-    app = build_app(config, stages)
+    instance = real_instance(config)
+    app = build_app(config, instance)
     with serving(app) as port:
         assert app.state.sip is not None and app.state.sip.port == config.sip.port
-        yield Service(config, port, stages, app)
+        yield Service(config, port, instance, app)
 
 
 @pytest.fixture(autouse=True)
@@ -755,7 +755,7 @@ def baresip_call(service, require_system, tmp_path, pcm: np.ndarray, done) -> tu
 
 def transcribed(service, heard: np.ndarray) -> str:
     async def transcribe() -> str:
-        transcriber = StreamingTranscriber(service.stages.whisper, AsrConfig())
+        transcriber = StreamingTranscriber(service.instance.whisper, AsrConfig())
         transcriber.insert_audio_chunk(resample(heard, 8000, 16000))
         return await transcriber.finish()
 
@@ -800,7 +800,7 @@ def test_invite_past_capacity_gets_503_with_retry_after(service):
 
         def admits(self, sessions: int) -> bool:
             return False
-    admission = service.stages.admission
+    admission = service.instance.admission
     admission.capacity = Full()
     phone = Phone(service)
     try:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fakes import FakeLM, FakeSynth, FakeWhisper, fake_stages, make_config, speech
+from fakes import FakeLM, FakeSynth, FakeWhisper, fake_instance, make_config, speech
 from voice.events import LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
 from voice.conversation.session import Session
 
@@ -43,8 +43,9 @@ class TimedLM(FakeLM):
         return chat
 
 
-def stages_for(speculative: bool, synthesizer=None):
-    return fake_stages(make_config(session={"speculative_reply": speculative}), LengthWhisper(), synthesizer, TimedLM())
+def instance_for(speculative: bool, synthesizer=None):
+    return fake_instance(make_config(session={"speculative_reply": speculative}), LengthWhisper(), synthesizer,
+                         TimedLM())
 
 
 async def push(session: Session, pcm: bytes, realtime: bool = False) -> None:
@@ -74,9 +75,9 @@ def silence(ms: int) -> bytes:
     return bytes(32 * ms)
 
 
-async def one_turn(stages, clip: str, realtime: bool = False) -> list:
+async def one_turn(instance, clip: str, realtime: bool = False) -> list:
     """A session hears `clip` (in real time if `realtime`) and a second of silence: what it sent."""
-    s = Session(stages, 16000, 16000)
+    s = Session(instance, 16000, 16000)
     seen: list = []
     reader = drain(s, seen)
     await push(s, speech(clip), realtime=realtime)
@@ -92,11 +93,11 @@ def test_the_reply_waits_for_the_end_of_the_turn(speculative):
     """Speculative: the LM is asked during the hangover, before the VAD declares the end of
     speech, yet nothing of the reply is sent before the final transcript. Without: it is asked
     only after the end of speech."""
-    stages = stages_for(speculative)
-    seen = asyncio.run(one_turn(stages, "001.wav"))
+    instance = instance_for(speculative)
+    seen = asyncio.run(one_turn(instance, "001.wav"))
     stopped = next(e for e in seen if isinstance(e, SpeechStopped))
-    assert len(stages.lm.asked_at) == 1
-    assert (stages.lm.asked_at[0] < stopped.t) == speculative
+    assert len(instance.lm.asked_at) == 1
+    assert (instance.lm.asked_at[0] < stopped.t) == speculative
     kinds = [type(e) for e in seen]
     final = next(i for i, e in enumerate(seen) if isinstance(e, Transcript) and e.final)
     assert kinds.index(SpeechStopped) < final < kinds.index(ReplyText) < kinds.index(TtsAudio)
@@ -114,18 +115,18 @@ def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
     """A pause longer than early_final_ms but shorter than the hangover starts a speculative
     reply; speech after it drops that reply (never sent, not in the history) and the turn's one
     reply answers the whole utterance."""
-    config_stages = stages_for(True)
-    cfg = config_stages.config
+    config_instance = instance_for(True)
+    cfg = config_instance.config
     pause = (cfg.asr.early_final_ms + cfg.vad.hangover_ms) // 2
 
     async def scenario():
-        s = Session(config_stages, 16000, 16000)
+        s = Session(config_instance, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         await push(s, speech("001.wav"))
         await push(s, silence(pause), realtime=True)
         await asyncio.sleep(0.3)  # the speculative reply is generated and synthesised meanwhile
-        prepared = len(config_stages.lm.asked_at)
+        prepared = len(config_instance.lm.asked_at)
         before = list(seen)
         await push(s, speech("002.wav"))
         await push(s, silence(1000), realtime=True)
@@ -139,7 +140,7 @@ def test_a_speculation_is_dropped_unseen_when_the_user_goes_on():
     assert prepared == 1, "no reply was prepared during the pause"
     assert not [e for e in before if isinstance(e, (ReplyText, TtsAudio, ReplyDone)) or
                 isinstance(e, Transcript) and e.final]
-    assert len(config_stages.lm.asked_at) == 2
+    assert len(config_instance.lm.asked_at) == 2
     finals = [e for e in seen if isinstance(e, Transcript) and e.final]
     dones = [e for e in seen if isinstance(e, ReplyDone)]
     assert len(finals) == 1 and len(dones) == 1 and len([e for e in seen if isinstance(e, SpeechStopped)]) == 1
@@ -155,7 +156,7 @@ class WaitingProbe(FakeSynth):
     def __init__(self):
         super().__init__()
         self.waiting: list[bool] = []
-        self.scheduler = None  # the stages' scheduler, set by the test
+        self.scheduler = None  # the instance's scheduler, set by the test
 
     async def synthesize(self, text: str, out_rate: int, urgent=lambda: False):
         self.waiting.append(self.scheduler.busy())
@@ -166,24 +167,24 @@ class WaitingProbe(FakeSynth):
 def test_the_session_waits_from_end_of_speech_to_its_first_audio(speculative):
     """Other sessions' background work yields while this one is listed as waiting: from its
     (speculative) final transcript until its first phrase is synthesised, and no longer."""
-    stages = stages_for(speculative, WaitingProbe())
-    stages.synthesizer.scheduler = stages.scheduler
+    instance = instance_for(speculative, WaitingProbe())
+    instance.synthesizer.scheduler = instance.scheduler
 
     async def scenario():
-        s = Session(stages, 16000, 16000)
+        s = Session(instance, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         await push(s, speech("001.wav"))
-        during_speech = stages.scheduler.busy()
+        during_speech = instance.scheduler.busy()
         await push(s, silence(1000), realtime=True)
         await until_reply_done(seen)
-        after_reply = stages.scheduler.busy()
+        after_reply = instance.scheduler.busy()
         reader.cancel()
         await s.close()
         return during_speech, after_reply
 
     during_speech, after_reply = asyncio.run(scenario())
-    probe = stages.synthesizer.waiting
+    probe = instance.synthesizer.waiting
     assert not during_speech and not after_reply
     assert len(probe) >= 2 and probe[0] and not any(probe[1:])
 
@@ -193,10 +194,10 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
     """Once a reply is decoded the LM prefills the conversation the next turn starts from, the
     history's oldest turns already forgotten when its window is full: the next turn's prompt
     then differs only by the user's new words, even on the turn the window slides."""
-    stages = fake_stages(make_config(lm={"history_turns": 1}), LengthWhisper(), None, TimedLM())
+    instance = fake_instance(make_config(lm={"history_turns": 1}), LengthWhisper(), None, TimedLM())
 
     async def scenario():
-        s = Session(stages, 16000, 16000)
+        s = Session(instance, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         asked: list[list[dict]] = []
@@ -211,7 +212,7 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
         return asked
 
     asked = asyncio.run(scenario())
-    prepared = [messages[:-1] for messages, _ in stages.lm.prepared]  # each without its empty question
+    prepared = [messages[:-1] for messages, _ in instance.lm.prepared]  # each without its empty question
     assert len(prepared) == 4  # the session's start, then once per reply
     assert prepared[1:] == asked
     assert [m["role"] for m in asked[2]] == ["system", "user", "assistant"]  # the window slid: turn 1 forgotten
@@ -220,10 +221,10 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
 def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
     """Each partial transcript is read by the LM as it comes (prefilled into the conversation's
     cache), so the reply to the final transcript prefills only the words after them."""
-    stages = fake_stages(make_config(), FakeWhisper("eight of spades"), None, TimedLM())
-    seen = asyncio.run(one_turn(stages, "005.wav", realtime=True))
+    instance = fake_instance(make_config(), FakeWhisper("eight of spades"), None, TimedLM())
+    seen = asyncio.run(one_turn(instance, "005.wav", realtime=True))
     partials = [e.text for e in seen if isinstance(e, Transcript) and not e.final]
-    read = [messages[-1]["content"] for messages, _ in stages.lm.prepared[1:]]  # after the session's start
+    read = [messages[-1]["content"] for messages, _ in instance.lm.prepared[1:]]  # after the session's start
     assert partials and read[:len(partials)] == partials
 
 
@@ -231,11 +232,11 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
     """The engine asks a reply's urgency with the text it has decoded, before that text reaches the
     reply: urgent until it holds the first phrase, then not (its next forwards would share the
     cores with that phrase's synthesis), urgent again once the audio sent runs low."""
-    stages = stages_for(True)
-    stages.lm.blocks = ["There ", "are ", "10 ", "close ", "things."]
-    stages.lm.delay_s = 0.3  # the last block comes after the first phrase is on the wire
+    instance = instance_for(True)
+    instance.lm.blocks = ["There ", "are ", "10 ", "close ", "things."]
+    instance.lm.delay_s = 0.3  # the last block comes after the first phrase is on the wire
     answers: list[tuple[bool, bool]] = []
-    chat = stages.lm.chat
+    chat = instance.lm.chat
     played: list = []
 
     def chat_asking_urgency():
@@ -248,10 +249,10 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
                 yield block
         made.reply = reply
         return made
-    stages.lm.chat = chat_asking_urgency
+    instance.lm.chat = chat_asking_urgency
 
     async def scenario():
-        s = Session(stages, 16000, 16000)
+        s = Session(instance, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         await push(s, speech("001.wav"))
@@ -270,11 +271,11 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
 def test_a_reply_about_to_fall_silent_speaks_the_words_it_has():
     """A long clause decoded slower than the first phrase plays: once its audio is about to run out
     the reply speaks the complete words it has instead of waiting for punctuation; nothing is lost."""
-    stages = stages_for(True)
-    stages.lm.blocks = ["There ", "are ", "many ", "kinds ", "of ", "queens ", "in ", "old ", "card ", "games ",
+    instance = instance_for(True)
+    instance.lm.blocks = ["There ", "are ", "many ", "kinds ", "of ", "queens ", "in ", "old ", "card ", "games ",
                         "played ", "today."]
-    stages.lm.delay_s = 0.12  # "There are" (0.54 s of FakeSynth audio) is out before "in" is decoded
-    seen = asyncio.run(one_turn(stages, "001.wav"))
+    instance.lm.delay_s = 0.12  # "There are" (0.54 s of FakeSynth audio) is out before "in" is decoded
+    seen = asyncio.run(one_turn(instance, "001.wav"))
     played = [e.text for e in seen if isinstance(e, TtsAudio)]
     assert played[0] == "There are"
     assert len(played) >= 3 and len(played[1].split()) >= 3 and not played[1].endswith(".")

@@ -140,13 +140,13 @@ def test_a_refused_message_is_deleted_and_the_next_one_is_answered(tmp_path):
     for it, and the next message is answered."""
     import asyncio
 
-    from fakes import LiveServer, fake_stages, make_config
+    from fakes import LiveServer, fake_instance, make_config
     from test_hostile import StrictLM
     from test_realtime import Talk, connect
 
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")})
     lm = StrictLM()  # refuses prompts over 1,500 characters, as an engine refuses a context overflow
-    with LiveServer(config, fake_stages(config, lm=lm)) as srv:
+    with LiveServer(config, fake_instance(config, lm=lm)) as srv:
         async def go():
             async with connect(srv) as conn:
                 talk = Talk(conn)

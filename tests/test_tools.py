@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from engine.common.keys import ConfigError
 from engine.common.redact import redact
-from fakes import Client, LiveServer, fake_stages, make_config, speech
+from fakes import Client, LiveServer, fake_instance, make_config, speech
 from liveserver import serving
 from voice.service import records as rec
 from voice.config import ToolsConfig, load_config
@@ -294,21 +294,21 @@ def one_turn(srv, clip: str = "001.wav", until=lambda m: m["type"] == "latency",
 
 
 def test_without_tools_the_lm_is_offered_none():
-    stages = fake_stages(make_config())
-    stages.lm.tool_calls = [call("get_time")]  # would be called if offered
-    with LiveServer(stages.config, stages) as srv:
+    instance = fake_instance(make_config())
+    instance.lm.tool_calls = [call("get_time")]  # would be called if offered
+    with LiveServer(instance.config, instance) as srv:
         c = one_turn(srv)
-    assert [tools for _, tools in stages.lm.asked] == [None] and not c.events("tool_call")
+    assert [tools for _, tools in instance.lm.asked] == [None] and not c.events("tool_call")
     assert c.events("reply_done")[0]["text"] == "Sure, here is a short reply."
 
 
 def test_a_tool_turn_calls_the_tool_then_speaks_the_answer_and_is_recorded(tmp_path):
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")},
                          tools={"time_zone": "UTC", "builtin": BUILT_INS})
-    stages = fake_stages(config)
-    stages.lm.tool_calls = [call("get_time")]
-    stages.lm.blocks = ["It is", " a quarter to four."]
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.tool_calls = [call("get_time")]
+    instance.lm.blocks = ["It is", " a quarter to four."]
+    with LiveServer(config, instance) as srv:
         c = one_turn(srv)
     kinds = [m["type"] for m in c.events() if m["type"] in ("tool_call", "tool_result", "reply", "reply_done")]
     assert kinds == ["tool_call", "tool_result", "reply", "reply", "reply_done"], kinds
@@ -316,7 +316,7 @@ def test_a_tool_turn_calls_the_tool_then_speaks_the_answer_and_is_recorded(tmp_p
     assert result["name"] == "get_time" and result["status"] == "ok" and "UTC" in result["result"], result
     assert c.events("reply_done")[0]["text"] == "It is a quarter to four."
     # the model was offered the tools, then asked again with the result in the user's message
-    (first, offered), (second, none) = stages.lm.asked
+    (first, offered), (second, none) = instance.lm.asked
     assert [t["function"]["name"] for t in offered] == ["get_time", "set_timer", "calculate"] and none is None
     assert second[-1]["content"] == f"{first[-1]['content']}\n\n(Result of get_time: {result['result']})"
     latency = c.events("latency")[0]
@@ -330,10 +330,10 @@ def test_a_tool_turn_calls_the_tool_then_speaks_the_answer_and_is_recorded(tmp_p
 
 def test_a_slow_tool_gets_the_filler_phrase_first(hooks):
     config = make_config(tools=vars(webhook_config(hooks.base, "/weather?delay=0.6")))
-    stages = fake_stages(config)
-    stages.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
-    stages.lm.blocks = ["Sunny in Rome."]
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
+    instance.lm.blocks = ["Sunny in Rome."]
+    with LiveServer(config, instance) as srv:
         c = one_turn(srv)
     kinds = ["audio" if isinstance(m, bytes) else m["type"] for m in c.log]
     assert kinds.index("tool_call") < kinds.index("reply") < kinds.index("audio") < kinds.index("tool_result"), kinds
@@ -345,9 +345,9 @@ def test_a_slow_tool_gets_the_filler_phrase_first(hooks):
 
 def test_a_fast_tool_gets_no_filler(hooks):
     config = make_config(tools=vars(webhook_config(hooks.base)))
-    stages = fake_stages(config)
-    stages.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
+    with LiveServer(config, instance) as srv:
         c = one_turn(srv)
     assert "One moment" not in c.events("reply_done")[0]["text"]
     assert c.events("latency")[0]["stages_ms"]["tool"] < 300
@@ -358,9 +358,9 @@ def test_barge_in_cancels_a_pending_tool_call(hooks, tmp_path):
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")},
                          tools={**vars(webhook_config(hooks.base, "/weather?delay=5")), "filler": ""},
                          turn={"resume_ms": 0})  # a barge-in, not the first utterance resumed (test_endofturn)
-    stages = fake_stages(config)
-    stages.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.tool_calls = [call("get_weather", {"city": "Rome"})]
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)
@@ -386,9 +386,9 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
     from voice.conversation.reply import Reply, ReplyRunner
     config = make_config(tools=vars(webhook_config(hooks.base)))
     config.tools.builtin = ["time"]
-    stages = fake_stages(config)
+    instance = fake_instance(config)
     box = Toolbox(config.tools)
-    stages.lm.tool_calls = [call("get_time", id="a"), call("get_weather", {"city": "Lima"}, id="b")]
+    instance.lm.tool_calls = [call("get_time", id="a"), call("get_weather", {"city": "Lima"}, id="b")]
     emitted = []
 
     class Sink:  # the session, as the runner sees it (voice.conversation.reply.ReplySink)
@@ -409,7 +409,7 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
             await reply.released.wait()
 
     async def go():
-        runner = ReplyRunner(config, stages.lm.chat(), stages.synthesizer, 16000, None, None, Sink(), "s", box,
+        runner = ReplyRunner(config, instance.lm.chat(), instance.synthesizer, 16000, None, None, Sink(), "s", box,
                              Timers(lambda text: asyncio.sleep(0)))
         reply = Reply(1)
         before = len(hooks.requests)
@@ -429,10 +429,10 @@ def test_a_webhook_waits_for_the_turn_to_be_real_but_a_pure_tool_does_not(hooks)
 
 def test_a_timer_set_in_a_turn_speaks_up_in_the_session():
     config = make_config(tools={"builtin": ["timer"]})
-    stages = fake_stages(config)
-    stages.lm.tool_calls = [call("set_timer", {"seconds": 1})]
-    stages.lm.blocks = ["Timer set."]
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config)
+    instance.lm.tool_calls = [call("set_timer", {"seconds": 1})]
+    instance.lm.blocks = ["Timer set."]
+    with LiveServer(config, instance) as srv:
         c = one_turn(srv, until=lambda m: m["type"] == "announcement", timeout=10)
     announced = c.events("announcement")
     assert [a["text"] for a in announced] == ["Your 1 second timer is done."], c.events()

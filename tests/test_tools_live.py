@@ -22,12 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationW
 
 
 @pytest.fixture(scope="module")
-def server(real_stages, tmp_path_factory):
+def server(real_instance, tmp_path_factory):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.tools.builtin = ["time", "timer", "calculator"]
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
-    with LiveServer(config, real_stages(config)) as srv:
+    with LiveServer(config, real_instance(config)) as srv:
         yield srv
 
 
@@ -36,7 +36,7 @@ def spoken(srv, text: str, lead_s: float = 0.5) -> bytes:
     silence: a microphone is open before its user speaks, and the level gate learns the room from the
     stream's first frames (voice/pipeline/vad.py), so a stream that opens mid-word would have its first words
     taken for the room (Piper's voice starts 10 ms in: half of its renders of this question were)."""
-    synth = srv.stages.synthesizer
+    synth = srv.instance.synthesizer
     audio = synth.render(text, synth.voice_rate).astype("float32") / 32768.0
     audio = np.concatenate([np.zeros(int(lead_s * synth.voice_rate), np.float32), audio])
     return float_to_int16(resample(audio, synth.voice_rate, 16000)).astype("<i2").tobytes()
@@ -83,7 +83,7 @@ def test_the_model_calls_tools_only_when_asked_in_either_mode(server):
     "A spider has eight legs." / "There are eight legs on a spider."; BENCHMARKS.md, "llama.cpp's
     rows". Token-for-token losslessness is asserted where the kernels allow it: test_verify.py,
     test_qwen.py, and its measured share on llama.cpp in test_llamacpp.py.)"""
-    lm, tools = server.stages.lm, server.stages.tools.openai()
+    lm, tools = server.instance.lm, server.instance.tools.openai()
 
     async def reply(question: str, mode: str) -> tuple[str, list]:
         chat = lm.chat()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from fakes import Client, FakeLM, FakeWhisper, LiveServer, fake_instance, make_config, speech
 from voice.pipeline.endofturn import Verdict
 from voice.events import SpeechStarted as Started, SpeechStopped as Stopped
 from voice.conversation.turns import Pause, TurnTaker
@@ -139,8 +139,8 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
                          records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=("A slow", " reply."))
     lm.delay_s = 1.5  # still thinking when the user goes on
-    stages = fake_stages(config, FakeWhisper("ten of clubs"), lm=lm)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, FakeWhisper("ten of clubs"), lm=lm)
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)
@@ -166,8 +166,8 @@ def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     one answer, to the whole utterance. Without the hold (0, the service before) the first reply's
     audio reached the client in the pause and was cut."""
     config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms})
-    stages = fake_stages(config, FakeWhisper("set a timer for"), lm=FakeLM(blocks=("Done.",)))
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, FakeWhisper("set a timer for"), lm=FakeLM(blocks=("Done.",)))
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)
@@ -247,8 +247,8 @@ def test_every_turn_resumed_or_not_gets_one_final_after_its_speech_stopped():
     config = make_config(turn={"policy": "fixed", "resume_ms": 3000}, vad={"hangover_ms": 300})
     lm = FakeLM(blocks=("Ok.",))
     lm.delay_s = 2.0  # no reply is heard before the user goes on: each pause is resumed
-    stages = fake_stages(config, GrowingWhisper(0.2), lm=lm)
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, GrowingWhisper(0.2), lm=lm)
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=2.0)
@@ -283,7 +283,7 @@ def words(text: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["combined", "fixed"])
 @pytest.mark.parametrize("pause_s", [0.2, 0.6, 1.0, 1.5])
-def test_a_pause_mid_sentence_loses_no_word(real_stages, pause_s, policy):
+def test_a_pause_mid_sentence_loses_no_word(real_instance, pause_s, policy):
     """A real recording with a pause inserted between two words mid-sentence, streamed in real time
     over /ws: with the combined policy, below its ceiling, one final transcript with the words of
     both halves; past it, and with the fixed 400 ms hangover (the default), turns whose transcripts
@@ -292,13 +292,13 @@ def test_a_pause_mid_sentence_loses_no_word(real_stages, pause_s, policy):
     from voice.audio import float_to_pcm16, pcm16_to_float
     from voice.evals.eot_eval import boundary_s, with_pause
     config = make_config(lm={"max_new_tokens": 24}, turn={"policy": policy})
-    stages = real_stages(config)
+    instance = real_instance(config)
     audio = pcm16_to_float(speech("forever.wav"))  # "feels like these days go on forever"
-    segments, _ = stages.whisper.model.transcribe(audio, language="en", word_timestamps=True)
+    segments, _ = instance.whisper.model.transcribe(audio, language="en", word_timestamps=True)
     times = [(w.start, w.end) for s in segments for w in (s.words or [])]
     at = boundary_s(audio, times[3][1], times[4][0])  # "feels like these days | go on forever"
     pcm = float_to_pcm16(with_pause(audio, at, pause_s))
-    with LiveServer(config, stages) as srv:
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)

@@ -56,10 +56,10 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def service(real_stages):
+def service(real_instance):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
-    with serving(build_app(config, real_stages(config))) as port:
+    with serving(build_app(config, real_instance(config))) as port:
         yield Service(port)
 
 

@@ -283,9 +283,9 @@ def test_worklet_resamples_to_16k(page, static_site, rate):
 def fake_voice_server():
     """The service around fake models (tests/fakes.py: the real VAD and turn-taking, an ASR that hears
     "eight of spades" in anything, a tone for a reply): a turn nobody spoke gets answered, and shows."""
-    from fakes import LiveServer, fake_stages, make_config
+    from fakes import LiveServer, fake_instance, make_config
     config = make_config()
-    with LiveServer(config, fake_stages(config)) as srv:
+    with LiveServer(config, fake_instance(config)) as srv:
         yield srv.http
 
 

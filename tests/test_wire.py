@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from engine.common.redact import RedactSecrets, install_redaction, redact
 from engine.common.wire import MAX_DEPTH, REASONS, WireError, ascii_int, decode_json
-from fakes import SPEECH, Client, EncodingEngine, LiveServer, StandInEngine, fake_stages, make_config, speech
+from fakes import SPEECH, Client, EncodingEngine, LiveServer, StandInEngine, fake_instance, make_config, speech
 from liveserver import healthz, next_json, serving
 from strategies import (BROKEN, ENGINE_BODIES, NATIVE_CONTROLS, NATIVE_STARTS, TWILIO_MESSAGES, hostile_json,
                         json_value, poison)
@@ -203,8 +203,8 @@ def fronts(tmp_path_factory):
     from engine.api.server import build_app
     db = tmp_path_factory.mktemp("records") / "records.sqlite3"
     config = make_config(records={"path": str(db)})
-    stages = fake_stages(config)
-    with LiveServer(config, stages) as voice, \
+    instance = fake_instance(config)
+    with LiveServer(config, instance) as voice, \
             serving(build_app(EncodingEngine(), DecodeConfig(max_new_tokens=8), max_input_chars=4000)) as port:
         capture = Capture()
         loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.access")]
@@ -461,7 +461,7 @@ def test_zz_no_secret_reaches_any_log_line(capfd):
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
-    with uvicorn_with_default_logging(voice_app(config, fake_stages(config), auth)) as vport, \
+    with uvicorn_with_default_logging(voice_app(config, fake_instance(config), auth)) as vport, \
             uvicorn_with_default_logging(engine_app(StandInEngine(), DecodeConfig(max_new_tokens=4),
                                                     {"ops": ENGINE_KEY})) as eport:
         loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.access")]

@@ -23,7 +23,7 @@ from wyoming.info import Describe, Info
 from wyoming.ping import Ping, Pong
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
-from fakes import FakeLM, FakeWhisper, LiveServer, fake_stages, make_config, speech
+from fakes import FakeLM, FakeWhisper, LiveServer, fake_instance, make_config, speech
 from liveserver import free_port, healthz, wyoming_exchange
 from voice.service import records as rec
 
@@ -33,7 +33,7 @@ def server(tmp_path):
     config = make_config(wyoming={"port": free_port(), "conversations": 2},
                          records={"path": str(tmp_path / "records.sqlite3")})
     lm = FakeLM(blocks=("The time", " is noon."))
-    with LiveServer(config, fake_stages(config, FakeWhisper("what time is it"), lm=lm)) as srv:
+    with LiveServer(config, fake_instance(config, FakeWhisper("what time is it"), lm=lm)) as srv:
         srv.lm = lm
         yield srv
 
@@ -69,7 +69,7 @@ def test_home_assistant_is_told_what_decodes_an_endpoints_replies():
         def describe(self):
             return None  # as RemoteLM: /healthz shows no `decoding` either
 
-    described = info(fake_stages(make_config(), lm=EndpointLM())).handle[0].description
+    described = info(fake_instance(make_config(), lm=EndpointLM())).handle[0].description
     assert described.endswith(", decoded by its endpoint)"), described
 
 
@@ -152,10 +152,10 @@ def test_a_failing_stage_under_wyoming_is_reported_in_healthz_as_under_ws(server
     server.config.faults.lm_block_timeout_s = 0.3
     talk(server, Transcript(text="hello").event(), until="not-handled")
     server.lm.hang_at = None
-    server.stages.synthesizer.fail = RuntimeError("injected TTS failure")
+    server.instance.synthesizer.fail = RuntimeError("injected TTS failure")
     got = talk(server, Synthesize(text="Hello there.").event(), until="error")
     assert Error.from_event(got[-1]).code == "tts_failed"
-    server.stages.whisper.fail = RuntimeError("injected ASR failure")
+    server.instance.whisper.fail = RuntimeError("injected ASR failure")
     chunks = [AudioChunk(rate=16000, width=2, channels=1, audio=speech("001.wav")[:32000]).event()]
     got = talk(server, Transcribe().event(), AudioStart(rate=16000, width=2, channels=1).event(), *chunks,
                AudioStop().event(), until="error")
@@ -273,7 +273,7 @@ def test_unknown_events_are_dropped(server):
 
 def test_only_allowed_addresses_are_served():
     config = make_config(wyoming={"port": free_port(), "allow": ["10.0.0.0/8"]})
-    with LiveServer(config, fake_stages(config)) as srv:
+    with LiveServer(config, fake_instance(config)) as srv:
         async def scenario():
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.config.wyoming.port)
             writer.write(json.dumps({"type": "describe"}).encode() + b"\n")
@@ -296,7 +296,7 @@ def test_serving_wyoming_to_anyone_off_loopback_is_refused():
 
 def test_a_long_text_without_a_sentence_break_is_spoken_in_bounded_phrases(server):
     """5,000 characters without punctuation once became one phrase, and Piper's memory grew by a GB."""
-    synth, phrases = server.stages.synthesizer, []
+    synth, phrases = server.instance.synthesizer, []
     speak = synth.synthesize
 
     async def recording(text, rate, urgent=lambda: False):
@@ -323,7 +323,7 @@ def test_every_connection_has_a_read_deadline_and_gives_its_socket_back():
     asked for: each is cut after `idle_timeout_s`, and the server holds no socket once the clients
     are gone (open file descriptors back to the baseline)."""
     config = make_config(wyoming={"port": free_port(), "idle_timeout_s": 0.5})
-    with LiveServer(config, fake_stages(config)) as srv:
+    with LiveServer(config, fake_instance(config)) as srv:
         port = srv.config.wyoming.port
         talk(srv, Describe().event(), until="info")
         baseline = psutil.Process().num_fds()
@@ -394,10 +394,10 @@ def test_an_answer_runs_in_the_callers_conversation_and_leaves_the_sessions_alon
 
     lm = FakeLM()
     lm.delay_s = 0.05  # a reply that takes a while: the session is looked at while it is made
-    stages = fake_stages(make_config(), lm=lm)
+    instance = fake_instance(make_config(), lm=lm)
 
     async def scenario() -> tuple[list[dict], list[dict], bool]:
-        session = Session(stages, 16000, stages.synthesizer.voice_rate, "wyoming", requests=True)
+        session = Session(instance, 16000, instance.synthesizer.voice_rate, "wyoming", requests=True)
         own_history, own_chat = session.history, session.replies.chat
         history, chat = History("Be brief.", 8), lm.chat()
         answer = asyncio.create_task(session.answer_in("what time is it", history, chat))
@@ -422,7 +422,7 @@ def test_a_request_past_capacity_gets_too_many_sessions_with_when_to_retry(serve
 
         def admits(self, sessions: int) -> bool:
             return False
-    server.stages.admission.capacity = Full()
+    server.instance.admission.capacity = Full()
     got = talk(server, Synthesize(text="Hello there.").event(), until="error")
     refused = Error.from_event(got[-1])
     assert refused.code == "too_many_sessions" and "try again in 7 s" in refused.text, refused

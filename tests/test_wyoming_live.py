@@ -29,12 +29,12 @@ CHUNK = 2048  # bytes of 16 kHz PCM16 per audio-chunk: 64 ms, as a satellite sen
 
 
 @pytest.fixture(scope="module")
-def server(real_stages, tmp_path_factory):
+def server(real_instance, tmp_path_factory):
     config = Config()
     config.lm.max_new_tokens = REAL_REPLY_TOKENS
     config.wyoming.port = free_port()
     config.records.path = str(tmp_path_factory.mktemp("records") / "r.sqlite3")
-    with LiveServer(config, real_stages(config)) as srv:
+    with LiveServer(config, real_instance(config)) as srv:
         yield srv
 
 

@@ -3,7 +3,7 @@
 A stage that fails or overruns its `[faults]` timeout becomes a `StageFailure` (which stage, a timeout
 or an error, or the client's own doing). The native session and the Realtime, Twilio and SIP fronts
 end the turn with it and the apology (voice/conversation/reply.py); Wyoming answers with its own events. Either
-way the failure is reported to `Stages.fault`, so /healthz and `voice_stage_faults` see every front's.
+way the failure is reported to `Instance.fault`, so /healthz and `voice_stage_faults` see every front's.
 """
 
 from __future__ import annotations

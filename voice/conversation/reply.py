@@ -138,7 +138,7 @@ class ReplyRunner:
         self.apology = apology
         self.sink = sink
         self.name = name  # the session, for logs
-        # A session that serves requests (voice/conversation/modes.py): its LM replies are text only, and the
+        # A session that serves requests (voice/conversation/oneshot.py): its LM replies are text only, and the
         # conversation is its caller's (nothing is prepared ahead in it).
         self.requests = requests
 
@@ -313,7 +313,7 @@ class ReplyRunner:
                                           round(run.ms, 1)))
 
     async def recite(self, reply: Reply, texts: AsyncIterator[str]) -> None:
-        """Speak `texts` as they come, no LM (voice/conversation/modes.py's speak): phrase by phrase, each next
+        """Speak `texts` as they come, no LM (voice/conversation/oneshot.py's speak): phrase by phrase, each next
         one handed over once the last is on the wire, so a client that reads slowly holds the
         synthesis back rather than the outbox dropping its audio."""
         tts = self.config.tts

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import assert_never
 
-from voice.conversation import modes
+from voice.conversation import oneshot
 from voice.conversation.calllog import CallLog
 from voice.conversation.calltools import Phone, call_tools
 from voice.config import Config
@@ -41,7 +41,7 @@ from voice.pipeline.lm import Chat
 from voice.conversation.outbox import Outbox
 from voice.conversation.playback import Playback
 from voice.conversation.reply import Floor, Reply, ReplyRunner
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.pipeline.tools import Timers
 from voice.conversation.turns import Final, Partial, Pause, SpeculationDropped, Talking, TooLong, TurnEvent, TurnTaker
 
@@ -53,34 +53,34 @@ _session_ids = itertools.count(1)
 
 
 class Session:
-    def __init__(self, stages: Stages, in_rate: int, out_rate: int, transport: str = "native",
+    def __init__(self, instance: Instance, in_rate: int, out_rate: int, transport: str = "native",
                  system_prompt: str | None = None, lm_mode: str | None = None, principal: str = "anonymous",
                  peer: str = "", meta: dict | None = None, config: Config | None = None, requests: bool = False,
                  phone: Phone | None = None):
-        cfg = config or stages.config  # a transport may adjust its own copy (Realtime turn detection)
+        cfg = config or instance.config  # a transport may adjust its own copy (Realtime turn detection)
         self.id = f"s{next(_session_ids)}"
         self.uid = secrets.token_hex(8)  # unique across processes (ids restart at s1): the call records' key
-        self.stages, self.config, self.in_rate, self.out_rate = stages, cfg, in_rate, out_rate
+        self.instance, self.config, self.in_rate, self.out_rate = instance, cfg, in_rate, out_rate
         self.transport = transport
-        self.outbox = Outbox(cfg.limits, stages.metrics.audio_dropped.labels(transport), self.id)
-        self.call_log = CallLog(stages.records, self.uid, self.id, stages.metrics.errors)
-        self.tracker = LatencyTracker(cfg.budget, stages.metrics, self.emit, self.id)
+        self.outbox = Outbox(cfg.limits, instance.metrics.audio_dropped.labels(transport), self.id)
+        self.call_log = CallLog(instance.records, self.uid, self.id, instance.metrics.errors)
+        self.tracker = LatencyTracker(cfg.budget, instance.metrics, self.emit, self.id)
         self.history = History(system_prompt if system_prompt is not None else cfg.lm.system_prompt,
-                               cfg.lm.history_turns, cfg.lm.max_prompt_chars, stages.lm.fits)
-        self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/conversation/modes.py)
-        self.turns = (modes.Dictation if requests else TurnTaker)(cfg, stages.whisper, in_rate, self.id)
-        self.end_of_turn = stages.end_of_turn(cfg)
+                               cfg.lm.history_turns, cfg.lm.max_prompt_chars, instance.lm.fits)
+        self.requests = requests  # it serves requests, turn by turn (Wyoming's programs: voice/conversation/oneshot.py)
+        self.turns = (oneshot.Dictation if requests else TurnTaker)(cfg, instance.whisper, in_rate, self.id)
+        self.end_of_turn = instance.end_of_turn(cfg)
         self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
         # the assistant's side: the reply being made or heard (voice/conversation/reply.py)
-        self.floor = Floor(self.id, self.turns, self.history, self.outbox, self.call_log, stages.scheduler, self.emit,
-                           stages.fault, stages.metrics.barge_ins)
-        self.timers = Timers(self._announce, stages.tools.zone)
+        self.floor = Floor(self.id, self.turns, self.history, self.outbox, self.call_log, instance.scheduler, self.emit,
+                           instance.fault, instance.metrics.barge_ins)
+        self.timers = Timers(self._announce, instance.tools.zone)
         self.replies = self.floor.replies = ReplyRunner(
-            cfg, modes.NoChat() if requests else stages.lm.chat(), stages.synthesizer, out_rate, lm_mode,
-            None if requests else stages.apology.get(out_rate), self.floor, self.id, stages.tools, self.timers,
+            cfg, oneshot.NoChat() if requests else instance.lm.chat(), instance.synthesizer, out_rate, lm_mode,
+            None if requests else instance.apology.get(out_rate), self.floor, self.id, instance.tools, self.timers,
             requests)
         if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/conversation/calltools.py)
-            self.replies.tools = stages.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
+            self.replies.tools = instance.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
@@ -92,8 +92,8 @@ class Session:
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
         self.end_reason = ""  # the error code that ended it
         self.close_code = 1000
-        stages.metrics.sessions.labels(transport).inc()
-        stages.live.add(self)
+        instance.metrics.sessions.labels(transport).inc()
+        instance.live.add(self)
         self.call_log.opened(transport, principal, peer, {
             "in_rate": in_rate, "out_rate": out_rate, "lm_mode": lm_mode,
             "custom_system_prompt": system_prompt is not None, **(meta or {})})
@@ -138,7 +138,7 @@ class Session:
                 case SpeechStopped():
                     self.emit(ev)
                 case Final(turn, transcript, ended, resumes):
-                    self.stages.scheduler.start_waiting(self.id)  # until the first audio, this user hears nothing
+                    self.instance.scheduler.start_waiting(self.id)  # until the first audio, this user hears nothing
                     if self.read_ahead is not None:  # it would compete with the reply for the cores
                         self.read_ahead.cancel()
                     self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes))
@@ -176,7 +176,7 @@ class Session:
             if turn == self.turn:
                 await self.floor.asr_failed(turn, failure)
             else:  # the user has spoken again since: no apology
-                self.stages.fault(failure)
+                self.instance.fault(failure)
                 self.unreplied(turn, "", "asr_failed")
             return
         if turn != self.turn:
@@ -231,12 +231,12 @@ class Session:
 
     def unreplied(self, turn: int, transcript: str, status: str) -> None:
         """A turn that ends without a reply_done: recorded without waiting."""
-        self.stages.scheduler.stop_waiting(self.id)
+        self.instance.scheduler.stop_waiting(self.id)
         self.tracker.forget(turn)
         self.call_log.unreplied(turn, transcript, status)
 
     def _drop_speculation(self) -> None:
-        self.stages.scheduler.stop_waiting(self.id)
+        self.instance.scheduler.stop_waiting(self.id)
         reply = self.floor.reply
         if reply is not None and not reply.released.is_set():
             assert reply.task is not None  # started with the reply
@@ -256,7 +256,7 @@ class Session:
         self.call_log.started(turn)
         self.call_log.transcript(turn, text)
         self.emit(Transcript(turn, now, text, True))
-        self.stages.scheduler.start_waiting(self.id)
+        self.instance.scheduler.start_waiting(self.id)
         reply = self.floor.start(turn, text, history, chat)
         reply.released.set()
         return reply
@@ -336,12 +336,12 @@ class Session:
         """What of the current reply is on the wire and heard (None: no reply has the floor)."""
         return self.floor.reply.playback if self.floor.reply is not None else None
 
-    # --- requests: Wyoming's programs (a session opened with requests=True, voice/conversation/modes.py) -------
+    # --- requests: Wyoming's programs (a session opened with requests=True, voice/conversation/oneshot.py) -------
 
     def dictate(self) -> int:
         """Start a dictation (one in flight is dropped, unanswered: `superseded`). Its turn."""
         self._forget_answered_reply()
-        assert isinstance(self.turns, modes.Dictation), "a session that serves requests (requests=True)"
+        assert isinstance(self.turns, oneshot.Dictation), "a session that serves requests (requests=True)"
         before, dropped = self.turn, self.turns.dictating
         self._on_turn(self.turns.start(time.monotonic()))
         if dropped and before in self.call_log.open_turns:
@@ -353,7 +353,7 @@ class Session:
         self._forget_answered_reply()
         turn = self.turns.new_turn()
         self.call_log.started(turn)
-        self.stages.scheduler.start_waiting(self.id)  # until its first audio, the client waits
+        self.instance.scheduler.start_waiting(self.id)  # until its first audio, the client waits
         self.floor.recite(turn, texts)
         return turn
 
@@ -377,7 +377,7 @@ class Session:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-        self.stages.scheduler.stop_waiting(self.id)
+        self.instance.scheduler.stop_waiting(self.id)
 
     def _forget_answered_reply(self) -> None:
         """The last request is answered: its reply (audio the client has, not plays) is no barge-in's."""
@@ -452,7 +452,7 @@ class Session:
             return
         self.end_reason, self.close_code = code, close_code
         self.ending.set()
-        self.stages.metrics.ended.labels(code).inc()
+        self.instance.metrics.ended.labels(code).inc()
         self.emit(Error(self.turn, time.monotonic(), code, message))
 
     @property
@@ -473,7 +473,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        self.stages.scheduler.stop_waiting(self.id)
+        self.instance.scheduler.stop_waiting(self.id)
         cancelled = []
         self.timers.cancel_all()
         if self.keypad_pause is not None:
@@ -483,8 +483,8 @@ class Session:
             if task is not None and not task.done() and task is not asyncio.current_task():
                 task.cancel()
                 cancelled.append(task)
-        self.stages.metrics.sessions.labels(self.transport).dec()
-        self.stages.live.discard(self)
+        self.instance.metrics.sessions.labels(self.transport).dec()
+        self.instance.live.discard(self)
         reason = self.end_reason or reason
         try:
             if cancelled and self.call_log.open_turns:  # a cancelled reply records its own turn (interrupted) first

@@ -139,7 +139,7 @@ class SpeechSynthesizer(Protocol):
     async def synthesize(self, text: str, out_rate: int, urgent: Callable[[], bool] = ...) -> np.ndarray: ...
 
     def render(self, text: str, out_rate: int) -> np.ndarray:
-        """Blocking, at once, on the caller's thread: the apology cache (`voice.stages.apologies`) is
+        """Blocking, at once, on the caller's thread: the apology cache (`voice.service.instance.apologies`) is
         rendered at start-up, before any session."""
         ...
 

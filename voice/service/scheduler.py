@@ -5,7 +5,7 @@ they hear nothing, and that gap is the latency we sell. Later work for a reply t
 already playing has the audio queued before it as slack, until that runs low; partial
 transcripts are best effort.
 
-One `Scheduler` per service (`voice.stages.Stages` owns it and hands it to every stage):
+One `Scheduler` per service (`voice.service.instance.Instance` owns it and hands it to every stage):
 sessions tell it when they start and stop waiting in silence, and each stage runs its jobs on
 one `Worker` thread of it, urgent jobs first, the earliest playback deadline first among them
 (`Due`: the phrase whose audio runs out first). A job nobody waits for is held back while anyone
@@ -95,7 +95,7 @@ class Scheduler:
 
     def strained(self) -> bool:
         """Is the instance near its capacity? Then best-effort work (partial transcripts) backs off
-        before anything a listener hears does. Set by the service's capacity (voice.stages)."""
+        before anything a listener hears does. Set by the service's capacity (voice.service.instance)."""
         return self.load_high()
 
     def busy(self) -> bool:

@@ -39,7 +39,7 @@ from voice.service.capacity import SAMPLE_S, Capacity
 from voice.config import Config
 from voice.service.limits import LimitError
 from voice.service.records import Records, RecordsError
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.pipeline.tools import webhook_secrets
 from voice.transports import native, twilio
 
@@ -54,13 +54,13 @@ WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 
 
 class VoiceApp:
-    """The app's handlers and what they share: the config, authentication, the stages (None until
-    loaded at startup) and the shutdown's progress. `app` is the ASGI app."""
+    """The app's handlers and what they share: the config, authentication, the instance (its models and
+    shared state, None until loaded at startup) and the shutdown's progress. `app` is the ASGI app."""
 
-    def __init__(self, config: Config, stages: Stages | None = None, auth: Auth | None = None):
-        """`stages` may be given (tests share loaded models); otherwise they load at startup.
+    def __init__(self, config: Config, instance: Instance | None = None, auth: Auth | None = None):
+        """`instance` may be given (tests share loaded models); otherwise they load at startup.
         `auth` defaults to `[auth]` with its secrets read from the environment now."""
-        self.config, self.stages = config, stages
+        self.config, self.instance = config, instance
         self.auth = auth if auth is not None else Auth.from_config(config.auth)
         install_redaction(self.auth)  # no secret of this server in any log line (engine.common.redact)
         self.draining = self.drained = False
@@ -76,63 +76,63 @@ class VoiceApp:
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting sessions, let turns in flight finish, then end every session."""
-        stages = self.stages
+        instance = self.instance
         self.draining = True
-        if stages is None or self.drained:
+        if instance is None or self.drained:
             return
         self.drained = True
-        stages.admission.draining = True
+        instance.admission.draining = True
         grace = self.config.limits.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
-        busy = [s for s in stages.live if s.busy]
+        busy = [s for s in instance.live if s.busy]
         log.info("shutting down: %d sessions open, %d with a turn in flight (waiting up to %.0f s)",
-                 len(stages.live), len(busy), grace)
-        while any(s.busy for s in stages.live) and time.monotonic() < deadline:
+                 len(instance.live), len(busy), grace)
+        while any(s.busy for s in instance.live) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for session in list(stages.live):
+        for session in list(instance.live):
             session.terminate("shutting_down", "the server is shutting down", 1001)
         until = time.monotonic() + 5.0  # the transports send the error and close
-        while stages.live and time.monotonic() < until:
+        while instance.live and time.monotonic() < until:
             await asyncio.sleep(0.05)
-        if stages.live:
-            log.warning("shutting down with %d sessions still open", len(stages.live))
+        if instance.live:
+            log.warning("shutting down with %d sessions still open", len(instance.live))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """Start: the models, the call records, the LM probe, SIP and Wyoming. Stop: drain, then
         give them back in reverse."""
         config = self.config
-        if self.stages is None:
-            self.stages = Stages.load(config)
-        stages = self.stages
+        if self.instance is None:
+            self.instance = Instance.load(config)
+        instance = self.instance
         records_owned = False
-        if config.records.database and stages.records is None:
+        if config.records.database and instance.records is None:
             try:
-                stages.records = Records(config.records.database, config.records.queue, config.records.timeout_s,
-                                         stages.metrics)
+                instance.records = Records(config.records.database, config.records.queue, config.records.timeout_s,
+                                         instance.metrics)
             except (OSError, RecordsError) as err:
                 log.error("call records: %s (set records.path or records.url, or both \"\" for no records)", err)
                 raise
             records_owned = True
         tasks: list[asyncio.Task] = []
         agent: asyncio.Server | None = None
-        if stages.capacity is not None:
-            stages.capacity.reset()
-            tasks.append(asyncio.create_task(_measure(stages.capacity, stages.live)))
+        if instance.capacity is not None:
+            instance.capacity.reset()
+            tasks.append(asyncio.create_task(_measure(instance.capacity, instance.live)))
             if config.server.agent_port:
                 agent = await asyncio.start_server(self.agent, config.server.host, config.server.agent_port)
         if config.lm.backend == "openai" and config.lm.probe_interval_s:
-            self.probe = asyncio.create_task(_probe(cast("RemoteLM", stages.lm), config.lm.probe_interval_s))
+            self.probe = asyncio.create_task(_probe(cast("RemoteLM", instance.lm), config.lm.probe_interval_s))
         sip = None
         if config.sip.port:
             from voice.transports.sip import SipEndpoint
-            sip = SipEndpoint(stages, config.sip)
+            sip = SipEndpoint(instance, config.sip)
             await sip.start()
         app.state.sip = sip
         wyoming = None
         if config.wyoming.port:
             from voice.transports.wyoming import WyomingServer
-            wyoming = WyomingServer(stages, config.wyoming)
+            wyoming = WyomingServer(instance, config.wyoming)
             await wyoming.start()
         app.state.wyoming = wyoming
         log.info("voice service ready on http://%s:%d (%s)", config.server.host, config.server.port,
@@ -151,14 +151,14 @@ class VoiceApp:
                 await sip.stop()
             if wyoming is not None:
                 await wyoming.stop()
-            await stages.tools.aclose()
-            if records_owned and stages.records is not None:
-                await asyncio.to_thread(stages.records.close)
-                stages.records = None
+            await instance.tools.aclose()
+            if records_owned and instance.records is not None:
+                await asyncio.to_thread(instance.records.close)
+                instance.records = None
 
-    def loaded(self) -> Stages:
-        assert self.stages is not None  # loaded at startup, before any connection is served
-        return self.stages
+    def loaded(self) -> Instance:
+        assert self.instance is not None  # loaded at startup, before any connection is served
+        return self.instance
 
     async def refused_before_upgrade(self, ws: WebSocket) -> bool:
         """While draining or at capacity, answer a new websocket HTTP 503 with Retry-After before the
@@ -192,34 +192,34 @@ class VoiceApp:
             await twilio.handle(ws, self.loaded(), self.auth)
 
     async def healthz(self, request: Request) -> JSONResponse:
-        config, stages = self.config, self.stages
+        config, instance = self.config, self.instance
         body: dict[str, Any] = {"status": "ok", "lm": config.lm.backend, "model": config.lm.model,
-                                "mode": stages.lm.mode if stages is not None else config.lm.mode,
+                                "mode": instance.lm.mode if instance is not None else config.lm.mode,
                                 "auth": self.auth.enabled}
         if request.client is not None and is_loopback(request.client.host) and \
                 "x-forwarded-for" not in request.headers:  # not through a proxy on this machine
             body["pid"] = os.getpid()  # for `voice soak` on the same machine
-        if stages is None:
+        if instance is None:
             body["status"] = "loading"
             return JSONResponse(body)
-        body["sessions"] = len(stages.live)
-        if stages.capacity is not None:  # measured: what a load balancer (or its agent-check) goes by
-            body["capacity"] = stages.capacity.report(len(stages.live))
+        body["sessions"] = len(instance.live)
+        if instance.capacity is not None:  # measured: what a load balancer (or its agent-check) goes by
+            body["capacity"] = instance.capacity.report(len(instance.live))
             body["headroom"] = body["capacity"]["headroom"]
-        decoding = stages.lm.describe()  # the in-process LM: what runs and why
+        decoding = instance.lm.describe()  # the in-process LM: what runs and why
         if decoding is not None:
             body["decoding"] = decoding
-        lm_health = stages.lm.health()  # an endpoint elsewhere: is it up
+        lm_health = instance.lm.health()  # an endpoint elsewhere: is it up
         if lm_health is not None:
             body["lm_health"] = lm_health
             if not lm_health["ok"]:
                 body["status"] = "degraded"
-        faults = stages.recent_faults()
+        faults = instance.recent_faults()
         if faults:
             body["faults"] = faults  # stage -> "error" | "timeout" within the last minute
             body["status"] = "degraded"
-        if stages.records is not None:
-            body["records"] = stages.records.health()  # its state now: a writer that reconnected is healthy
+        if instance.records is not None:
+            body["records"] = instance.records.health()  # its state now: a writer that reconnected is healthy
             if not body["records"]["ok"]:
                 body["status"] = "degraded"
         if self.draining:
@@ -231,10 +231,10 @@ class VoiceApp:
         """HAProxy's agent-check (`[server] agent_port`): one line, the share of new sessions this
         instance should get ("ready 40%": its headroom as the server's weight) or "drain" (full:
         no new sessions, those open carry on). Draining for shutdown is /healthz's 503."""
-        stages = self.loaded()
+        instance = self.loaded()
         line = "drain\n"
-        if stages.admission.full() is None:
-            headroom = stages.capacity.headroom(len(stages.live)) if stages.capacity is not None else 1.0
+        if instance.admission.full() is None:
+            headroom = instance.capacity.headroom(len(instance.live)) if instance.capacity is not None else 1.0
             line = f"ready {max(1, round(headroom * 100))}%\n"
         try:
             writer.write(line.encode())
@@ -254,7 +254,7 @@ class VoiceApp:
             self.bearer(request)
         except AuthError as err:
             return _auth_error(err)
-        body = generate_latest(self.stages.metrics.registry) if self.stages else b""
+        body = generate_latest(self.instance.metrics.registry) if self.instance else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def token(self, request: Request) -> JSONResponse:
@@ -274,9 +274,9 @@ class VoiceApp:
                             headers={"cache-control": "no-store"})
 
 
-def build_app(config: Config, stages: Stages | None = None, auth: Auth | None = None) -> Starlette:
+def build_app(config: Config, instance: Instance | None = None, auth: Auth | None = None) -> Starlette:
     """The ASGI app (VoiceApp's); `app.state.voice` is the VoiceApp."""
-    return VoiceApp(config, stages, auth).app
+    return VoiceApp(config, instance, auth).app
 
 
 def _auth_error(err: AuthError) -> JSONResponse:

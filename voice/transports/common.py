@@ -12,7 +12,7 @@ session's events into its wire. Everything between is here, once:
                   however it ends, `finish`: cancel its tasks, `session.close`, release.
 
 What differs by front is its codec and the flush grace (`FLUSH_S`). Wyoming's connections run
-here too, their session one that serves requests (its dictate, recite, answer_in: voice/conversation/modes.py).
+here too, their session one that serves requests (its dictate, recite, answer_in: voice/conversation/oneshot.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from voice.service.auth import Auth, AuthError
 from voice.events import Clear, Event, TtsAudio
 from voice.service.limits import LimitError, Ticket
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 
 log = logging.getLogger("voice.native")  # the name the refusals and closes were always logged under
 CLOSE_TIMEOUT_S = 2.0  # a websocket close the peer does not answer is given up after this
@@ -78,12 +78,12 @@ class AudioOutput(Protocol):
 
 # --- admission -------------------------------------------------------------------------------
 
-def acquire(stages: Stages, principal: str, per_key: bool) -> Ticket:
+def acquire(instance: Instance, principal: str, per_key: bool) -> Ticket:
     """An admission ticket for one more session; LimitError when there is no room."""
-    return stages.admission.acquire(principal, per_key)
+    return instance.admission.acquire(principal, per_key)
 
 
-async def admit(ws: WebSocket, stages: Stages, auth: Auth | None,
+async def admit(ws: WebSocket, instance: Instance, auth: Auth | None,
                 twilio: bool = False) -> tuple[str, Ticket | None] | None:
     """Authenticate and admit a websocket before accepting it: (principal, ticket), or
     accept, send the error, close and return None."""
@@ -98,7 +98,7 @@ async def admit(ws: WebSocket, stages: Stages, auth: Auth | None,
             else:
                 principal = auth.principal(ws.headers, ws.query_params)
         per_key = auth is not None and auth.enabled and principal != "twilio"
-        return principal, acquire(stages, principal, per_key)
+        return principal, acquire(instance, principal, per_key)
     except (AuthError, LimitError) as err:
         client = ws.client.host if ws.client else "-"
         log.warning("refused %s from %s: %s: %s", ws.url.path, client, err.code, err.message)
@@ -111,10 +111,10 @@ async def admit(ws: WebSocket, stages: Stages, auth: Auth | None,
         return None
 
 
-async def run_admitted(ws: WebSocket, stages: Stages, auth: Auth | None,
+async def run_admitted(ws: WebSocket, instance: Instance, auth: Auth | None,
                        serve: Callable[[str], Awaitable[None]], twilio: bool = False) -> None:
     """Admit the websocket, `serve(principal)` it, and give the admission back however that ends."""
-    admitted = await admit(ws, stages, auth, twilio)
+    admitted = await admit(ws, instance, auth, twilio)
     if admitted is None:
         return
     principal, ticket = admitted

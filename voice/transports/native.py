@@ -26,7 +26,7 @@ from voice.service.auth import Auth
 from voice.config import SessionConfig
 from voice.events import PROTOCOL_VERSION, Event, Ready, TtsAudio
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, fail, run_admitted
 
 log = logging.getLogger("voice.native")
@@ -98,26 +98,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
+async def handle(ws: WebSocket, instance: Instance, auth: Auth | None = None) -> None:
     async def serve(principal: str) -> None:
         await ws.accept()
-        await NativeFront(ws, stages, principal).runner.serve()
-    await run_admitted(ws, stages, auth, serve)
+        await NativeFront(ws, instance, principal).runner.serve()
+    await run_admitted(ws, instance, auth, serve)
 
 
 class NativeFront:
     """The native protocol as a codec on the conversation runner (voice/transports/common.py)."""
 
-    def __init__(self, ws: WebSocket, stages: Stages, principal: str):
-        self.ws, self.stages, self.principal = ws, stages, principal
+    def __init__(self, ws: WebSocket, instance: Instance, principal: str):
+        self.ws, self.instance, self.principal = ws, instance, principal
         self.session: Session | None = None
         self.runner = ConversationRunner(FLUSH_S["native"], self)
 
     async def receive(self) -> str | None:
         """The start (refused with an error and a close), `ready`, then audio and control frames."""
-        ws, cfg = self.ws, self.stages.config.session
+        ws, cfg = self.ws, self.instance.config.session
         try:
-            start = await asyncio.wait_for(_read_start(ws, self.stages), cfg.start_timeout_s)
+            start = await asyncio.wait_for(_read_start(ws, self.instance), cfg.start_timeout_s)
         except asyncio.TimeoutError:
             await fail(ws, "start_timeout", f"no start message within {cfg.start_timeout_s:.0f} s")
             return None
@@ -125,7 +125,7 @@ class NativeFront:
             await fail(ws, err.code, str(err))
             return None
         peer = f"{ws.client.host}:{ws.client.port}" if ws.client else ""
-        session = self.session = Session(self.stages, start["in_rate"], start["out_rate"], "native",
+        session = self.session = Session(self.instance, start["in_rate"], start["out_rate"], "native",
                                          start["system_prompt"], start["lm_mode"], principal=self.principal, peer=peer)
         self.runner.session = session  # counted as open from here: closed whatever happens
         await ws.send_json(Ready(0, time.monotonic(), session_id=session.id, sample_rate=start["out_rate"]).to_wire())
@@ -154,7 +154,7 @@ class NativeFront:
         await close_ws(self.ws, code, reason)
 
 
-async def _read_start(ws: WebSocket, stages: Stages) -> dict:
+async def _read_start(ws: WebSocket, instance: Instance) -> dict:
     """Wait for a valid start; audio before it is answered with an error and ignored."""
     while True:
         msg = await ws.receive()
@@ -164,7 +164,7 @@ async def _read_start(ws: WebSocket, stages: Stages) -> dict:
             await ws.send_json({"type": "error", "code": "expected_start",
                                 "message": "audio arrived before the start message; it was dropped"})
             continue
-        cfg = stages.config.session
+        cfg = instance.config.session
         return parse_start(msg.get("text") or "", cfg.max_system_prompt_chars, cfg.max_text_bytes)
 
 

@@ -50,7 +50,7 @@ from voice.pipeline.endofturn import for_eagerness
 from voice.events import (Error, Event, ReplyDone, ReplyText, SpeechStarted, SpeechStopped, ToolCall,
                           Transcript, TtsAudio)
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.pipeline.tools import with_results
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.native import system_prompt_problem
@@ -74,10 +74,10 @@ GA_ONLY = {"conversation.item.done"}  # beta clients get no such event
 class RealtimeFront:
     """One /v1/realtime connection: the settings, client events in, server events out."""
 
-    def __init__(self, ws: WebSocket, stages: Stages, principal: str, beta: bool, model: str):
-        self.ws, self.stages, self.principal, self.beta = ws, stages, principal, beta
+    def __init__(self, ws: WebSocket, instance: Instance, principal: str, beta: bool, model: str):
+        self.ws, self.instance, self.principal, self.beta = ws, instance, principal, beta
         self.id = new_id("sess")
-        self.config = stages.config
+        self.config = instance.config
         self.session: Session | None = None
         self.runner = ConversationRunner(FLUSH_S["realtime"], self)
         self.settings: dict[str, Any] = {
@@ -193,7 +193,7 @@ class RealtimeFront:
                 config.vad.hangover_ms = turn.get("silence_duration_ms", config.vad.hangover_ms)
                 config.turn = replace(config.turn, policy="fixed")
             peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
-            self.session = Session(self.stages, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
+            self.session = Session(self.instance, FORMATS[self.settings["input"]], FORMATS[self.settings["output"]],
                                    "realtime", self.settings["instructions"], principal=self.principal, peer=peer,
                                    meta={"beta": self.beta, "model": self.settings["model"]}, config=config)
             self.session.offer_tools(self.offered())
@@ -419,10 +419,10 @@ HANDLERS: dict[str, tuple[type[BaseModel], Callable[[RealtimeFront, Any], Awaita
     "conversation.item.truncate": (ItemTruncate, RealtimeFront.on_truncate)}
 
 
-async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
+async def handle(ws: WebSocket, instance: Instance, auth: Auth | None = None) -> None:
     async def serve(principal: str) -> None:
         beta = "realtime=v1" in ws.headers.get("openai-beta", "")
-        front = RealtimeFront(ws, stages, principal, beta, ws.query_params.get("model", "diffusion-voice"))
+        front = RealtimeFront(ws, instance, principal, beta, ws.query_params.get("model", "diffusion-voice"))
         await ws.accept()
         await front.runner.serve()
-    await run_admitted(ws, stages, auth, serve)
+    await run_admitted(ws, instance, auth, serve)

@@ -24,7 +24,7 @@ from voice.service.auth import source_allowed
 from voice.config import SipConfig
 from voice.service.limits import LimitError, Ticket
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.transports import rtp, sdp
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 from voice.transports.sipmsg import (AGENT, COMPACT, SipError, SipMessage, address_uri, new_branch, new_tag, response,
@@ -177,7 +177,7 @@ class Call:
     async def start_media(self) -> None:
         """Bind the RTP/RTCP pair, open the session and start playing its replies."""
         self.rtp_port, self.rtp_sock, self.rtcp_sock = await self.ep.bind_rtp(self)
-        self.session = Session(self.ep.stages, RATE, RATE, "sip", principal=f"sip:{self.source[0]}",
+        self.session = Session(self.ep.instance, RATE, RATE, "sip", principal=f"sip:{self.source[0]}",
                                peer=f"{self.source[0]}:{self.source[1]}",
                                meta={"call_id": self.id, "from": self.invite.get("from"), "codec": self.answer.codec},
                                phone=self)
@@ -186,7 +186,7 @@ class Call:
         self.runner.tasks += [out.pacer, asyncio.create_task(self._feed()),
                                     asyncio.create_task(self._watch_media())]
         self.runner.open(self.session, out)
-        if greeting := self.ep.stages.config.telephony.greeting.strip():
+        if greeting := self.ep.instance.config.telephony.greeting.strip():
             self.session.greet(greeting)  # synthesised once the 200 OK is out (no await before it)
         self.last_rtp = time.monotonic()
         log.info("sip call=%s session=%s answered: %s/%d, RTP %s:%d <-> %s:%d", self.id, self.session.id,
@@ -224,7 +224,7 @@ class Call:
                                                                ("referred-by", self.ep.contact(self.invite))])
         log.info("sip call=%s transfer to %s (%s): REFER sent", self.id, name, uri)
         try:
-            async with asyncio.timeout(self.ep.stages.config.telephony.transfer_timeout_s):
+            async with asyncio.timeout(self.ep.instance.config.telephony.transfer_timeout_s):
                 status = await progress.get()  # the REFER's final response
                 if status >= 300:
                     return f"the caller's phone refused it: SIP {status}"
@@ -272,9 +272,9 @@ def info_key(signal: str) -> str:
 
 
 class SipEndpoint:
-    def __init__(self, stages: Stages, config: SipConfig, registry: CollectorRegistry | None = None):
-        self.stages, self.config = stages, config
-        self.registry = registry if registry is not None else stages.metrics.registry
+    def __init__(self, instance: Instance, config: SipConfig, registry: CollectorRegistry | None = None):
+        self.instance, self.config = instance, config
+        self.registry = registry if registry is not None else instance.metrics.registry
         self.calls: dict[str, Call] = {}
         self.completed: collections.OrderedDict[tuple[str, str], bytes] = collections.OrderedDict()  # non-2xx finals
         self.transport: asyncio.DatagramTransport | None = None
@@ -501,7 +501,7 @@ class SipEndpoint:
             self._reject(req, source, 486, [])
             return
         try:
-            ticket = acquire(self.stages, f"sip:{source[0]}", per_key=False)
+            ticket = acquire(self.instance, f"sip:{source[0]}", per_key=False)
         except LimitError as err:
             # draining or at capacity: 503 with when to try again (RFC 3261 21.5.4); a count limit: busy
             status = 503 if err.retry_after_s else 486

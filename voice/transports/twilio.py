@@ -29,7 +29,7 @@ from engine.common.wire import WireError, ascii_int, decode_json
 from voice.audio import ulaw_decode, ulaw_encode
 from voice.service.auth import Auth
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.transports.common import FLUSH_S, ConversationRunner, close_ws, run_admitted
 from voice.transports.telephony import MAX_DTMF, RATE, CallSummary, PacedOutput, calls, count_drop
 
@@ -43,10 +43,10 @@ REST_TIMEOUT_S = 10.0
 
 
 class TwilioCall:
-    def __init__(self, ws: WebSocket, stages: Stages, principal: str = "twilio"):
-        self.ws, self.stages, self.principal = ws, stages, principal
+    def __init__(self, ws: WebSocket, instance: Instance, principal: str = "twilio"):
+        self.ws, self.instance, self.principal = ws, instance, principal
         self.runner = ConversationRunner(FLUSH_S["twilio"], self)
-        self.registry = stages.metrics.registry
+        self.registry = instance.metrics.registry
         self.session: Session | None = None
         self.record: CallSummary | None = None
         self.stream_sid = ""
@@ -80,7 +80,7 @@ class TwilioCall:
     async def handle(self, text: str) -> str | None:
         try:
             # the one decoder of every front (engine.common.wire)
-            msg = decode_json(text, max_bytes=self.stages.config.session.max_text_bytes)
+            msg = decode_json(text, max_bytes=self.instance.config.session.max_text_bytes)
         except WireError as err:
             self.drop("bad_json", err.message[:100])
             return None
@@ -125,7 +125,7 @@ class TwilioCall:
             return
         self.stream_sid = sid
         peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
-        self.session = Session(self.stages, RATE, RATE, "twilio", principal=self.principal, peer=peer,
+        self.session = Session(self.instance, RATE, RATE, "twilio", principal=self.principal, peer=peer,
                                meta={"streamSid": sid, "callSid": start.get("callSid"),
                                      "customParameters": start.get("customParameters") or {}}, phone=self)
         self.record = calls.open(CallSummary(sid, "twilio", self.session.id, peer=str(start.get("callSid", ""))))
@@ -136,7 +136,7 @@ class TwilioCall:
         self.runner.tasks.append(out.pacer)
         self.runner.open(self.session, out)
         self.record.answered = time.monotonic()  # the stream starts once the call is answered
-        if greeting := self.stages.config.telephony.greeting.strip():
+        if greeting := self.instance.config.telephony.greeting.strip():
             self.session.greet(greeting)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
@@ -168,7 +168,7 @@ class TwilioCall:
         AccountSid:AuthToken. None if Twilio took it, else why not, in words."""
         import httpx2
         assert self.record is not None  # after start
-        config = self.stages.config
+        config = self.instance.config
         account, call_sid = self.record.meta.get("accountSid"), self.record.meta.get("callSid")
         if not (isinstance(account, str) and SID.match(account) and account.startswith("AC")
                 and isinstance(call_sid, str) and SID.match(call_sid) and call_sid.startswith("CA")):
@@ -282,7 +282,7 @@ class TwilioCall:
             await close_ws(self.ws)
 
 
-async def handle(ws: WebSocket, stages: Stages, auth: Auth | None = None) -> None:
-    await run_admitted(ws, stages, auth,
-                       lambda principal: TwilioCall(ws, stages, principal if principal != "anonymous"
+async def handle(ws: WebSocket, instance: Instance, auth: Auth | None = None) -> None:
+    await run_admitted(ws, instance, auth,
+                       lambda principal: TwilioCall(ws, instance, principal if principal != "anonymous"
                                                     else "twilio").run(), twilio=True)

@@ -24,7 +24,7 @@ socket back on every way out.
 
 This file is only the codec: Wyoming's events and its request model (one request at a time, each
 answered before the next event is read). The work is a `Session` that serves requests (its
-`dictate`, `recite` and `answer_in`: conversation/session.py and modes.py) on the conversation runner
+`dictate`, `recite` and `answer_in`: conversation/session.py and oneshot.py) on the conversation runner
 every front uses (voice/transports/common.py): admission, the call records (transport "wyoming", a connection
 with a request is a session, each request a turn), latency and /metrics, stage faults, the
 scheduler and the end of each turn are the session's, as for /ws (docs/HOME_ASSISTANT.md).
@@ -66,7 +66,7 @@ from voice.conversation.history import History
 from voice.service.limits import LimitError, Ticket, give_back_freed_memory
 from voice.pipeline.lm import Chat
 from voice.conversation.session import Session
-from voice.stages import Stages
+from voice.service.instance import Instance
 from voice.transports.common import FLUSH_S, ConversationRunner, acquire
 
 if TYPE_CHECKING:
@@ -97,12 +97,12 @@ def voice_name(tts: TtsConfig) -> str:
     return Path(tts.voice).stem if tts.voice else "en_US-joe-medium"
 
 
-def info(stages: Stages) -> Info:
-    cfg = stages.config
+def info(instance: Instance) -> Info:
+    cfg = instance.config
     ours = version("diffusion-voice")
     voice = voice_name(cfg.tts)
     language = cfg.asr.language or "en"
-    decoding = stages.lm.describe()  # what runs, as /healthz says it; None: an endpoint elsewhere decides
+    decoding = instance.lm.describe()  # what runs, as /healthz says it; None: an endpoint elsewhere decides
     decodes = ("decoded by its endpoint" if decoding is None else "drafted blocks verified losslessly"
                if decoding["mode"] == "diffusion" else "autoregressive decoding")
     return Info(
@@ -196,18 +196,18 @@ class Conversations:
     """The assistant's conversations by id: their history and LM chat (which keeps the LM's cache),
     the `size` most recent ones; a forgotten one gives its cache back."""
 
-    def __init__(self, stages: Stages, size: int):
-        self.stages, self.size = stages, size
+    def __init__(self, instance: Instance, size: int):
+        self.instance, self.size = instance, size
         self.kept: collections.OrderedDict[str, tuple[History, Chat]] = collections.OrderedDict()
 
     def get(self, conversation_id: str) -> tuple[History, Chat]:
         if conversation_id in self.kept:
             self.kept.move_to_end(conversation_id)
             return self.kept[conversation_id]
-        lm = self.stages.config.lm
+        lm = self.instance.config.lm
         history = History(lm.system_prompt, lm.history_turns, lm.max_prompt_chars,
-                          self.stages.lm.fits)
-        self.kept[conversation_id] = found = (history, self.stages.lm.chat())
+                          self.instance.lm.fits)
+        self.kept[conversation_id] = found = (history, self.instance.lm.chat())
         while len(self.kept) > self.size:
             _, (_, chat) = self.kept.popitem(last=False)
             chat.close()
@@ -225,6 +225,11 @@ class Request:
     said: str = ""  # listen: the partial text sent as transcript-chunks
     context: dict | None = None  # answer: its conversation
 
+    def finish(self) -> None:
+        """Its last event is written: the connection may read the next request."""
+        if not self.done.done():
+            self.done.set_result(None)
+
 
 class Reported(Exception):
     """The request failed and its client was told (an `error`): the connection closes."""
@@ -235,13 +240,13 @@ class Reported(Exception):
 
 
 class Connection:
-    """One client connection, a wire codec over a session that serves requests (voice/conversation/modes.py) on
+    """One client connection, a wire codec over a session that serves requests (voice/conversation/oneshot.py) on
     the conversation runner (voice/transports/common.py): its events are read in order, a request
     at a time (`receive`); what the session says comes through the runner's one drain (`play`,
     `send`) and is written in Wyoming's events. The session opens with the first request."""
 
     def __init__(self, server: "WyomingServer", reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.server, self.stages, self.reader, self.writer = server, server.stages, reader, writer
+        self.server, self.instance, self.reader, self.writer = server, server.instance, reader, writer
         self.id = f"w{next(_connection_ids)}"
         peer = writer.get_extra_info("peername") or ("", 0)
         self.peer = f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
@@ -299,7 +304,7 @@ class Connection:
     async def handle(self, event: Event) -> None:
         kind = event.type
         if Describe.is_type(kind):
-            await self.write(info(self.stages).event())
+            await self.write(info(self.instance).event())
         elif Ping.is_type(kind):
             await self.write(Pong(text=Ping.from_event(event).text).event())
         elif Transcribe.is_type(kind):
@@ -315,13 +320,13 @@ class Connection:
                 raise RequestFailed("bad_event", "audio-stop without audio")
             assert self.session is not None  # dictating
             self.session.end_speech()
-            await self.answered()
+            await self.request_finished()
         elif Synthesize.is_type(kind):
             if self.texts is None:  # inside a stream it is only the text again, for older servers
                 text = text_of(event, self.config.max_text_chars)
                 self.check_voice(Synthesize.from_event(event).voice)
                 await self.speak([text])
-                await self.answered()
+                await self.request_finished()
         elif SynthesizeStart.is_type(kind):
             self.check_voice(SynthesizeStart.from_event(event).voice)
             if self.texts is not None:
@@ -339,7 +344,7 @@ class Connection:
                 raise RequestFailed("bad_event", "synthesize-stop without synthesize-start")
             self.texts.put_nowait(None)
             self.texts = None
-            await self.answered()
+            await self.request_finished()
         elif Transcript.is_type(kind):
             text_of(event, self.config.max_text_chars)
             await self.answer(Transcript.from_event(event))
@@ -350,10 +355,10 @@ class Connection:
         """The connection's session, opened with its first request (admitted then)."""
         if self.session is None:
             try:
-                self.ticket = acquire(self.stages, "wyoming", per_key=False)
+                self.ticket = acquire(self.instance, "wyoming", per_key=False)
             except LimitError as err:
                 raise RequestFailed(err.code, err.message) from None
-            session = Session(self.stages, SAMPLE_RATE, self.stages.synthesizer.voice_rate, "wyoming",
+            session = Session(self.instance, SAMPLE_RATE, self.instance.synthesizer.voice_rate, "wyoming",
                               principal="wyoming", peer=self.peer, requests=True)
             session.call_log.stages_key = True
             self.session = self.runner.open(session, self)
@@ -363,7 +368,7 @@ class Connection:
         self.request = Request(program, turn, asyncio.get_running_loop().create_future(), **details)
         return self.request
 
-    async def answered(self) -> None:
+    async def request_finished(self) -> None:
         """Until the request's last event is written (a stage that failed: its `error` was)."""
         assert self.request is not None  # begun
         await self.request.done
@@ -374,7 +379,7 @@ class Connection:
         return self.session is not None and self.session.turns.speaking
 
     async def listen(self) -> None:
-        asr = self.stages.config.asr
+        asr = self.instance.config.asr
         if self.language and asr.language and self.language.split("-")[0] != asr.language:
             raise RequestFailed("unsupported_language", f"this server transcribes {asr.language!r}, not "
                                                         f"{self.language!r}")
@@ -398,7 +403,7 @@ class Connection:
             await self.session.push_audio(float_to_pcm16(audio))
 
     def check_voice(self, voice: SynthesizeVoice | None) -> None:
-        ours = voice_name(self.stages.config.tts)
+        ours = voice_name(self.instance.config.tts)
         if voice is not None and voice.name is not None and voice.name != ours:
             raise RequestFailed("unknown_voice", f"this server speaks with {ours!r}, not {voice.name!r}")
 
@@ -432,7 +437,7 @@ class Connection:
         await self.write(HandledStart(context=context).event())
         self.begin("answer", session.turn + 1, context=context)
         await session.answer_in(transcript.text, history, chat)
-        await self.answered()
+        await self.request_finished()
 
     # --- the wire out (AudioOutput) -------------------------------------------------------------
 
@@ -472,11 +477,11 @@ class Connection:
             await self.write(AudioStop().event())
             if request.streamed:
                 await self.write(SynthesizeStopped().event())
-            answered(request)
+            request.finish()
         elif isinstance(ev, events.ReplyDone) and request.program == "answer" and not request.done.done():
             await self.write(Handled(text=ev.text, context=request.context).event())
             await self.write(HandledStop().event())
-            answered(request)
+            request.finish()
 
     async def transcribed(self, request: Request, ev: events.Transcript) -> None:
         """A partial transcript: its new words as a transcript-chunk; the final: the rest, transcript
@@ -486,16 +491,16 @@ class Connection:
             delta, request.said = text[len(request.said):], text
             await self.write(TranscriptChunk(text=delta).event())
         if ev.final:
-            await self.write(Transcript(text=text, language=self.stages.config.asr.language or None).event())
+            await self.write(Transcript(text=text, language=self.instance.config.asr.language or None).event())
             await self.write(TranscriptStop().event())
-            answered(request)
+            request.finish()
 
     async def stage_failed(self, request: Request, ev: events.Error) -> None:
         """The assistant answers not-handled (Home Assistant's end of it); speech to text or text to
         speech ends with an `error` and the connection closes (HA's clients have no timeout)."""
         if request.program == "answer":
             await self.write(NotHandled(text="Sorry, I could not answer that.", context=request.context).event())
-            answered(request)
+            request.finish()
         else:
             kind = "timeout" if ev.code.endswith("timeout") else "failed"
             await self.end(ev.code if ev.stage in ("asr", "lm") else f"{ev.stage}_{kind}", ev.message)
@@ -533,7 +538,7 @@ class Connection:
         if self.session is not None:
             self.session.emit(events.Error(self.session.turn, time.monotonic(), code, message), wire=False)
         else:
-            self.stages.metrics.errors.labels(code).inc()
+            self.instance.metrics.errors.labels(code).inc()
             log.warning("wyoming=%s %s: %s", self.id, code, message)
 
     async def fail(self, failure: RequestFailed) -> None:
@@ -571,17 +576,12 @@ class Connection:
 
 
 
-def answered(request: Request) -> None:
-    if not request.done.done():
-        request.done.set_result(None)
-
-
 class WyomingServer:
     """The TCP server, started and stopped with the voice app (voice/service/server.py)."""
 
-    def __init__(self, stages: Stages, config: WyomingConfig):
-        self.stages, self.config = stages, config
-        self.conversations = Conversations(stages, config.conversations)
+    def __init__(self, instance: Instance, config: WyomingConfig):
+        self.instance, self.config = instance, config
+        self.conversations = Conversations(instance, config.conversations)
         self.allow = [ipaddress.ip_network(net, strict=False) for net in config.allow]
         self.server: asyncio.Server | None = None
         self.connections: set[asyncio.Task] = set()

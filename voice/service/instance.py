@@ -1,6 +1,7 @@
-"""The models and the service-wide state every session shares.
+"""One instance of the voice service: the models and the state every session on it shares (its
+scheduler, metrics, admission, records, open sessions and recent faults).
 
-Built from its parts, so tests can pass fakes; `Stages.load(config)` loads the real models. Each
+Built from its parts, so tests can pass fakes; `Instance.load(config)` loads the real models. Each
 stage queues its own work on a worker of the one `voice.service.scheduler.Scheduler`.
 """
 
@@ -27,7 +28,7 @@ log = logging.getLogger("voice.session")
 FAULT_WINDOW_S = 60.0  # /healthz says "degraded" for this long after a stage failed or timed out
 
 
-class Stages:
+class Instance:
     def __init__(self, config: Config, whisper: Transcriber, synthesizer: SpeechSynthesizer, lm: LanguageModel,
                  scheduler: Scheduler | None = None, capacity: Capacity | None = None):
         """`capacity`: admit by measured capacity (the real models: `load`); None, by the counts only."""
@@ -48,18 +49,18 @@ class Stages:
         self.end_of_turn_worker = self.scheduler.worker("endofturn")
 
     @classmethod
-    def load(cls, config: Config) -> "Stages":
+    def load(cls, config: Config) -> "Instance":
         t = time.perf_counter()
         scheduler = Scheduler()
         whisper = Whisper(config.asr, scheduler.worker("asr"))
         synthesizer = Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts"))
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
-        stages = cls(config, whisper, synthesizer, lm, scheduler, Capacity(config.limits))
-        stages.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
-        lm.serve(config.faults.lm_first_block_timeout_s, stages.tools.openai() if stages.tools else [])
+        instance = cls(config, whisper, synthesizer, lm, scheduler, Capacity(config.limits))
+        instance.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
+        lm.serve(config.faults.lm_first_block_timeout_s, instance.tools.openai() if instance.tools else [])
         log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s: %s)", time.perf_counter() - t,
                  config.lm.backend, config.lm.model, lm.mode, lm.describe() or "decided by the endpoint")
-        return stages
+        return instance
 
     def end_of_turn(self, config: Config) -> EndOfTurn:
         """A session's end-of-turn policy (its own config: Realtime's semantic_vad), on the shared

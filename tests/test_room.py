@@ -10,7 +10,7 @@ import pytest
 
 from fakes import FakeWhisper, LiveServer, fake_stages, make_config
 from voice.evals import room_eval
-from voice.pipeline.asr import echoes
+from voice.pipeline.asr import echoes, goes_on
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.clients.bench import speech_end_s
 from voice.config import VadConfig
@@ -151,6 +151,14 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
     assert not echoes("tea please", question, final=True) and not echoes("tea coffee", question, final=True)
     # ...but two of the reply's words in its order are its echo: "You had" ended a turn and cut the reply
     assert echoes("You had.", "You had eight of spades, four of clubs.", final=True)
+
+
+def test_a_resumed_transcript_goes_on_only_with_words_beyond_the_utterances():
+    said = "I need eggs, milk,"
+    assert goes_on("I need eggs, milk, bread.", said) and goes_on("I need eggs milk and bread", said)
+    assert not goes_on("I need eggs, milk.", said) and not goes_on("I need eggs.", said)  # the room: the same words
+    assert not goes_on("I need eggs, milk, you", said)  # Whisper's near-silence "you" is no word of theirs
+    assert not goes_on("", said)
 
 
 def test_the_offline_evaluation_runs_the_endpointer_on_every_room():

@@ -158,6 +158,46 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
     assert [t["status"] for t in turns] in (["superseded", "ok"], ["ok"])  # (turn 1 superseded before its final)
 
 
+class WordsPerQuarterSecond(FakeWhisper):
+    """A stand-in ASR that writes a word per quarter second of audio: more audio, more words."""
+
+    def transcribe(self, audio, prefix=""):
+        return " ".join(["word"] * round(len(audio) / 4000))
+
+
+@pytest.mark.parametrize("goes_on", [False, True])
+def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
+    """Issue 55: 10 dB under the user, the room's talk started speech 1.9 s after a turn ended, inside
+    `turn.resume_ms`, and the reply, not heard yet, was dropped as if the user had gone on. Here a burst of
+    another voice (0.3 s: a VAD start, under `turn.barge_in_ms`) 0.4 s after the turn ended. Its transcript
+    holding no words beyond the turn's (the fake ASR writes one sentence for any audio), the reply is voiced
+    after all, whole, and the burst's turn ends empty, resuming nothing. An ASR that hears words in it (the
+    user going on with a short word) still resumes: the reply is dropped, and the whole utterance answered."""
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000})
+    lm = FakeLM(blocks=("A slow", " reply."))
+    lm.delay_s = 1.0  # not heard before the burst
+    whisper = WordsPerQuarterSecond() if goes_on else FakeWhisper("Eight of spades.")
+    burst = speech("002.wav")[16000:25600]  # 0.5-0.8 s of another recording: a voice
+    with LiveServer(config, fake_stages(config, whisper, lm=lm)) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav") + silence(0.8) + burst + silence(3.0))
+            await c.wait(lambda m: m["type"] == "reply_done" and not m["interrupted"], timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    started, finals = c.events("speech_started"), [m for m in c.events("transcript") if m["final"]]
+    assert [m["turn"] for m in started] == [1, 2] and started[1].get("resumes") == 1, c.events()
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    if goes_on:
+        assert answered == [2] and finals[-1].get("resumes") == 1 and c.events("clear"), c.events()
+    else:
+        assert answered == [1] and not c.events("clear"), c.events()  # the reply to turn 1, heard whole
+        assert finals[-1]["turn"] == 2 and finals[-1]["text"] == "" and not finals[-1].get("resumes"), finals
+        assert [m for m in c.events("reply") if m["turn"] == 1]
+
+
 @pytest.mark.parametrize("hold_ms", [1000, 0])
 def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     """Issue 55, "prepared but not voiced": the user says "set a timer for", pauses 0.6 s (the 400 ms

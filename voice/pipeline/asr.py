@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import weakref
+from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import ctranslate2
@@ -341,6 +342,16 @@ def echoes(text: str, said: str, final: bool = False) -> bool:
     if final and len(words) < ECHO_MIN_WORDS:
         return len(words) > 1 and any(said_words[i:i + len(words)] == words for i in range(len(said_words)))
     return bool(words) and sum(word in set(said_words) for word in words) >= ECHO_SHARE * len(words)
+
+
+def goes_on(text: str, said: str) -> bool:
+    """Whether `text`, the transcript of an utterance resumed after one transcribed as `said` (its audio
+    carried at its start), holds words beyond `said`'s: the user going on after a pause, not the room's
+    talk or noise starting speech in it (issue 55: it dropped replies nobody had heard yet)."""
+    words = [word for word in map(_normalise, text.split()) if word]
+    said_words = Counter(word for word in map(_normalise, said.split()) if word)
+    beyond = list((Counter(words) - said_words).elements())
+    return len(words) > sum(said_words.values()) and has_words(" ".join(beyond))
 
 
 def repeats_itself(text: str) -> bool:

@@ -198,6 +198,30 @@ def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
         assert [m for m in c.events("reply") if m["turn"] == 1]
 
 
+@pytest.mark.parametrize("voice_after_ms", [800, 0])
+def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(voice_after_ms):
+    """`turn.voice_after_ms`: "Ten of clubs." reads finished (no hold), so without it a fast reply is heard
+    inside the pause; with it nothing of the reply is voiced before the user goes on, and they are answered once.
+    (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
+    60 ms later: 800 ms leaves the wall clock some room.)"""
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms})
+    stages = fake_stages(config, FakeWhisper("Ten of clubs."), lm=FakeLM(blocks=("Done.",)))
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav") + silence(0.6) + speech("002.wav") + silence(1.5))
+            await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    started = c.events("speech_started")
+    assert len(started) == 2  # the pause ended turn 1
+    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    assert (not in_pause and answered == [2]) == bool(voice_after_ms), c.events()
+
+
 @pytest.mark.parametrize("hold_ms", [1000, 0])
 def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     """Issue 55, "prepared but not voiced": the user says "set a timer for", pauses 0.6 s (the 400 ms
@@ -247,6 +271,9 @@ def test_trails_off_reads_the_words_not_only_the_end_mark():
     assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")
     assert trails_off("Can you remind me to call my") and trails_off("So I was thinking, maybe we...")
     assert not trails_off("Ten of clubs.") and not trails_off("What is it made of?") and not trails_off("")
+    # a list not closed with "and"/"or" (Whisper's full stop at a pause in "I need eggs, milk, bread, and...")
+    assert trails_off("I need eggs, milk, bread.") and not trails_off("I need eggs, milk, bread, and some butter.")
+    assert not trails_off("Okay, thanks.") and not trails_off("Red, green or blue?")
 
 
 def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
@@ -264,6 +291,9 @@ def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
     kept = outcome(held, record("Set a timer for."), 200, 1000)
     assert not kept.cut and kept.held == 1 and kept.voiced_ms == 400
     assert outcome(held, record("Ten of clubs."), 200, 1000).cut
+    # ... unless every reply waits for `turn.voice_after_ms` (650): then the complete utterance's does too
+    kept = outcome(Policy("fixed", hold_ms=1000, voice_after_ms=650), record("Ten of clubs."), 200, 1000)
+    assert not kept.cut and kept.held == 1 and kept.voiced_ms == 650
 
 
 class GrowingWhisper(FakeWhisper):

@@ -76,7 +76,7 @@ class Reply:
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
-    held: bool = False  # the user's words trail off: its first audio waits for more silence (Floor.voiced)
+    hold_s: float = 0.0  # its first audio waits for this much silence after the user's last word (Floor.voiced)
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -421,7 +421,9 @@ class Floor:
         go on after a pause), not typed it: words that trail off hold its first audio (`voiced`)."""
         reply = self.reply = Reply(turn, user_text=user_text)
         self._resume_decided()
-        reply.held = spoken and self.turns.config.turn.hold_ms > 0 and trails_off(user_text)
+        turn_config = self.turns.config.turn
+        if spoken:
+            reply.hold_s = max(turn_config.hold_ms if trails_off(user_text) else 0, turn_config.voice_after_ms) / 1000
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
@@ -633,27 +635,29 @@ class Floor:
 
     async def voiced(self, reply: Reply) -> None:
         """Until `reply` may be heard: released (the user's turn is over) and, if their words trail off
-        (`Reply.held`: "Set a timer for."), until they have been quiet `turn.hold_ms`. A pause mid-sentence
+        (`Reply.hold_s`: "Set a timer for."), until they have been quiet `turn.hold_ms` (any reply:
+        `turn.voice_after_ms`, if set). A pause mid-sentence
         ends the turn at the VAD's hangover; if the user goes on within the hold, their turn resumes
         (`speech_started`) and this reply, prepared, is dropped unheard once that is the user. While a turn
         that may be them resuming is undecided (`resuming`), nothing of the reply is voiced either.
         BENCHMARKS.md "Heard in a room"."""
         await reply.released.wait()
         await self._undecided(reply)
-        if not reply.held:
+        if not reply.hold_s:
             return
         if not self.turns.resumable(reply.turn, time.monotonic()):  # (the client ended it: nothing to wait for)
-            reply.held = False
+            reply.hold_s = 0.0
             await self._undecided(reply)
             return
-        delay = self.turns.last_word_at + self.turns.config.turn.hold_ms / 1000 - time.monotonic()
+        delay = self.turns.last_word_at + reply.hold_s - time.monotonic()
         if delay > 0:
             reply.did("held")
             await asyncio.sleep(delay)
-        if reply.held:
-            reply.held = False
-            session_log.info("session=%s turn=%d the words trailed off: voiced after %.0f ms more", self.name,
-                             reply.turn, max(delay, 0) * 1000)
+        if reply.hold_s:
+            reply.hold_s = 0.0
+            session_log.info("session=%s turn=%d held until %.0f ms after the last word: voiced after %.0f ms more",
+                             self.name, reply.turn, (time.monotonic() - self.turns.last_word_at) * 1000,
+                             max(delay, 0) * 1000)
         await self._undecided(reply)
 
     async def _undecided(self, reply: Reply) -> None:

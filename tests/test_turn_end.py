@@ -386,3 +386,23 @@ def test_a_pause_mid_sentence_loses_no_word(real_stages, pause_s, policy):
         assert len(finals) == 1, finals
     answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
     assert answered == [finals[-1]["turn"]], c.events("reply_done")  # one reply, to the whole utterance
+
+
+def test_a_turn_resuming_an_unheard_reply_is_decided_by_words_or_by_the_next_turn():
+    """The Floor's side of a resume (voice/conversation/reply.py): the reply waits while it is undecided; the
+    same words again are not the user going on, more are; and a turn that starts without resuming it ends the
+    wait (the resuming turn's final came after it, superseded: it never confirmed), so the reply is not held
+    forever."""
+    from types import SimpleNamespace
+
+    from voice.conversation.reply import Floor, Reply
+    floor = Floor("t", taker(), None, None, None, None, lambda *a, **k: True, None, SimpleNamespace(inc=lambda: None))
+    floor.reply = Reply(1, user_text="Ten of clubs.")
+    now = time.monotonic()
+    floor.speech_started(2, now, resumes=1)
+    assert floor.resuming == 2 and not floor.resume_decided.is_set()
+    assert not floor.heard_words(2, "Ten of clubs.", final=True) and floor.heard_words(2, "Ten of clubs and hearts")
+    floor.speech_started(3, now, resumes=2)  # going on from the resuming turn goes on with the reply's utterance
+    assert floor.resuming == 3
+    floor.speech_started(4, now, resumes=0)
+    assert floor.resuming is None and floor.resume_decided.is_set() and floor.reply is not None

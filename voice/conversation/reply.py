@@ -516,6 +516,8 @@ class Floor:
         Over any other reply still pending or playing, this turn is a contender: it stops the reply only once
         it is speech, so a VAD blip (a knock, a breath, a microphone's processing noise) leaves it playing."""
         reply, self.contender = self.reply, None
+        if self.resuming is not None and resumes != self.resuming:  # it ended (its final late, superseded by
+            self._resume_decided()  # this turn) without being the user, and this turn does not go on with it
         if reply is not None and resumes and resumes in (reply.turn, self.resuming):  # (or the turn resuming it)
             self.resuming = turn
             self.resume_decided.clear()

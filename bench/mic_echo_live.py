@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--barge-ins", type=int, default=2)
     parser.add_argument("--echo-db", type=float, default=-10.0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each reply")
+    parser.add_argument("--log", help="write `voice mic`'s lines and the clips' times here (seconds from the start)")
     args = parser.parse_args()
     clips = sorted(SPEECH.glob("*.wav"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,19 +149,24 @@ def main() -> None:
                 while not level.playing() and time.monotonic() < deadline:
                     time.sleep(0.02)
                 time.sleep(1.0)  # a second into the reply
-                t0 = time.monotonic()
+                t0, since = time.monotonic(), len(out.lines)
                 threading.Thread(target=say, args=(clips[-1 - n],), daemon=True).start()
                 cut = out.wait_for(r"^\(interrupted", 10, since)
                 barge_ms.append(None if cut is None else round((cut[1] - t0) * 1000))
                 print(f"barge-in {n + 1}: {barge_ms[-1]} ms", flush=True)
                 out.wait_for(r"^played \d+ bytes of reply audio", args.timeout, since)
                 time.sleep(1.0)
+            time.sleep(4)  # the last clip's paplay
         finally:
             client.terminate()
             client.wait(timeout=20)
             level.proc.terminate()
             daemon.terminate()
             daemon.wait(timeout=10)
+        if args.log:
+            begin = out.lines[0][0] if out.lines else 0.0
+            Path(args.log).write_text("".join(f"{at - begin:8.2f} {line}\n" for at, line in out.lines)
+                                      + "".join(f"{a - begin:8.2f} [clip {b - a:.1f} s]\n" for a, b in speaking))
         clears = [at for at, line in out.lines if line.startswith("(interrupted")]
         speaking_at = [(a, b + 1.0) for a, b in speaking]  # (the last syllable's recognition may come a second late)
         selfish = [at for at in clears if not any(a <= at <= b for a, b in speaking_at)]

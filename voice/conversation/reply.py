@@ -28,7 +28,7 @@ from typing import Any, Protocol, cast
 
 from prometheus_client import Counter
 
-from voice.pipeline.asr import echoes, goes_on, has_words
+from voice.pipeline.asr import backchannel, echoes, goes_on, has_words
 from voice.conversation.calllog import CallLog
 from voice.config import Config
 from voice.pipeline.endofturn import trails_off
@@ -556,16 +556,23 @@ class Floor:
 
     def heard_words(self, turn: int, text: str, final: bool = False) -> bool:
         """`turn`'s transcript so far (`final`: all of it) is `text`: is it a turn to answer? One begun over
-        a reply must hold words, not Whisper's near-silence "you" (voice/pipeline/asr.py's has_words) nor mostly the
-        reply's own (its echo through a speakerphone: `echoes`), and then it talks over the reply
-        (`talked_over`); else it is no speech, and the reply goes on. One resuming the utterance of a reply
-        not heard yet must hold more words than that utterance (`goes_on`: the same words are the room's
-        talk, or a blip, heard with the carried audio)."""
-        if turn == self.resuming and self.reply is not None:
-            return goes_on(text, self.reply.user_text)
+        a reply must hold words, not Whisper's near-silence "you" (voice/pipeline/asr.py's has_words), nor only a
+        listener's "yeah" or "okay" (`backchannel`: what an echo canceller's residue is heard as, too), nor mostly
+        the reply's own (its echo through a speakerphone: `echoes`, the apology's words included once it
+        played), and then it talks over the reply (`talked_over`); else it is no speech, and the reply goes
+        on. One resuming the utterance of a reply not heard yet must hold more words than that utterance
+        (`goes_on`: the same words are the room's talk, or a blip, heard with the carried audio)."""
+        reply = self.reply
+        if turn == self.resuming and reply is not None:
+            return goes_on(text, reply.user_text)
         if turn != self.contender:
             return True
-        return has_words(text) and not (self.reply is not None and echoes(text, self.reply.text, final))
+        if not has_words(text) or backchannel(text):
+            return False
+        if reply is None:
+            return True
+        said = f"{reply.text} {self.turns.config.faults.apology}" if reply.failure else reply.text
+        return not echoes(text, said, final)
 
     def playing(self, now: float, echo_tail_s: float = ECHO_TAIL_S) -> bool:
         """Is a reply playing at the user's end, or has it just stopped (its echo may still come back)?"""

@@ -608,6 +608,39 @@ def test_tool_lists_are_bounded(served):
     assert talk.of("session.updated")[0]["session"]["tools"][0]["name"] == "f"
 
 
+@pytest.mark.parametrize("beta", [False, True])
+def test_the_rooms_talk_in_a_pause_deletes_no_item_and_cancels_no_response(beta):
+    """Issue 55: a burst of another voice inside `turn.resume_ms` starts a turn that may go on with the last
+    user item. It holds no words beyond that item's (the fake ASR writes one sentence for any audio), so it
+    is the room's: the earlier item stays (it was deleted at `speech_started` before) and its response
+    completes; the burst's item ends with an empty transcript."""
+    from fakes import FakeLM, FakeWhisper
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000})
+    lm = FakeLM(blocks=("A slow", " reply."))
+    lm.delay_s = 1.0  # not heard before the burst
+    burst = float_to_pcm16(resample(pcm16_to_float(speech("002.wav")[16000:25600]), 16000, 24000))  # 0.3 s
+    with LiveServer(config, fake_stages(config, FakeWhisper("Eight of spades."), lm=lm)) as srv:
+        async def go():
+            async with connect(srv, beta) as conn:
+                talk = Talk(conn, beta)
+                talk.stream(at_24k() + bytes(int(24000 * 0.8) * 2) + burst + bytes(24000 * 3 * 2))
+                deadline = time.monotonic() + 30
+                while not talk.of("response.done"):
+                    assert time.monotonic() < deadline, [e["type"] for e in talk.events]
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                await conn.close()
+                return talk
+        talk = asyncio.run(go())
+    kinds = [e["type"] for e in talk.events]
+    started = [e["item_id"] for e in talk.of("input_audio_buffer.speech_started")]
+    assert len(started) == 2 and not talk.of("conversation.item.deleted"), kinds
+    assert [e["response"]["status"] for e in talk.of("response.done")] == ["completed"], kinds
+    transcripts = {e["item_id"]: e["transcript"]
+                   for e in talk.of("conversation.item.input_audio_transcription.completed")}
+    assert transcripts == {started[0]: "Eight of spades.", started[1]: ""}, transcripts
+
+
 class WordsWhisper:
     """A stand-in ASR that hears one word per half second of audio, numbered from the utterance's
     start ("w0 w1 w2 ..."), so a transcript that repeats an earlier one's words shows it."""
@@ -629,8 +662,8 @@ def test_a_resumed_turn_deletes_the_item_it_supersedes_so_no_transcript_repeats(
     """Issue 41, item 2: going on within `turn.resume_ms` of a pause continues the utterance, so the
     new user item's transcript holds the earlier item's words too; both items stayed in the
     conversation, and the words were there twice. The superseded item is now deleted with the
-    protocol's own `conversation.item.deleted` as the resumed turn starts: the items left hold each
-    word once, and nothing is said about a deleted item after."""
+    protocol's own `conversation.item.deleted` once the resuming item's transcript says the user went on
+    (just before it): the items left hold each word once, and nothing is said about a deleted item after."""
     from fakes import FakeLM
     config = make_config(records={"path": str(tmp_path / "records.sqlite3")}, turn={"resume_ms": 3000})
     lm = FakeLM(blocks=("Ok.",))
@@ -652,14 +685,15 @@ def test_a_resumed_turn_deletes_the_item_it_supersedes_so_no_transcript_repeats(
     started = [e["item_id"] for e in talk.of("input_audio_buffer.speech_started")]
     deleted = [e["item_id"] for e in talk.of("conversation.item.deleted")]
     assert len(started) == 3 and deleted == started[:2], kinds  # each pause resumed, its item superseded
-    for item in deleted:  # deleted as the next turn starts, and nothing about it after
+    for n, item in enumerate(deleted):  # deleted just before the transcript of the item going on with it
         at = next(i for i, e in enumerate(talk.events) if e["type"] == "conversation.item.deleted"
                   and e["item_id"] == item)
-        assert talk.events[at - 1]["type"] == "input_audio_buffer.speech_started", kinds
-        assert not [e for e in talk.events[at + 1:] if item in (e.get("item_id"), (e.get("item") or {}).get("id"))]
+        after = talk.events[at + 1]
+        assert after["type"] == "conversation.item.input_audio_transcription.completed", kinds
+        assert after["item_id"] == started[n + 1], kinds
+        assert not [e for e in talk.events[at + 1:] if item in (e.get("item_id"), (e.get("item") or {}).get("id"),
+                                                                e.get("previous_item_id"))]
     left = [e for e in talk.of("conversation.item.input_audio_transcription.completed") if e["item_id"] not in deleted]
     words = [w for e in left for w in e["transcript"].split()]
     assert len(words) > 4 and len(words) == len(set(words)), left  # every word once
-    (committed,) = [e for e in talk.of("input_audio_buffer.committed") if e["item_id"] == started[2]]
-    assert committed["previous_item_id"] not in deleted  # the order skips what was deleted
     assert [e["response"]["status"] for e in talk.of("response.done")][-1] == "completed"

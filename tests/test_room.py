@@ -10,7 +10,7 @@ import pytest
 
 from fakes import FakeWhisper, LiveServer, fake_instance, make_config
 from voice.evals import room_eval
-from voice.pipeline.asr import echoes
+from voice.pipeline.asr import backchannel, echoes, goes_on
 from voice.audio import float_to_pcm16, read_wav, resample
 from voice.clients.bench import speech_end_s
 from voice.config import VadConfig
@@ -151,6 +151,48 @@ def test_a_transcript_of_the_replys_own_words_is_its_echo():
     assert not echoes("tea please", question, final=True) and not echoes("tea coffee", question, final=True)
     # ...but two of the reply's words in its order are its echo: "You had" ended a turn and cut the reply
     assert echoes("You had.", "You had eight of spades, four of clubs.", final=True)
+
+
+def test_a_backchannel_or_an_echo_cancellers_residue_over_a_reply_leaves_it_playing():
+    """With `voice mic`'s AEC the reply's residual echo started turns Whisper wrote as "Yeah.", "or.",
+    "That's..." and "I'm sorry." (over the apology), and each cut the reply (bench/mic_echo_live.py)."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from voice.config import Config
+    from voice.conversation.faults import StageFailure
+    from voice.conversation.reply import Floor, Reply
+
+    for text in ("Yeah.", "or.", "That's...", "Okay.", "Mm-hmm.", "uh-huh", "Yeah, right."):
+        assert backchannel(text), text
+    for text in ("Stop.", "No.", "Wait.", "Tea.", "Yeah, but what about Berlin?", "", "Yes."):
+        assert not backchannel(text), text
+
+    async def scenario() -> None:
+        turns = SimpleNamespace(config=Config())  # the session's config: the apology's words
+        floor = Floor("s", turns, None, None, None, None, None, None,  # type: ignore[arg-type]
+                      SimpleNamespace(inc=lambda: None))
+        floor.reply = Reply(1, text="There are four queens in a pack of cards.",
+                            task=asyncio.create_task(asyncio.sleep(10)))  # a reply still being made
+        floor.speech_started(2, time.monotonic(), 0)
+        for text in ("Yeah.", "or.", "That's...", "There are."):  # a backchannel, residue, its own words
+            assert not floor.heard_words(2, text, final=True), text
+        for text in ("Stop.", "No.", "Wait, how many kings?"):
+            assert floor.heard_words(2, text, final=True), text
+        floor.reply.failure = StageFailure("lm_timeout", "the LM took too long", "lm", "timeout")
+        assert not floor.heard_words(2, "Sorry, something went wrong.", final=True)  # the apology's own echo
+        assert floor.heard_words(2, "I'm hungry.", final=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_resumed_transcript_goes_on_only_with_words_beyond_the_utterances():
+    said = "I need eggs, milk,"
+    assert goes_on("I need eggs, milk, bread.", said) and goes_on("I need eggs milk and bread", said)
+    assert not goes_on("I need eggs, milk.", said) and not goes_on("I need eggs.", said)  # the room: the same words
+    assert not goes_on("I need eggs, milk, you", said)  # Whisper's near-silence "you" is no word of theirs
+    assert not goes_on("", said)
 
 
 def test_the_offline_evaluation_runs_the_endpointer_on_every_room():

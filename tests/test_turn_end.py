@@ -158,6 +158,70 @@ def test_a_resumed_utterance_drops_the_unheard_reply_and_is_answered_whole(tmp_p
     assert [t["status"] for t in turns] in (["superseded", "ok"], ["ok"])  # (turn 1 superseded before its final)
 
 
+class WordsPerQuarterSecond(FakeWhisper):
+    """A stand-in ASR that writes a word per quarter second of audio: more audio, more words."""
+
+    def transcribe(self, audio, prefix=""):
+        return " ".join(["word"] * round(len(audio) / 4000))
+
+
+@pytest.mark.parametrize("goes_on", [False, True])
+def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
+    """Issue 55: 10 dB under the user, the room's talk started speech 1.9 s after a turn ended, inside
+    `turn.resume_ms`, and the reply, not heard yet, was dropped as if the user had gone on. Here a burst of
+    another voice (0.3 s: a VAD start, under `turn.barge_in_ms`) 0.4 s after the turn ended. Its transcript
+    holding no words beyond the turn's (the fake ASR writes one sentence for any audio), the reply is voiced
+    after all, whole, and the burst's turn ends empty, resuming nothing. An ASR that hears words in it (the
+    user going on with a short word) still resumes: the reply is dropped, and the whole utterance answered."""
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000})
+    lm = FakeLM(blocks=("A slow", " reply."))
+    lm.delay_s = 1.0  # not heard before the burst
+    whisper = WordsPerQuarterSecond() if goes_on else FakeWhisper("Eight of spades.")
+    burst = speech("002.wav")[16000:25600]  # 0.5-0.8 s of another recording: a voice
+    with LiveServer(config, fake_stages(config, whisper, lm=lm)) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav") + silence(0.8) + burst + silence(3.0))
+            await c.wait(lambda m: m["type"] == "reply_done" and not m["interrupted"], timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    started, finals = c.events("speech_started"), [m for m in c.events("transcript") if m["final"]]
+    assert [m["turn"] for m in started] == [1, 2] and started[1].get("resumes") == 1, c.events()
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    if goes_on:
+        assert answered == [2] and finals[-1].get("resumes") == 1 and c.events("clear"), c.events()
+    else:
+        assert answered == [1] and not c.events("clear"), c.events()  # the reply to turn 1, heard whole
+        assert finals[-1]["turn"] == 2 and finals[-1]["text"] == "" and not finals[-1].get("resumes"), finals
+        assert [m for m in c.events("reply") if m["turn"] == 1]
+
+
+@pytest.mark.parametrize("voice_after_ms", [800, 0])
+def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(voice_after_ms):
+    """`turn.voice_after_ms`: "Ten of clubs." reads finished (no hold), so without it a fast reply is heard
+    inside the pause; with it nothing of the reply is voiced before the user goes on, and they are answered once.
+    (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
+    60 ms later: 800 ms leaves the wall clock some room.)"""
+    config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms})
+    stages = fake_stages(config, FakeWhisper("Ten of clubs."), lm=FakeLM(blocks=("Done.",)))
+    with LiveServer(config, stages) as srv:
+        async def scenario():
+            c = await Client.open(srv.ws + "/ws")
+            c.listen(speed=1.0)
+            c.say(speech("001.wav") + silence(0.6) + speech("002.wav") + silence(1.5))
+            await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
+            await c.shut()
+            return c
+        c = asyncio.run(scenario())
+    started = c.events("speech_started")
+    assert len(started) == 2  # the pause ended turn 1
+    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
+    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    assert (not in_pause and answered == [2]) == bool(voice_after_ms), c.events()
+
+
 @pytest.mark.parametrize("hold_ms", [1000, 0])
 def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     """Issue 55, "prepared but not voiced": the user says "set a timer for", pauses 0.6 s (the 400 ms
@@ -207,6 +271,9 @@ def test_trails_off_reads_the_words_not_only_the_end_mark():
     assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")
     assert trails_off("Can you remind me to call my") and trails_off("So I was thinking, maybe we...")
     assert not trails_off("Ten of clubs.") and not trails_off("What is it made of?") and not trails_off("")
+    # a list not closed with "and"/"or" (Whisper's full stop at a pause in "I need eggs, milk, bread, and...")
+    assert trails_off("I need eggs, milk, bread.") and not trails_off("I need eggs, milk, bread, and some butter.")
+    assert not trails_off("Okay, thanks.") and not trails_off("Red, green or blue?")
 
 
 def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
@@ -224,6 +291,9 @@ def test_eot_eval_scores_a_held_reply_the_user_talked_over_as_no_cut_off():
     kept = outcome(held, record("Set a timer for."), 200, 1000)
     assert not kept.cut and kept.held == 1 and kept.voiced_ms == 400
     assert outcome(held, record("Ten of clubs."), 200, 1000).cut
+    # ... unless every reply waits for `turn.voice_after_ms` (650): then the complete utterance's does too
+    kept = outcome(Policy("fixed", hold_ms=1000, voice_after_ms=650), record("Ten of clubs."), 200, 1000)
+    assert not kept.cut and kept.held == 1 and kept.voiced_ms == 650
 
 
 class GrowingWhisper(FakeWhisper):
@@ -316,3 +386,23 @@ def test_a_pause_mid_sentence_loses_no_word(real_instance, pause_s, policy):
         assert len(finals) == 1, finals
     answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
     assert answered == [finals[-1]["turn"]], c.events("reply_done")  # one reply, to the whole utterance
+
+
+def test_a_turn_resuming_an_unheard_reply_is_decided_by_words_or_by_the_next_turn():
+    """The Floor's side of a resume (voice/conversation/reply.py): the reply waits while it is undecided; the
+    same words again are not the user going on, more are; and a turn that starts without resuming it ends the
+    wait (the resuming turn's final came after it, superseded: it never confirmed), so the reply is not held
+    forever."""
+    from types import SimpleNamespace
+
+    from voice.conversation.reply import Floor, Reply
+    floor = Floor("t", taker(), None, None, None, None, lambda *a, **k: True, None, SimpleNamespace(inc=lambda: None))
+    floor.reply = Reply(1, user_text="Ten of clubs.")
+    now = time.monotonic()
+    floor.speech_started(2, now, resumes=1)
+    assert floor.resuming == 2 and not floor.resume_decided.is_set()
+    assert not floor.heard_words(2, "Ten of clubs.", final=True) and floor.heard_words(2, "Ten of clubs and hearts")
+    floor.speech_started(3, now, resumes=2)  # going on from the resuming turn goes on with the reply's utterance
+    assert floor.resuming == 3
+    floor.speech_started(4, now, resumes=0)
+    assert floor.resuming is None and floor.resume_decided.is_set() and floor.reply is not None

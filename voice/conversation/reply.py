@@ -28,7 +28,7 @@ from typing import Any, Protocol, cast
 
 from prometheus_client import Counter
 
-from voice.pipeline.asr import echoes, has_words
+from voice.pipeline.asr import backchannel, echoes, goes_on, has_words
 from voice.conversation.calllog import CallLog
 from voice.config import Config
 from voice.pipeline.endofturn import trails_off
@@ -65,6 +65,7 @@ ECHO_TAIL_S = 0.3  # after a reply has played, its echo (a room's reverberation,
 class Reply:
     turn: int
     text: str = ""
+    user_text: str = ""  # what it answers (a turn that resumes it must say more to be the user going on)
     task: asyncio.Task | None = None
     playback: Playback = field(default_factory=Playback)
     finished: bool = False
@@ -75,7 +76,7 @@ class Reply:
     tools: list[ToolRun] = field(default_factory=list)  # the calls the LM made
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
-    held: bool = False  # the user's words trail off: its first audio waits for more silence (Floor.voiced)
+    hold_s: float = 0.0  # its first audio waits for this much silence after the user's last word (Floor.voiced)
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -407,6 +408,10 @@ class Floor:
         self.reply: Reply | None = None
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
+        # The turn that may go on with the unheard reply's utterance (SpeechStarted.resumes): the user's or
+        # the room's? Until `resume_decided` is set the reply is not voiced, nor dropped (`speech_started`).
+        self.resuming: int | None = None
+        self.resume_decided = asyncio.Event()
         self.closed = False
 
     def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None,
@@ -414,8 +419,11 @@ class Floor:
         """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
         and `chat` hold (Wyoming's answer: the caller keeps it). `spoken`: the user said it (and may
         go on after a pause), not typed it: words that trail off hold its first audio (`voiced`)."""
-        reply = self.reply = Reply(turn)
-        reply.held = spoken and self.turns.config.turn.hold_ms > 0 and trails_off(user_text)
+        reply = self.reply = Reply(turn, user_text=user_text)
+        self._resume_decided()
+        turn_config = self.turns.config.turn
+        if spoken:
+            reply.hold_s = max(turn_config.hold_ms if trails_off(user_text) else 0, turn_config.voice_after_ms) / 1000
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
@@ -473,7 +481,12 @@ class Floor:
         await self._reply_done(reply, transcript, "ok")
 
     async def asr_failed(self, turn: int, failure: StageFailure) -> None:
-        """The current turn ends with the error and the apology."""
+        """The current turn ends with the error and the apology (the reply to an utterance it may have
+        gone on with is dropped: no second voice)."""
+        if turn == self.resuming and self.reply is not None:
+            self.reply.superseded = True
+            for ev in self.barge_in(time.monotonic()):
+                self.send(ev)
         reply = self.reply = Reply(turn, task=asyncio.current_task())
         reply.released.set()
         self.replies.fail(reply, failure)
@@ -496,15 +509,19 @@ class Floor:
     # --- what the user hears ------------------------------------------------------------------
 
     def speech_started(self, turn: int, now: float, resumes: int) -> list[Event]:
-        """The user started talking. Going on with the utterance whose reply they have not heard yet,
-        that reply stops at once (its words are in this turn's transcript too). Over any other reply
-        still pending or playing, this turn is a contender: it stops the reply only once it is speech
-        (`talked_over`, `heard_words`), so a VAD blip (a knock, a breath, a microphone's processing
-        noise) leaves it playing."""
+        """The user started talking. Going on with the utterance whose reply they have not heard yet, this
+        turn is resuming it: that reply is neither voiced nor dropped until the turn is the user's (`talked_over`:
+        `turn.barge_in_ms` of speech loud like them, or words beyond the reply's turn's, `heard_words`), when
+        it stops (its words are in this turn's transcript too), or ends without (the room's talk: `not_resumed`).
+        Over any other reply still pending or playing, this turn is a contender: it stops the reply only once
+        it is speech, so a VAD blip (a knock, a breath, a microphone's processing noise) leaves it playing."""
         reply, self.contender = self.reply, None
-        if reply is not None and resumes and reply.turn == resumes:
-            reply.superseded = True
-            return self.barge_in(now)
+        if self.resuming is not None and resumes != self.resuming:  # it ended (its final late, superseded by
+            self._resume_decided()  # this turn) without being the user, and this turn does not go on with it
+        if reply is not None and resumes and resumes in (reply.turn, self.resuming):  # (or the turn resuming it)
+            self.resuming = turn
+            self.resume_decided.clear()
+            return []
         if reply is not None and self._interruptible(reply, now):
             self.contender = turn
         return []
@@ -512,19 +529,50 @@ class Floor:
     def talked_over(self, turn: int, now: float) -> list[Event]:
         """`turn` is speech (voice/conversation/turns.py's Talking, or words heard: `heard_words`): if it is the
         contender, the reply it began over stops, never the turn's own (a late partial can land
-        after its speculative reply started)."""
-        if turn == self.contender and self.reply is not None and self.reply.turn != turn:
+        after its speculative reply started); if it is resuming the reply's utterance, that reply is dropped."""
+        reply = self.reply
+        if turn == self.resuming and reply is not None:
+            reply.superseded = True
+            return self.barge_in(now)
+        if turn == self.contender and reply is not None and reply.turn != turn:
             return self.barge_in(now)
         return []
 
+    def not_resumed(self, turn: int, resumes: int) -> int:
+        """`turn`, resuming the utterance `resumes` (its SpeechStarted's), ended without being the user:
+        its reply is voiced after all, and speech that resumes now resumes that utterance still. What the
+        turn's final resumes (0: none)."""
+        if turn != self.resuming or self.reply is None:
+            return resumes
+        self._resume_decided()
+        self.turns.resumes_instead(turn, self.reply.turn)
+        session_log.info("session=%s turn=%d no words beyond turn %d's: its reply goes on", self.name, turn,
+                         self.reply.turn)
+        return 0
+
+    def _resume_decided(self) -> None:
+        self.resuming = None
+        self.resume_decided.set()
+
     def heard_words(self, turn: int, text: str, final: bool = False) -> bool:
         """`turn`'s transcript so far (`final`: all of it) is `text`: is it a turn to answer? One begun over
-        a reply must hold words, not Whisper's near-silence "you" (voice/pipeline/asr.py's has_words) nor mostly the
-        reply's own (its echo through a speakerphone: `echoes`), and then it talks over the reply
-        (`talked_over`); else it is no speech, and the reply goes on."""
+        a reply must hold words, not Whisper's near-silence "you" (voice/pipeline/asr.py's has_words), nor only a
+        listener's "yeah" or "okay" (`backchannel`: what an echo canceller's residue is heard as, too), nor mostly
+        the reply's own (its echo through a speakerphone: `echoes`, the apology's words included once it
+        played), and then it talks over the reply (`talked_over`); else it is no speech, and the reply goes
+        on. One resuming the utterance of a reply not heard yet must hold more words than that utterance
+        (`goes_on`: the same words are the room's talk, or a blip, heard with the carried audio)."""
+        reply = self.reply
+        if turn == self.resuming and reply is not None:
+            return goes_on(text, reply.user_text)
         if turn != self.contender:
             return True
-        return has_words(text) and not (self.reply is not None and echoes(text, self.reply.text, final))
+        if not has_words(text) or backchannel(text):
+            return False
+        if reply is None:
+            return True
+        said = f"{reply.text} {self.turns.config.faults.apology}" if reply.failure else reply.text
+        return not echoes(text, said, final)
 
     def playing(self, now: float, echo_tail_s: float = ECHO_TAIL_S) -> bool:
         """Is a reply playing at the user's end, or has it just stopped (its echo may still come back)?"""
@@ -550,6 +598,7 @@ class Floor:
         self.barge_ins.inc()
         session_log.info("session=%s turn=%d barge-in", self.name, reply.turn)
         self.reply = None
+        self._resume_decided()
         return [Clear(reply.turn, now)]
 
     def audio_sent(self, turn: int, text: str, seconds: float) -> list[Event]:
@@ -595,20 +644,33 @@ class Floor:
 
     async def voiced(self, reply: Reply) -> None:
         """Until `reply` may be heard: released (the user's turn is over) and, if their words trail off
-        (`Reply.held`: "Set a timer for."), until they have been quiet `turn.hold_ms`. A pause mid-sentence
+        (`Reply.hold_s`: "Set a timer for."), until they have been quiet `turn.hold_ms` (any reply:
+        `turn.voice_after_ms`, if set). A pause mid-sentence
         ends the turn at the VAD's hangover; if the user goes on within the hold, their turn resumes
-        (`speech_started`) and this reply, prepared, is dropped unheard. BENCHMARKS.md "Heard in a room"."""
+        (`speech_started`) and this reply, prepared, is dropped unheard once that is the user. While a turn
+        that may be them resuming is undecided (`resuming`), nothing of the reply is voiced either.
+        BENCHMARKS.md "Heard in a room"."""
         await reply.released.wait()
-        if not reply.held:
+        await self._undecided(reply)
+        if not reply.hold_s:
             return
         if not self.turns.resumable(reply.turn, time.monotonic()):  # (the client ended it: nothing to wait for)
-            reply.held = False
+            reply.hold_s = 0.0
+            await self._undecided(reply)
             return
-        delay = self.turns.last_word_at + self.turns.config.turn.hold_ms / 1000 - time.monotonic()
+        delay = self.turns.last_word_at + reply.hold_s - time.monotonic()
         if delay > 0:
             reply.did("held")
             await asyncio.sleep(delay)
-        if reply.held:
-            reply.held = False
-            session_log.info("session=%s turn=%d the words trailed off: voiced after %.0f ms more", self.name,
-                             reply.turn, max(delay, 0) * 1000)
+        if reply.hold_s:
+            reply.hold_s = 0.0
+            session_log.info("session=%s turn=%d held until %.0f ms after the last word: voiced after %.0f ms more",
+                             self.name, reply.turn, (time.monotonic() - self.turns.last_word_at) * 1000,
+                             max(delay, 0) * 1000)
+        await self._undecided(reply)
+
+    async def _undecided(self, reply: Reply) -> None:
+        """Until no turn that may be the user going on with `reply`'s utterance is undecided."""
+        while self.resuming is not None and self.reply is reply:
+            reply.did("resuming")
+            await self.resume_decided.wait()

@@ -190,6 +190,8 @@ class Session:
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
             self._superseded(turn, text, ended, resumes)
             return
+        if not text:  # a turn that resumed an unheard reply's utterance with no words of its own: the room's
+            resumes = self.floor.not_resumed(turn, resumes)
         self.emit(Transcript(turn, time.monotonic(), text, True, resumes))
         self.call_log.transcript(turn, text)
         if self.requests:  # listen only: the transcript was asked for, not a reply

@@ -232,6 +232,13 @@ class TurnTaker:
         last = self.last_utterance
         return last is not None and last[2] == turn and now <= last[1]
 
+    def resumes_instead(self, turn: int, earlier: int) -> None:
+        """`turn` went on with `earlier`'s utterance but was not the user (the room's talk, with no words of
+        its own: voice/conversation/reply.py's `Floor.not_resumed`): speech that resumes it resumes `earlier`."""
+        if self.last_utterance is not None and self.last_utterance[2] == turn:
+            audio, deadline, _ = self.last_utterance
+            self.last_utterance = (audio, deadline, earlier)
+
     def heard(self) -> None:
         """The reply to the last utterance is being heard: speech from now on is a new utterance."""
         self.last_utterance = None

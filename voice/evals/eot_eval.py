@@ -18,7 +18,8 @@ otherwise its wait is the silence from `true_end_s` to its decision. The signals
 reported beside it (it adds to the wait only when the policy ends the turn as soon as it asks).
 The fixed and shape policies are scored again with `turn.hold_ms` (a reply to words that trail off is
 voiced only after that much silence: a turn ended in a pause the user goes on from within it cost
-nothing), with the 0.6 s pauses kept whole and the complete utterances' wait until they may hear a reply.
+nothing), and fixed again with every reply voiced no sooner than VOICE_AFTER_MS (`turn.voice_after_ms`), with
+the 0.6 s pauses kept whole and the complete utterances' wait until they may hear a reply.
 """
 
 from __future__ import annotations
@@ -305,10 +306,12 @@ class Policy:
     threshold: float = 0.5
     hangover_ms: int = 400  # fixed only
     hold_ms: int = 0  # `turn.hold_ms`: a reply to words that trail off is voiced after this much silence
+    voice_after_ms: int = 0  # `turn.voice_after_ms`: any reply is voiced after this much silence at the soonest
 
     @property
     def label(self) -> str:
-        return f"{self.name} + hold {self.hold_ms} ms" if self.hold_ms else self.name
+        hold = f" + hold {self.hold_ms} ms" if self.hold_ms else ""
+        return self.name + hold + (f" + voice after {self.voice_after_ms} ms" if self.voice_after_ms else "")
 
 
 @dataclass
@@ -343,12 +346,12 @@ def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int
             spent = _spent(policy, ask) if wait_ms <= min_silence_ms else 0.0  # decided at once: its time shows
         if length * 1000 >= wait_ms:
             holds = bool(policy.hold_ms) and ask is not None and trails_off(ask.transcript)
+            voiced = max(wait_ms, float(policy.hold_ms if holds else 0), float(policy.voice_after_ms))
             if n < len(record.silences) - 1:  # the user spoke again after it: a pause
-                if holds and length * 1000 + start_ms < policy.hold_ms:
+                if voiced > wait_ms and length * 1000 + start_ms < voiced:
                     held += 1  # ... before its reply was voiced: their turn resumes, nothing lost
                     continue
                 return Outcome(True, None, held=held)
-            voiced = max(wait_ms, float(policy.hold_ms)) if holds else wait_ms
             return Outcome(False, (begin + wait_ms / 1000 - record.true_end_s) * 1000, spent, wait_ms, voiced, held)
     return Outcome(False, None, held=held)  # never decided (speech to the end of the item): counted as undecided
 
@@ -394,6 +397,7 @@ def score(policy: Policy, records: list[Record], min_silence_ms: int, ceiling_ms
             "held": sum(o.held for o in outcomes)}
 
 
+VOICE_AFTER_MS = (500, 550, 600, 650, 700)  # `turn.voice_after_ms` scored (0.6 s pauses are 0.46-0.56 s of VAD silence)
 THRESHOLD_GRID = (*(round(t, 2) for t in np.arange(0.05, 0.951, 0.05)), 0.97, 0.98, 0.99)
 
 
@@ -459,6 +463,8 @@ def summarise(records: list[Record], config: Config, phone: bool = False) -> dic
     policies.append(Policy("shape", hangover_ms=config.vad.hangover_ms))
     if turn.hold_ms:  # the free policies again with the hold (fixed is the service's default)
         policies += [replace(p, hold_ms=turn.hold_ms) for p in policies if p.name in ("fixed", "shape")]
+    for after in VOICE_AFTER_MS:  # and with every reply voiced no sooner than that
+        policies.append(replace(fixed, hold_ms=turn.hold_ms, voice_after_ms=after))
     asks = [a for r in records for a in r.asks]
     cost = {name: _stats([getattr(a, name) for a in asks if getattr(a, name)])
             for name in ("smart_turn_ms", "smart_turn_cpu_ms", "asr_ms", "lm_ms")}

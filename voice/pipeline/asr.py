@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import weakref
+from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import ctranslate2
@@ -323,6 +324,20 @@ ECHO_MIN_WORDS = 3  # ...unless it is a final this short: the user answering the
 # but a short final that is a run of the reply's words in its order ("You had", its first two) is its echo
 
 
+# Over a reply, words that do not take the turn: a listener's backchannel ("yeah", "okay", "mm-hmm") and
+# what Whisper writes for a burst of the reply's own echo that an echo canceller left ("Yeah.", "or.",
+# "That's...": bench/mic_echo_live.py, BENCHMARKS.md "Heard in a room"). These alone leave the reply playing;
+# "no", "stop", "wait", any other word stops it.
+BACKCHANNEL = frozenset("yeah yep yup uh uhhuh huh mhm mm mmhmm hmm okay ok right sure oh ah um "
+                        "and or but so the a an that that's it it's there there's".split())
+
+
+def backchannel(text: str) -> bool:
+    """Whether `text` holds only BACKCHANNEL words: said over a reply, it does not stop it."""
+    words = [word for word in map(_normalise, text.split()) if word]
+    return bool(words) and all(word in BACKCHANNEL for word in words)
+
+
 def has_words(text: str) -> bool:
     """Whether `text` holds words someone said: not empty, not only punctuation, and not one of
     Whisper's near-silence transcripts (NEAR_SILENCE), said once or more."""
@@ -341,6 +356,16 @@ def echoes(text: str, said: str, final: bool = False) -> bool:
     if final and len(words) < ECHO_MIN_WORDS:
         return len(words) > 1 and any(said_words[i:i + len(words)] == words for i in range(len(said_words)))
     return bool(words) and sum(word in set(said_words) for word in words) >= ECHO_SHARE * len(words)
+
+
+def goes_on(text: str, said: str) -> bool:
+    """Whether `text`, the transcript of an utterance resumed after one transcribed as `said` (its audio
+    carried at its start), holds words beyond `said`'s: the user going on after a pause, not the room's
+    talk or noise starting speech in it (issue 55: it dropped replies nobody had heard yet)."""
+    words = [word for word in map(_normalise, text.split()) if word]
+    said_words = Counter(word for word in map(_normalise, said.split()) if word)
+    beyond = list((Counter(words) - said_words).elements())
+    return len(words) > sum(said_words.values()) and has_words(" ".join(beyond))
 
 
 def repeats_itself(text: str) -> bool:

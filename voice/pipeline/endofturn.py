@@ -73,17 +73,26 @@ TRAILING_WORDS = frozenset(
 
 
 def trails_off(text: str) -> bool:
-    """Do the words so far read unfinished: no sentence end (`reads_finished`), or a statement that
-    ends on one of TRAILING_WORDS ("Set a timer for.")? A question ends a turn whatever its last
-    word ("What is it made of?"). The Floor holds the first audio of a reply to such words for
-    `turn.hold_ms` of silence (voice/conversation/reply.py); BENCHMARKS.md "Heard in a room"."""
+    """Do the words so far read unfinished: no sentence end (`reads_finished`), a statement that
+    ends on one of TRAILING_WORDS ("Set a timer for."), or a list not closed (`open_list`)? A question
+    ends a turn whatever its last word ("What is it made of?"). The Floor holds the first audio of a
+    reply to such words for `turn.hold_ms` of silence (voice/conversation/reply.py); BENCHMARKS.md
+    "Heard in a room"."""
     text = text.strip()
     if not text:
         return False
     if not reads_finished(text):
         return True
     words = re.findall(r"[a-z']+", text.lower())
-    return not text.endswith("?") and bool(words) and words[-1] in TRAILING_WORDS
+    return not text.endswith("?") and bool(words) and (words[-1] in TRAILING_WORDS or open_list(text))
+
+
+def open_list(text: str) -> bool:
+    """Is `text` a list of three or more items with no "and"/"or" before the last ("I need eggs, milk,
+    bread.")? People close a list they have finished; Whisper writes a full stop at a pause in one."""
+    items = [item for item in re.split(r",\s*", text.strip().rstrip(".!")) if item.strip()]
+    last = re.findall(r"[a-z']+", items[-1].lower()) if items else []
+    return len(items) >= 3 and bool(last) and last[0] not in ("and", "or")
 
 
 def smart_turn_path() -> Path:

@@ -363,11 +363,11 @@ class RealtimeFront:
     async def send(self, ev: Event) -> None:
         items, turn = self.items, ev.turn
         if isinstance(ev, SpeechStarted):
-            await self.emit(items.speech_started(turn, self.audio_ms, ev.resumes))
+            await self.emit(items.speech_started(turn, self.audio_ms))
         elif isinstance(ev, SpeechStopped):
             await self.emit(items.speech_stopped(turn, self.audio_ms))
         elif isinstance(ev, Transcript) and ev.final:
-            await self.emit(items.transcribed(turn, ev.text, self.audio_ms))
+            await self.emit(items.transcribed(turn, ev.text, self.audio_ms, ev.resumes))
         elif isinstance(ev, ReplyText):
             await self.emit(items.reply_text(turn, ev.text, self._playback()))
         elif isinstance(ev, ToolCall) and ev.name in self.client_functions():

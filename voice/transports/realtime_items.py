@@ -54,20 +54,10 @@ class Items:
 
     # --- the user's items -----------------------------------------------------------------------
 
-    def speech_started(self, turn: int, audio_ms: float, resumes: int = 0) -> Events:
-        """The user started a turn; `resumes`: the turn it continues (SpeechStarted's), whose user
-        item it supersedes: this turn's item will hold that one's words too, so that one is deleted
-        (`conversation.item.deleted`) and gets no events after it."""
+    def speech_started(self, turn: int, audio_ms: float) -> Events:
         self.user_items[turn] = new_id("item")
-        out: Events = [{"type": "input_audio_buffer.speech_started", "audio_start_ms": int(audio_ms),
-                        "item_id": self.user_items[turn]}]
-        superseded = self.user_items.pop(resumes, None) if resumes else None
-        if superseded is not None:
-            if self.last_item == superseded:
-                self.last_item = self.before.get(superseded)
-            self.before.pop(superseded, None)
-            out.append({"type": "conversation.item.deleted", "item_id": superseded})
-        return out
+        return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": int(audio_ms),
+                 "item_id": self.user_items[turn]}]
 
     def speech_stopped(self, turn: int, audio_ms: float) -> Events:
         item = self.user_items.setdefault(turn, new_id("item"))
@@ -80,14 +70,31 @@ class Items:
         self.last_item = item
         return out
 
-    def transcribed(self, turn: int, text: str, audio_ms: float) -> Events:
+    def transcribed(self, turn: int, text: str, audio_ms: float, resumes: int = 0) -> Events:
+        """`turn`'s final transcript. `resumes` (the final's): the earlier turn whose words it holds too, the
+        user having gone on after a pause; that turn's item is deleted now (`conversation.item.deleted`) and
+        gets no events after it. Not at `speech_started`: until the final, speech in the pause may be the
+        room's, and then the earlier item and its response stand (voice/conversation/reply.py, `not_resumed`)."""
         spoken = self.user_items.get(turn)
         if spoken is None:  # a typed turn (its item was announced when it was created), or a deleted one
             return []
-        return [{"type": "conversation.item.input_audio_transcription.completed", "item_id": spoken,
-                 "content_index": 0, "transcript": text,
-                 "usage": {"type": "duration", "seconds": round(audio_ms / 1000, 3)}},
+        out = self._supersede(resumes) if resumes else []
+        return [*out, {"type": "conversation.item.input_audio_transcription.completed", "item_id": spoken,
+                       "content_index": 0, "transcript": text,
+                       "usage": {"type": "duration", "seconds": round(audio_ms / 1000, 3)}},
                 {"type": "conversation.item.done", "previous_item_id": None, "item": _user(spoken, text)}]
+
+    def _supersede(self, resumes: int) -> Events:
+        superseded = self.user_items.pop(resumes, None)
+        if superseded is None:
+            return []
+        earlier = self.before.pop(superseded, None)
+        for item, previous in self.before.items():  # the items after it now follow the one before it
+            if previous == superseded:
+                self.before[item] = earlier
+        if self.last_item == superseded:
+            self.last_item = earlier
+        return [{"type": "conversation.item.deleted", "item_id": superseded}]
 
     def message(self, item_id: str, role: str, parts: list[tuple[str, str, float]]) -> Events:
         """A message the client added: its parts as (type, text or transcript, seconds of audio). A

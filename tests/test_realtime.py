@@ -619,7 +619,7 @@ def test_the_rooms_talk_in_a_pause_deletes_no_item_and_cancels_no_response(beta)
     lm = FakeLM(blocks=("A slow", " reply."))
     lm.delay_s = 1.0  # not heard before the burst
     burst = float_to_pcm16(resample(pcm16_to_float(speech("002.wav")[16000:25600]), 16000, 24000))  # 0.3 s
-    with LiveServer(config, fake_stages(config, FakeWhisper("Eight of spades."), lm=lm)) as srv:
+    with LiveServer(config, fake_instance(config, FakeWhisper("Eight of spades."), lm=lm)) as srv:
         async def go():
             async with connect(srv, beta) as conn:
                 talk = Talk(conn, beta)

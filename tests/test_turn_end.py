@@ -178,7 +178,7 @@ def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
     lm.delay_s = 1.0  # not heard before the burst
     whisper = WordsPerQuarterSecond() if goes_on else FakeWhisper("Eight of spades.")
     burst = speech("002.wav")[16000:25600]  # 0.5-0.8 s of another recording: a voice
-    with LiveServer(config, fake_stages(config, whisper, lm=lm)) as srv:
+    with LiveServer(config, fake_instance(config, whisper, lm=lm)) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)
@@ -205,8 +205,8 @@ def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(vo
     (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
     60 ms later: 800 ms leaves the wall clock some room.)"""
     config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms})
-    stages = fake_stages(config, FakeWhisper("Ten of clubs."), lm=FakeLM(blocks=("Done.",)))
-    with LiveServer(config, stages) as srv:
+    instance = fake_instance(config, FakeWhisper("Ten of clubs."), lm=FakeLM(blocks=("Done.",)))
+    with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
             c.listen(speed=1.0)

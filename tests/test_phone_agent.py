@@ -15,6 +15,7 @@ import base64
 import json
 import shutil
 import subprocess
+import time
 from urllib.parse import parse_qs
 
 import numpy as np
@@ -331,6 +332,69 @@ def test_stray_and_flooded_notifies_change_nothing(service):
         wait_until(lambda: service.lm.asked and "SIP 486" in told(service), 10, "the LM to be told")
         record = next(r for r in calls.find("sip") if r.id == phone.call_id)
         assert not record.ended and not record.counters["transfers"]
+        phone.request("BYE")
+        while phone.recv().status != 200:
+            pass
+    finally:
+        phone.close()
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
+
+
+def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
+    """Over UDP our REFER is a non-INVITE client transaction (RFC 3261 17.1.2.2): the phone drops the first two
+    (as a lossy network would); the same REFER comes again 0.5 s, then 1 s later (Timer E from T1 doubling), and
+    the transfer answered then completes; the phone's 202, sent twice, is taken once."""
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        refers = []
+        while len(refers) < 3:
+            message = phone.recv(10)
+            if message.method == "REFER":
+                refers.append((time.monotonic(), message))
+            else:
+                assert message.status == 200, message
+        (t0, first), (t1, second), (t2, refer) = refers
+        same = [(m.start, m.headers, m.body) for m in (first, second, refer)]
+        assert same[0] == same[1] == same[2]  # the same request: its branch and CSeq too
+        assert 0.35 < t1 - t0 < 0.9 and 0.8 < t2 - t1 < 1.5, (t1 - t0, t2 - t1)
+        accepted = "\r\n".join(["SIP/2.0 202 Accepted", *(f"{n}: {refer.h(n)}" for n in ("via", "from", "to",
+                                                                                        "call-id", "cseq")),
+                                 "Content-Length: 0", "", ""]).encode()
+        phone.send_raw(accepted)
+        phone.send_raw(accepted)
+        assert phone.nothing(1.2), "a REFER answered is not sent again"
+        raw_notify(phone, "200 OK", final=True)
+        assert phone.recv().status == 200
+        assert phone.recv(10).method == "BYE"
+    finally:
+        phone.close()
+    record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "transfer:desk" and record.counters["refer_retransmits"] == 2, record.counters
+
+
+def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypatch):
+    """No response to the REFER at all: after 64*T1 (Timer F; T1 shortened here) the transfer has failed,
+    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on."""
+    import voice.transports.sip as sip
+    monkeypatch.setattr(sip, "T1", 0.05)
+    monkeypatch.setattr(sip, "T2", 0.4)
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        wait_until(lambda: service.lm.asked and "did not answer the REFER" in told(service), 10, "the LM to be told")
+        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+        # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
+        assert record.counters["refer_retransmits"] == 10, record.counters
+        assert not record.ended
         phone.request("BYE")
         while phone.recv().status != 200:
             pass

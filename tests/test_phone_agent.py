@@ -145,7 +145,8 @@ def test_transfer_targets_are_an_enum_and_nothing_else_is_dialled():
 
 def test_telephony_config_is_checked():
     for bad in ({"tools": ["hang_up"]}, {"tools": ["transfer_call"]},
-                {"transfer_targets": {"desk": "http://x"}}, {"transfer_targets": {"a b": "+1415"}}):
+                {"transfer_targets": {"desk": "http://x"}}, {"transfer_targets": {"a b": "+1415"}},
+                {"twilio_account_sid": "AC123"}, {"twilio_account_sid": "CA" + "0" * 32}):
         with pytest.raises(ValueError, match="telephony"):
             TelephonyConfig(**bad)
 
@@ -441,6 +442,28 @@ def test_twilio_end_call_completes_the_call_through_the_rest_api(service, rest):
                                 if s["meta"].get("callSid") == "CA" + "a" * 32 and s["ended"]], 10, "the record")
     assert (row["end_reason"], row["dtmf"]) == ("end_call", "1#"), "the call records say how it ended, and the keys"
     assert [t["tools"][0]["name"] for t in row["turns"]] == ["end_call"]
+
+
+def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):
+    """With `telephony.twilio_account_sid` set, a stream whose start names another account is refused (the
+    socket closes 1008 wrong_account: no session, so no tool can update that account's call); the configured
+    account's stream is served and its end_call reaches the REST API."""
+    monkeypatch.setattr(service.config.telephony, "twilio_account_sid", "AC" + "1" * 32)
+    service.lm.tool_calls = tool_call("end_call")
+
+    async def refused():
+        async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
+            twilio = FakeTwilio(ws, "MZ" + "c" * 32)
+            await twilio.start()
+            await asyncio.wait_for(twilio.tasks[0], 10)
+            for task in twilio.tasks:
+                task.cancel()
+            return ws.close_code, ws.close_reason
+    assert asyncio.run(refused()) == (1008, "wrong_account")
+    assert record_for("MZ" + "c" * 32) is None and not service.lm.asked and not rest.updates
+    monkeypatch.setattr(service.config.telephony, "twilio_account_sid", ACCOUNT)
+    record, _ = twilio_call(service, "MZ" + "d" * 32)
+    assert record.end_reason == "end_call" and rest.updates == [{"call": "CA" + "d" * 32, "Status": "completed"}]
 
 
 def test_twilio_transfer_dials_the_target(service, rest):

@@ -295,6 +295,9 @@ class TelephonyConfig:
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
     transfer_timeout_s: float = 30.0  # a transfer not done by then has failed; the caller stays
     twilio_api_base: str = "https://api.twilio.com"  # Twilio's REST API (end and transfer a Twilio call)
+    # "AC" + 32 hex: only this account's media streams are taken on /twilio (another `start.accountSid` is refused:
+    # the socket closes, 1008), and only its calls are ended or transferred; "" = the stream's own accountSid
+    twilio_account_sid: str = ""
 
     def __post_init__(self) -> None:
         if len(self.greeting) > 500:
@@ -310,6 +313,8 @@ class TelephonyConfig:
                     not re.match(r"^(sips?:[^\s<>\"]+|\+?[0-9]{3,15})$", target):
                 raise ValueError(f"telephony.transfer_targets: {name!r} = {target!r}: a name of letters, digits, "
                                  "'_' or '-', and a sip: URI or a phone number")
+        if self.twilio_account_sid and not re.match(r"^AC[0-9a-f]{32}$", self.twilio_account_sid):
+            raise ValueError("telephony.twilio_account_sid must be \"AC\" and 32 hex digits, as Twilio writes it")
         if self.transfer_timeout_s <= 0 or not self.twilio_api_base.startswith(("https://", "http://")):
             raise ValueError("telephony.transfer_timeout_s must be positive and twilio_api_base an http(s) URL")
 

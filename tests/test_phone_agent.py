@@ -84,7 +84,7 @@ def rest():
 
 @pytest.fixture(scope="module")
 def service(rest, tmp_path_factory):
-    config = make_config(telephony={"tools": ["end_call", "transfer_call"],
+    config = make_config(telephony={"tools": ["end_call", "transfer_call", "read_keypad"], "keypad_timeout_s": 5.0,
                                     "transfer_targets": {"desk": DESK, "sales": "+14155550100"},
                                     "transfer_timeout_s": 10.0, "twilio_api_base": rest.base})
     config.records.path = str(tmp_path_factory.mktemp("records") / "records.sqlite3")
@@ -123,10 +123,14 @@ class Phone:
         return None
 
 
+async def no_keys(prompt: str) -> str | None:
+    return None
+
+
 def test_transfer_targets_are_an_enum_and_nothing_else_is_dialled():
     config = TelephonyConfig(tools=["end_call", "transfer_call"], transfer_targets={"desk": DESK, "sales": "+1415"})
     phone, ended = Phone(), []
-    tools = call_tools(config, phone, ended.append)
+    tools = call_tools(config, phone, ended.append, no_keys)
     assert tools["transfer_call"].parameters["properties"]["target"]["enum"] == ["desk", "sales"]
 
     async def run(args: dict) -> str:
@@ -140,7 +144,7 @@ def test_transfer_targets_are_an_enum_and_nothing_else_is_dialled():
     assert phone.transfers == [("desk", DESK)]
     asyncio.run(tools["end_call"].run({}, None))  # type: ignore[arg-type]
     assert ended == ["end_call"]
-    assert call_tools(TelephonyConfig(), phone, ended.append) == {}, "none unless configured"
+    assert call_tools(TelephonyConfig(), phone, ended.append, no_keys) == {}, "none unless configured"
 
 
 def test_telephony_config_is_checked():
@@ -464,6 +468,57 @@ def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch)
     monkeypatch.setattr(service.config.telephony, "twilio_account_sid", ACCOUNT)
     record, _ = twilio_call(service, "MZ" + "d" * 32)
     assert record.end_reason == "end_call" and rest.updates == [{"call": "CA" + "d" * 32, "Status": "completed"}]
+
+
+ASK = "Please type your account number, then the pound key."
+
+
+def keypad_call(service, sid: str, keys: str):
+    """A Twilio stream presses 1 #: the LM calls read_keypad; once the prompt is heard, it presses `keys`;
+    the record once the caller hung up."""
+    async def call():
+        async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
+            twilio = FakeTwilio(ws, sid)
+            await twilio.start()
+            await asyncio.sleep(0.1)
+            for key in "1#":
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            await twilio.wait(lambda: len(twilio.events("media")) > 20, 10)  # the prompt is being said
+            service.lm.tool_calls = []
+            for key in keys:
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            await twilio.wait(lambda: (r := record_for(sid)) is not None and r.replies, 20)
+            await asyncio.sleep(0.3)
+            await twilio.stop()
+            return twilio
+    asyncio.run(call())
+    return wait_until(lambda: (r := record_for(sid)) is not None and r.ended and r, 10, "the call to end")
+
+
+def test_read_keypad_keys_are_the_tools_result_not_a_turn(service):
+    """read_keypad: its prompt is said (no filler), the keys pressed over it do not stop the reply, and the
+    sequence they make (4 2 #) is the tool's result: the LM is asked once more, with it, and no turn of the
+    caller's is made of those keys."""
+    service.lm.tool_calls = tool_call("read_keypad", prompt=ASK)
+    record = keypad_call(service, "MZ" + "e" * 32, "42#")
+    assert len(service.lm.asked) == 2, [m[-1]["content"] for m, _ in service.lm.asked]
+    assert "the caller pressed 4 2" in told(service), told(service)
+    assert record.replies == [ASK + " Goodbye, thanks for calling."], record.replies
+    [row] = wait_until(lambda: [s for s in read_sessions(service.config.records.path, limit=100)
+                                if s["meta"].get("callSid") == "CA" + "e" * 32 and s["ended"]], 10, "the record")
+    [turn] = row["turns"]
+    assert turn["tools"][0]["name"] == "read_keypad" and turn["tools"][0]["result"] == "the caller pressed 4 2"
+    assert row["dtmf"] == "1#42#"
+
+
+def test_read_keypad_without_keys_says_so_in_time(service, monkeypatch):
+    """No keys after read_keypad's prompt: after `telephony.keypad_timeout_s` the tool's result says so, and
+    keys pressed later are the caller's turn again."""
+    monkeypatch.setattr(service.config.telephony, "keypad_timeout_s", 1.0)
+    service.lm.tool_calls = tool_call("read_keypad", prompt=ASK)
+    record = keypad_call(service, "MZ" + "f" * 32, "")
+    assert "the caller pressed no keys within 1 seconds" in told(service), told(service)
+    assert record.replies == [ASK + " Goodbye, thanks for calling."], record.replies
 
 
 def test_twilio_transfer_dials_the_target(service, rest):

@@ -32,7 +32,7 @@ from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wa
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
-from voice.conversation.calltools import call_tools
+from voice.conversation.calltools import call_prompt, call_tools
 from voice.config import TelephonyConfig
 from voice.service.records import read_sessions
 from voice.service.server import build_app
@@ -446,6 +446,16 @@ def test_twilio_end_call_completes_the_call_through_the_rest_api(service, rest):
                                 if s["meta"].get("callSid") == "CA" + "a" * 32 and s["ended"]], 10, "the record")
     assert (row["end_reason"], row["dtmf"]) == ("end_call", "1#"), "the call records say how it ended, and the keys"
     assert [t["tools"][0]["name"] for t in row["turns"]] == ["end_call"]
+    system = service.lm.asked[0][0][0]["content"]
+    assert system == f"{service.config.lm.system_prompt} {service.config.telephony.call_prompt}", system
+
+
+def test_the_call_prompt_is_added_only_with_end_call():
+    assert call_prompt("Be brief.", TelephonyConfig(tools=["end_call"])) == \
+        f"Be brief. {TelephonyConfig().call_prompt}"
+    for config in (TelephonyConfig(), TelephonyConfig(tools=["read_keypad"]), TelephonyConfig(tools=["end_call"],
+                                                                                                call_prompt="")):
+        assert call_prompt("Be brief.", config) == "Be brief."
 
 
 def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):

@@ -64,6 +64,14 @@ def call_tools(config: TelephonyConfig, phone: Phone, end_after_reply: Callable[
     return tools
 
 
+def call_prompt(system_prompt: str, config: TelephonyConfig) -> str:
+    """A phone call's system prompt: `config.call_prompt` added when end_call is offered (the default model
+    needs to be told when a call ends: BENCHMARKS.md, "A phone agent ends the call")."""
+    if "end_call" not in config.tools or not config.call_prompt:
+        return system_prompt
+    return f"{system_prompt} {config.call_prompt}" if system_prompt else config.call_prompt
+
+
 async def _transfer(phone: Phone, targets: dict[str, str], args: dict) -> str:
     name = args.get("target")
     if not isinstance(name, str) or name not in targets:

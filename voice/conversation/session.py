@@ -29,7 +29,7 @@ from typing import assert_never
 
 from voice.conversation import modes
 from voice.conversation.calllog import CallLog
-from voice.conversation.calltools import Phone, call_tools
+from voice.conversation.calltools import Phone, call_prompt, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.conversation.faults import StageFailure, transcript_within
@@ -82,6 +82,7 @@ class Session:
         if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/conversation/calltools.py)
             self.replies.tools = stages.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply,
                                                                     self._read_keys))
+            self.history.system_prompt = call_prompt(self.history.system_prompt, cfg.telephony)
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript

@@ -15,6 +15,7 @@ import base64
 import json
 import shutil
 import subprocess
+import time
 from urllib.parse import parse_qs
 
 import numpy as np
@@ -31,7 +32,7 @@ from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wa
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
-from voice.conversation.calltools import call_tools
+from voice.conversation.calltools import call_prompt, call_tools
 from voice.config import TelephonyConfig
 from voice.service.records import read_sessions
 from voice.service.server import build_app
@@ -83,7 +84,7 @@ def rest():
 
 @pytest.fixture(scope="module")
 def service(rest, tmp_path_factory):
-    config = make_config(telephony={"tools": ["end_call", "transfer_call"],
+    config = make_config(telephony={"tools": ["end_call", "transfer_call", "read_keypad"], "keypad_timeout_s": 5.0,
                                     "transfer_targets": {"desk": DESK, "sales": "+14155550100"},
                                     "transfer_timeout_s": 10.0, "twilio_api_base": rest.base})
     config.records.path = str(tmp_path_factory.mktemp("records") / "records.sqlite3")
@@ -122,10 +123,14 @@ class Phone:
         return None
 
 
+async def no_keys(prompt: str) -> str | None:
+    return None
+
+
 def test_transfer_targets_are_an_enum_and_nothing_else_is_dialled():
     config = TelephonyConfig(tools=["end_call", "transfer_call"], transfer_targets={"desk": DESK, "sales": "+1415"})
     phone, ended = Phone(), []
-    tools = call_tools(config, phone, ended.append)
+    tools = call_tools(config, phone, ended.append, no_keys)
     assert tools["transfer_call"].parameters["properties"]["target"]["enum"] == ["desk", "sales"]
 
     async def run(args: dict) -> str:
@@ -139,12 +144,13 @@ def test_transfer_targets_are_an_enum_and_nothing_else_is_dialled():
     assert phone.transfers == [("desk", DESK)]
     asyncio.run(tools["end_call"].run({}, None))  # type: ignore[arg-type]
     assert ended == ["end_call"]
-    assert call_tools(TelephonyConfig(), phone, ended.append) == {}, "none unless configured"
+    assert call_tools(TelephonyConfig(), phone, ended.append, no_keys) == {}, "none unless configured"
 
 
 def test_telephony_config_is_checked():
     for bad in ({"tools": ["hang_up"]}, {"tools": ["transfer_call"]},
-                {"transfer_targets": {"desk": "http://x"}}, {"transfer_targets": {"a b": "+1415"}}):
+                {"transfer_targets": {"desk": "http://x"}}, {"transfer_targets": {"a b": "+1415"}},
+                {"twilio_account_sid": "AC123"}, {"twilio_account_sid": "CA" + "0" * 32}):
         with pytest.raises(ValueError, match="telephony"):
             TelephonyConfig(**bad)
 
@@ -340,6 +346,69 @@ def test_stray_and_flooded_notifies_change_nothing(service):
     assert record.end_reason == "caller_hangup"
 
 
+def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
+    """Over UDP our REFER is a non-INVITE client transaction (RFC 3261 17.1.2.2): the phone drops the first two
+    (as a lossy network would); the same REFER comes again 0.5 s, then 1 s later (Timer E from T1 doubling), and
+    the transfer answered then completes; the phone's 202, sent twice, is taken once."""
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        refers = []
+        while len(refers) < 3:
+            message = phone.recv(10)
+            if message.method == "REFER":
+                refers.append((time.monotonic(), message))
+            else:
+                assert message.status == 200, message
+        (t0, first), (t1, second), (t2, refer) = refers
+        same = [(m.start, m.headers, m.body) for m in (first, second, refer)]
+        assert same[0] == same[1] == same[2]  # the same request: its branch and CSeq too
+        assert 0.35 < t1 - t0 < 0.9 and 0.8 < t2 - t1 < 1.5, (t1 - t0, t2 - t1)
+        accepted = "\r\n".join(["SIP/2.0 202 Accepted", *(f"{n}: {refer.h(n)}" for n in ("via", "from", "to",
+                                                                                        "call-id", "cseq")),
+                                 "Content-Length: 0", "", ""]).encode()
+        phone.send_raw(accepted)
+        phone.send_raw(accepted)
+        assert phone.nothing(1.2), "a REFER answered is not sent again"
+        raw_notify(phone, "200 OK", final=True)
+        assert phone.recv().status == 200
+        assert phone.recv(10).method == "BYE"
+    finally:
+        phone.close()
+    record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "transfer:desk" and record.counters["refer_retransmits"] == 2, record.counters
+
+
+def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypatch):
+    """No response to the REFER at all: after 64*T1 (Timer F; T1 shortened here) the transfer has failed,
+    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on."""
+    import voice.transports.sip as sip
+    monkeypatch.setattr(sip, "T1", 0.05)
+    monkeypatch.setattr(sip, "T2", 0.4)
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        wait_until(lambda: service.lm.asked and "did not answer the REFER" in told(service), 10, "the LM to be told")
+        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+        # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
+        assert record.counters["refer_retransmits"] == 10, record.counters
+        assert not record.ended
+        phone.request("BYE")
+        while phone.recv().status != 200:
+            pass
+    finally:
+        phone.close()
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
+
+
 # --- Twilio: the media stream and the REST stand-in ------------------------------------------------------
 
 
@@ -377,6 +446,89 @@ def test_twilio_end_call_completes_the_call_through_the_rest_api(service, rest):
                                 if s["meta"].get("callSid") == "CA" + "a" * 32 and s["ended"]], 10, "the record")
     assert (row["end_reason"], row["dtmf"]) == ("end_call", "1#"), "the call records say how it ended, and the keys"
     assert [t["tools"][0]["name"] for t in row["turns"]] == ["end_call"]
+    system = service.lm.asked[0][0][0]["content"]
+    assert system == f"{service.config.lm.system_prompt} {service.config.telephony.call_prompt}", system
+
+
+def test_the_call_prompt_is_added_only_with_end_call():
+    assert call_prompt("Be brief.", TelephonyConfig(tools=["end_call"])) == \
+        f"Be brief. {TelephonyConfig().call_prompt}"
+    for config in (TelephonyConfig(), TelephonyConfig(tools=["read_keypad"]), TelephonyConfig(tools=["end_call"],
+                                                                                                call_prompt="")):
+        assert call_prompt("Be brief.", config) == "Be brief."
+
+
+def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):
+    """With `telephony.twilio_account_sid` set, a stream whose start names another account is refused (the
+    socket closes 1008 wrong_account: no session, so no tool can update that account's call); the configured
+    account's stream is served and its end_call reaches the REST API."""
+    monkeypatch.setattr(service.config.telephony, "twilio_account_sid", "AC" + "1" * 32)
+    service.lm.tool_calls = tool_call("end_call")
+
+    async def refused():
+        async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
+            twilio = FakeTwilio(ws, "MZ" + "c" * 32)
+            await twilio.start()
+            await asyncio.wait_for(twilio.tasks[0], 10)
+            for task in twilio.tasks:
+                task.cancel()
+            return ws.close_code, ws.close_reason
+    assert asyncio.run(refused()) == (1008, "wrong_account")
+    assert record_for("MZ" + "c" * 32) is None and not service.lm.asked and not rest.updates
+    monkeypatch.setattr(service.config.telephony, "twilio_account_sid", ACCOUNT)
+    record, _ = twilio_call(service, "MZ" + "d" * 32)
+    assert record.end_reason == "end_call" and rest.updates == [{"call": "CA" + "d" * 32, "Status": "completed"}]
+
+
+ASK = "Please type your account number, then the pound key."
+
+
+def keypad_call(service, sid: str, keys: str):
+    """A Twilio stream presses 1 #: the LM calls read_keypad; once the prompt is heard, it presses `keys`;
+    the record once the caller hung up."""
+    async def call():
+        async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
+            twilio = FakeTwilio(ws, sid)
+            await twilio.start()
+            await asyncio.sleep(0.1)
+            for key in "1#":
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            await twilio.wait(lambda: len(twilio.events("media")) > 20, 10)  # the prompt is being said
+            service.lm.tool_calls = []
+            for key in keys:
+                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            await twilio.wait(lambda: (r := record_for(sid)) is not None and r.replies, 20)
+            await asyncio.sleep(0.3)
+            await twilio.stop()
+            return twilio
+    asyncio.run(call())
+    return wait_until(lambda: (r := record_for(sid)) is not None and r.ended and r, 10, "the call to end")
+
+
+def test_read_keypad_keys_are_the_tools_result_not_a_turn(service):
+    """read_keypad: its prompt is said (no filler), the keys pressed over it do not stop the reply, and the
+    sequence they make (4 2 #) is the tool's result: the LM is asked once more, with it, and no turn of the
+    caller's is made of those keys."""
+    service.lm.tool_calls = tool_call("read_keypad", prompt=ASK)
+    record = keypad_call(service, "MZ" + "e" * 32, "42#")
+    assert len(service.lm.asked) == 2, [m[-1]["content"] for m, _ in service.lm.asked]
+    assert "the caller pressed 4 2" in told(service), told(service)
+    assert record.replies == [ASK + " Goodbye, thanks for calling."], record.replies
+    [row] = wait_until(lambda: [s for s in read_sessions(service.config.records.path, limit=100)
+                                if s["meta"].get("callSid") == "CA" + "e" * 32 and s["ended"]], 10, "the record")
+    [turn] = row["turns"]
+    assert turn["tools"][0]["name"] == "read_keypad" and turn["tools"][0]["result"] == "the caller pressed 4 2"
+    assert row["dtmf"] == "1#42#"
+
+
+def test_read_keypad_without_keys_says_so_in_time(service, monkeypatch):
+    """No keys after read_keypad's prompt: after `telephony.keypad_timeout_s` the tool's result says so, and
+    keys pressed later are the caller's turn again."""
+    monkeypatch.setattr(service.config.telephony, "keypad_timeout_s", 1.0)
+    service.lm.tool_calls = tool_call("read_keypad", prompt=ASK)
+    record = keypad_call(service, "MZ" + "f" * 32, "")
+    assert "the caller pressed no keys within 1 seconds" in told(service), told(service)
+    assert record.replies == [ASK + " Goodbye, thanks for calling."], record.replies
 
 
 def test_twilio_transfer_dials_the_target(service, rest):

@@ -298,17 +298,26 @@ class TelephonyConfig:
     # The call's own tools, offered to the LM on phone calls only (conversation/calltools.py): end_call (the goodbye is
     # spoken to the end, then the call ends), transfer_call (to one of transfer_targets, by name)
     tools: list = field(default_factory=list)
+    # added to the system prompt when end_call is offered: without it the default 1.5B answers every goodbye in
+    # words (0/24 end_call); with it 7/24, and no false end in 24 questions (BENCHMARKS.md, "ends the call"); "" = none
+    call_prompt: str = ("You are answering a phone call. If the caller's message is a goodbye (bye, that's all, "
+                        "thanks, have a nice day), your reply must be the end_call function call, not text; the "
+                        "goodbye is spoken after it.")
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
     transfer_timeout_s: float = 30.0  # a transfer not done by then has failed; the caller stays
+    keypad_timeout_s: float = 15.0  # read_keypad: no key sequence by then (after its prompt began) is its result
     twilio_api_base: str = "https://api.twilio.com"  # Twilio's REST API (end and transfer a Twilio call)
+    # "AC" + 32 hex: only this account's media streams are taken on /twilio (another `start.accountSid` is refused:
+    # the socket closes, 1008), and only its calls are ended or transferred; "" = the stream's own accountSid
+    twilio_account_sid: str = ""
 
     def __post_init__(self) -> None:
-        if len(self.greeting) > 500:
-            raise ValueError("telephony.greeting must be at most 500 characters")
-        unknown = set(self.tools) - {"end_call", "transfer_call"}
+        if len(self.greeting) > 500 or len(self.call_prompt) > 500:
+            raise ValueError("telephony.greeting and telephony.call_prompt must be at most 500 characters")
+        unknown = set(self.tools) - {"end_call", "transfer_call", "read_keypad"}
         if unknown:
             raise ValueError(f"telephony.tools: unknown tool(s) {', '.join(sorted(unknown))}; "
-                             "choose from end_call, transfer_call")
+                             "choose from end_call, transfer_call, read_keypad")
         if "transfer_call" in self.tools and not self.transfer_targets:
             raise ValueError("telephony.tools: transfer_call needs telephony.transfer_targets")
         for name, target in self.transfer_targets.items():
@@ -316,6 +325,10 @@ class TelephonyConfig:
                     not re.match(r"^(sips?:[^\s<>\"]+|\+?[0-9]{3,15})$", target):
                 raise ValueError(f"telephony.transfer_targets: {name!r} = {target!r}: a name of letters, digits, "
                                  "'_' or '-', and a sip: URI or a phone number")
+        if self.twilio_account_sid and not re.match(r"^AC[0-9a-f]{32}$", self.twilio_account_sid):
+            raise ValueError("telephony.twilio_account_sid must be \"AC\" and 32 hex digits, as Twilio writes it")
+        if not 0 < self.keypad_timeout_s <= 300:
+            raise ValueError("telephony.keypad_timeout_s must be in (0, 300]")
         if self.transfer_timeout_s <= 0 or not self.twilio_api_base.startswith(("https://", "http://")):
             raise ValueError("telephony.transfer_timeout_s must be positive and twilio_api_base an http(s) URL")
 

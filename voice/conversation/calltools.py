@@ -7,6 +7,10 @@ stays on the line. `transfer_call(target)`: the transport hands the caller to on
 transfer keeps the caller, and the model is told why, to say so. The target is a name from the
 configuration: the tool's schema is an `enum` of the names (the constrained decoding cannot write
 another) and the executor refuses any other, so the model can neither invent nor dial a number.
+`read_keypad(prompt)`: `prompt` is said as part of the reply, then the next key sequence the caller
+presses (voice/conversation/keypad.py) is the tool's result instead of a turn of theirs: digits go to the
+model as data it asked for (an account number, a PIN); no keys within `[telephony] keypad_timeout_s`: the
+result says so.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ class Phone(Protocol):
         ...
 
 
-def call_tools(config: TelephonyConfig, phone: Phone, end_after_reply: Callable[[str], None]) -> dict[str, Tool]:
-    """The tools of `config.tools`; `end_after_reply(reason)` ends the call once the current reply is heard."""
+def call_tools(config: TelephonyConfig, phone: Phone, end_after_reply: Callable[[str], None],
+               read_keys: Callable[[str], Awaitable[str | None]]) -> dict[str, Tool]:
+    """The tools of `config.tools`; `end_after_reply(reason)` ends the call once the current reply is heard;
+    `read_keys(prompt)` says `prompt`, then waits for the caller's next key sequence (None: none came in time)."""
     tools: dict[str, Tool] = {}
     if "end_call" in config.tools:
         async def end_call(args: dict, timers: Timers) -> str:
@@ -44,7 +50,26 @@ def call_tools(config: TelephonyConfig, phone: Phone, end_after_reply: Callable[
         tools["transfer_call"] = Tool("Transfer the caller to a person: one of the listed targets.", {
             "type": "object", "properties": {"target": {"type": "string", "enum": sorted(targets)}},
             "required": ["target"], "additionalProperties": False}, False, transfer_call)
+    if "read_keypad" in config.tools:
+        async def read_keypad(args: dict, timers: Timers) -> str:
+            keys = await read_keys(str(args.get("prompt", ""))[:200])
+            if keys is None:
+                return f"the caller pressed no keys within {config.keypad_timeout_s:g} seconds"
+            return f"the caller pressed {' '.join(keys)}"
+        tools["read_keypad"] = Tool(
+            "Ask the caller to type digits on their phone's keypad (an account number, a PIN, a menu choice): "
+            "the prompt is said to them and the keys they press are the result.", {
+                "type": "object", "properties": {"prompt": {"type": "string", "maxLength": 200}},
+                "required": ["prompt"], "additionalProperties": False}, False, read_keypad, speaks=True)
     return tools
+
+
+def call_prompt(system_prompt: str, config: TelephonyConfig) -> str:
+    """A phone call's system prompt: `config.call_prompt` added when end_call is offered (the default model
+    needs to be told when a call ends: BENCHMARKS.md, "A phone agent ends the call")."""
+    if "end_call" not in config.tools or not config.call_prompt:
+        return system_prompt
+    return f"{system_prompt} {config.call_prompt}" if system_prompt else config.call_prompt
 
 
 async def _transfer(phone: Phone, targets: dict[str, str], args: dict) -> str:

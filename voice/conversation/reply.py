@@ -275,7 +275,7 @@ class ReplyRunner:
             await self.sink.voiced(reply)
             cfg = self.config.tools
             _, pending = await asyncio.wait(tasks, timeout=cfg.filler_ms / 1000)
-            if pending and cfg.filler.strip():
+            if pending and cfg.filler.strip() and not any(self.tools.speaks(run.name) for run in runs):
                 filler = cfg.filler.strip()
                 self._add_text(reply, filler + " ", [filler], phrases)  # a phrase of its own
                 self.sink.emit(ReplyText(reply.turn, time.monotonic(), filler + " ", reply.blocks))

@@ -29,7 +29,7 @@ from typing import assert_never
 
 from voice.conversation import oneshot
 from voice.conversation.calllog import CallLog
-from voice.conversation.calltools import Phone, call_tools
+from voice.conversation.calltools import Phone, call_prompt, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.conversation.faults import StageFailure, transcript_within
@@ -80,13 +80,16 @@ class Session:
             None if requests else instance.apology.get(out_rate), self.floor, self.id, instance.tools, self.timers,
             requests)
         if phone is not None and cfg.telephony.tools:  # a phone call's own tools (voice/conversation/calltools.py)
-            self.replies.tools = instance.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply))
+            self.replies.tools = instance.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply,
+                                                                    self._read_keys))
+            self.history.system_prompt = call_prompt(self.history.system_prompt, cfg.telephony)
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript
         self.keypad = Keypad(cfg.session.keypad_max_digits)  # keys pressed, on their way to a turn
         self.keypad_pause: asyncio.TimerHandle | None = None  # ends the sequence when no key follows
         self.pressed = ""  # every key pressed, for the call records (the first MAX_PRESSED)
+        self.keys_wanted: asyncio.Future[str] | None = None  # a tool waits for the next sequence (read_keypad)
         self.closed = False
         self.opened = self.last_audio = time.monotonic()
         self.ending = asyncio.Event()  # set when the session must end; the transport closes the connection
@@ -278,17 +281,42 @@ class Session:
             self.keypad_pause = None
         if len(self.pressed) < MAX_PRESSED:
             self.pressed += key
-        if self.replying():
+        if self.replying() and self.keys_wanted is None:  # (keys a tool waits for are its answer, not a barge-in)
             self._send(self.floor.barge_in(time.monotonic()))
         if (keys := self.keypad.press(key)) is not None:
-            return self.text_turn(keypad_text(keys))
+            return self._keys_done(keys)
         self.keypad_pause = asyncio.get_running_loop().call_later(self.config.session.keypad_pause_s, self._keys_paused)
         return None
 
     def _keys_paused(self) -> None:
         self.keypad_pause = None
         if (keys := self.keypad.pause()) is not None and not self.closed:
-            self.text_turn(keypad_text(keys))
+            self._keys_done(keys)
+
+    def _keys_done(self, keys: str) -> int | None:
+        """A finished sequence: the result of the tool that waits for one, else the user's turn (its number)."""
+        if self.keys_wanted is not None and not self.keys_wanted.done():
+            self.keys_wanted.set_result(keys)
+            return None
+        return self.text_turn(keypad_text(keys))
+
+    async def _read_keys(self, prompt: str) -> str | None:
+        """read_keypad (calltools.py): `prompt` is said as part of the reply that called it, and the next key
+        sequence, from now on, is the call's result; None if none ends within `telephony.keypad_timeout_s`."""
+        reply = self.floor.reply
+        if self.keys_wanted is not None or reply is None:
+            return None
+        self.keys_wanted = wanted = asyncio.get_running_loop().create_future()
+        saying = asyncio.ensure_future(self.replies.announce(reply, prompt.strip() + " ")) if prompt.strip() else None
+        try:
+            async with asyncio.timeout(self.config.telephony.keypad_timeout_s):
+                return await wanted
+        except TimeoutError:
+            return None
+        finally:
+            self.keys_wanted = None
+            if saying is not None and not saying.done():
+                saying.cancel()
 
     def greet(self, text: str) -> int:
         """The assistant speaks first (a phone call's greeting): `text` as a turn of its own, no LM, barged in

@@ -208,6 +208,7 @@ class Tool:
     parameters: dict
     pure: bool  # no effect on the world: may run while the reply is a speculation
     run: Callable[[dict, Timers], Awaitable[str]]
+    speaks: bool = False  # it says something to the user itself while it runs (read_keypad's prompt): no filler
 
 
 @dataclass
@@ -257,6 +258,9 @@ class Toolbox:
 
     def pure(self, name: str) -> bool:
         return name in self.tools and self.tools[name].pure
+
+    def speaks(self, name: str) -> bool:
+        return name in self.tools and self.tools[name].speaks
 
     async def run(self, run: ToolRun, timers: Timers) -> None:
         """Run one call, filling in its result, status and time (a failure is a result too: the

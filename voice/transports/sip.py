@@ -89,6 +89,7 @@ class Call:
         self.ticket: Ticket | None = None  # admission (voice.service.limits), released when the call ends
         # a transfer in progress (transfer_call): the REFER's final response, then the NOTIFYs' sipfrag statuses
         self.refer_cseq: int | None = None
+        self.refer_status: int | None = None  # the REFER's latest response (None: none yet; it is resent)
         self.refer_progress: asyncio.Queue[int] | None = None
 
     # --- media ------------------------------------------------------------------------------
@@ -220,18 +221,24 @@ class Call:
         uri = target if target.startswith("sip") else f"sip:{target}@{uri_hostport(self.remote_target)[0]}"
         progress: asyncio.Queue[int] = asyncio.Queue(maxsize=REFER_PROGRESS)
         self.refer_progress = progress
-        self.refer_cseq = self.ep.send_request(self, "REFER", [("refer-to", f"<{uri}>"),
-                                                               ("referred-by", self.ep.contact(self.invite))])
+        self.refer_cseq, refer, dest = self.ep.request(self, "REFER", [("refer-to", f"<{uri}>"),
+                                                                      ("referred-by", self.ep.contact(self.invite))])
+        self.refer_status = None
+        self.ep.send(refer, dest)
+        retransmits = self.ep.spawn(self._retransmit_refer(refer, dest))
         log.info("sip call=%s transfer to %s (%s): REFER sent", self.id, name, uri)
         try:
             async with asyncio.timeout(self.ep.instance.config.telephony.transfer_timeout_s):
-                status = await progress.get()  # the REFER's final response
+                status = await progress.get()  # the REFER's final response (Timer F: 408, none came)
+                if self.refer_status is None or self.refer_status < 200:
+                    return "the caller's phone did not answer the REFER"
                 if status >= 300:
                     return f"the caller's phone refused it: SIP {status}"
                 status = await progress.get()  # the new call's final status, in a NOTIFY
         except TimeoutError:
             return "it was not completed in time"
         finally:
+            retransmits.cancel()
             self.refer_progress = self.refer_cseq = None
         if status >= 300:
             return f"{name} did not answer: SIP {status}"
@@ -240,6 +247,24 @@ class Call:
         if self.session is not None:
             self.session.hang_up(f"transfer:{name}")
         return None
+
+    async def _retransmit_refer(self, refer: bytes, dest: tuple[str, int]) -> None:
+        """Timers E and F (RFC 3261 section 17.1.2.2, a non-INVITE client transaction over UDP): the REFER is
+        sent again T1, 2*T1, ... apart, at most T2 (T2 apart once a provisional response came), until its final
+        response; none within 64*T1 ends the transfer as a 408 (Request Timeout)."""
+        interval, waited = T1, 0.0
+        while True:
+            pause = min(interval, 64 * T1 - waited)
+            await asyncio.sleep(pause)
+            waited += pause
+            if self.refer_status is not None and self.refer_status >= 200:
+                return
+            if waited >= 64 * T1:
+                _progress(self, 408)
+                return
+            self.ep.send(refer, dest)
+            self.record.counters["refer_retransmits"] += 1
+            interval = T2 if self.refer_status is not None else min(2 * interval, T2)
 
     async def end(self, reason: str) -> None:
         if self.state == "ended":
@@ -449,8 +474,11 @@ class SipEndpoint:
         except ValueError:
             return
         if call is not None and call.refer_progress is not None and cseq == (call.refer_cseq, "REFER") \
-                and resp.status is not None and resp.status >= 200:
-            _progress(call, resp.status)
+                and resp.status is not None:
+            final = call.refer_status is not None and call.refer_status >= 200
+            call.refer_status = resp.status if not final else call.refer_status
+            if resp.status >= 200 and not final:  # (a retransmitted REFER's final comes again: taken once)
+                _progress(call, resp.status)
 
     def _notify(self, req: SipMessage, source: tuple[str, int]) -> None:
         """A NOTIFY of our REFER's subscription (RFC 3515): its message/sipfrag body's status line tells how
@@ -634,7 +662,14 @@ class SipEndpoint:
         self.send_request(call, "BYE")
 
     def send_request(self, call: Call, method: str, extra: list[tuple[str, str]] | None = None) -> int:
-        """A request in the call's dialog (RFC 3261 section 12.2.1.1), sent once; its CSeq number."""
+        """A request in the call's dialog, sent once; its CSeq number."""
+        cseq, data, dest = self.request(call, method, extra)
+        self.send(data, dest)
+        return cseq
+
+    def request(self, call: Call, method: str, extra: list[tuple[str, str]] | None = None
+                ) -> tuple[int, bytes, tuple[str, int]]:
+        """A request in the call's dialog (RFC 3261 section 12.2.1.1): its CSeq number, bytes and destination."""
         call.local_cseq += 1
         host = self.advertise(call.invite)
         host = f"[{host}]" if ":" in host else host
@@ -652,5 +687,4 @@ class SipEndpoint:
             dest = uri_hostport(target)
         except SipError:
             dest = call.source
-        self.send(req.to_bytes(), dest)
-        return call.local_cseq
+        return call.local_cseq, req.to_bytes(), dest

@@ -74,8 +74,12 @@ class TwilioCall:
             if msg.get("text") is None:
                 self.drop("binary_frame", "Media Streams messages are JSON text frames")
                 continue
-            if await self.handle(msg["text"]) == "stop":
+            done = await self.handle(msg["text"])
+            if done == "stop":
                 return "caller_hangup"  # (or the call ended otherwise: a transfer's ends with our reason)
+            if done is not None:  # a stream refused at its start
+                await close_ws(self.ws, 1008, done)
+                return done
 
     async def handle(self, text: str) -> str | None:
         try:
@@ -91,7 +95,7 @@ class TwilioCall:
         if event == "connected":
             log.info("twilio websocket connected: protocol=%s version=%s", msg.get("protocol"), msg.get("version"))
         elif event == "start":
-            self.start(msg)
+            return self.start(msg)
         elif self.session is None:
             self.drop("before_start", f"{event!r} before start")
         elif event == "media":
@@ -109,20 +113,27 @@ class TwilioCall:
             self.drop("unknown_event", repr(event)[:40])
         return None
 
-    def start(self, msg: dict) -> None:
+    def start(self, msg: dict) -> str | None:
+        """The stream's start: its session opens. "wrong_account" if it is another Twilio account's than
+        `telephony.twilio_account_sid` (the stream is then refused: with an API key alone, a client could
+        otherwise name any account's callSid for end_call and transfer_call to update)."""
         if self.session is not None:
             self.drop("duplicate_start")
-            return
+            return None
         start = msg.get("start")
         sid = msg.get("streamSid") or (start.get("streamSid") if isinstance(start, dict) else None)
         if not isinstance(start, dict) or not isinstance(sid, str) or not sid:
             self.drop("bad_start", "start without start{} or streamSid")
-            return
+            return None
+        account = self.instance.config.telephony.twilio_account_sid
+        if account and start.get("accountSid") != account:
+            self.drop("wrong_account", f"accountSid {str(start.get('accountSid'))[:40]!r}")
+            return "wrong_account"
         fmt = start.get("mediaFormat") or {}
         if not isinstance(fmt, dict) or \
                 (fmt.get("encoding"), fmt.get("sampleRate"), fmt.get("channels", 1)) != ("audio/x-mulaw", RATE, 1):
             self.drop("bad_start", f"unsupported mediaFormat {fmt!r}"[:120])
-            return
+            return None
         self.stream_sid = sid
         peer = f"{self.ws.client.host}:{self.ws.client.port}" if self.ws.client else ""
         self.session = Session(self.instance, RATE, RATE, "twilio", principal=self.principal, peer=peer,
@@ -140,6 +151,7 @@ class TwilioCall:
             self.session.greet(greeting)
         log.info("twilio call=%s session=%s start: callSid=%s tracks=%s customParameters=%s", sid, self.session.id,
                  start.get("callSid"), start.get("tracks"), start.get("customParameters"))
+        return None
 
     async def _close(self, code: int, reason: str) -> None:
         """The server ended the session (a limit, shutdown, end_call, a transfer): close the socket; Twilio

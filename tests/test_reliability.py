@@ -150,7 +150,7 @@ class Service:
         """No sessions left (SIP calls set up by the fuzzer end on their own: no ACK -> BYE after 32 s)."""
         deadline = time.monotonic() + timeout
         while [s for s in self.instance.live if sip or s.transport != "sip"]:
-            assert time.monotonic() < deadline, f"sessions left open: {[s.transport for s in self.stages.live]}"
+            assert time.monotonic() < deadline, f"sessions left open: {[s.transport for s in self.instance.live]}"
             time.sleep(0.05)
 
 

@@ -9,8 +9,9 @@ that has not delivered a piece yet is WAITED); the others sit out, each forward 
 Within a priority the least served requests go first (each is charged its rows' share of the model
 time of the batches it was in), and a prompt is prefilled in chunks of about `SLICE_S` of model
 time, one chunk a round: a conversation that sends a long prompt cannot hold the model from the
-others' steps, and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under way
-when it comes: a forward of long prompts' chunks only stops when someone starts waiting
+others' steps, and a newcomer goes ahead of it; so does a request near its end (`short_rows`),
+however little the long prompts beside it have had so far. Nor does a newcomer wait for the
+chunk under way when it comes: a forward of long prompts' chunks only stops when someone starts waiting
 (`interrupt`: a new request, or the voice service's speech recognition or synthesis for a silent
 user), on kernels that can stop one (llama.cpp), and is read again after the others' turn.
 Cancelling a request (barge-in) drops it at the next round; the cache invariant in

@@ -2,10 +2,11 @@
 
     python bench/hostile_pass.py [--slowloris-s 65] [--json bench/results/hostile_pass.json]
 
-Starts its own `voice serve` (a TOML config that only sets `[lm] model = "small"`, with SIP and
-Wyoming on, call records under /tmp) and its own `engine serve --model small`, then throws
-generated inputs at every front: /ws (native), /v1/realtime, /twilio, Wyoming (TCP), SIP (UDP),
-the voice service's HTTP routes and engine serve's OpenAI API. Every input class mutates a valid
+Starts its own `voice serve` (a TOML config that sets `[lm] model = "small"` and turns capacity
+admission off, `[limits] max_load = 0`; with SIP and Wyoming on, call records under /tmp) and its
+own `engine serve --model small`, then throws generated inputs at every front: /ws (native),
+/v1/realtime, /twilio, Wyoming (TCP), SIP (UDP), the voice service's HTTP routes and engine
+serve's OpenAI API. Every input class mutates a valid
 message: each field set to each of a list of junk JSON values (wrong types, huge and endless
 numbers, NaN, lone surrogates, unicode junk, oversized strings, deep nesting), each field dropped,
 raw text that is not JSON, truncations, unknown event types, odd-length audio, oversized frames,
@@ -25,6 +26,7 @@ import asyncio
 import base64
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -582,7 +584,7 @@ async def twilio_pass(port: int) -> None:
     await _twilio_batch(t, port, before, started=False)
     t = tally("twilio", "start mutations")
     await _twilio_batch(t, port, mutations(TW_START), started=False)
-    for name, template in (("media", TW_MEDIA), ("mark", TW_MARK), ("dtmf", TW_DTMF)):
+    for name, template in (("media", TW_MEDIA), ("mark", TW_MARK)):
         t = tally("twilio", f"{name} mutations after start")
         extra: list[tuple[str, object]] = []
         if name == "media":
@@ -592,10 +594,35 @@ async def twilio_pass(port: int) -> None:
                       ("binary_frame", b"\xff" * 161), ("second_start", json.dumps(TW_START)),
                       ("chunk_superscript", json.dumps(put(TW_MEDIA, ("media", "chunk"), "\u00b2")))]
         await _twilio_batch(t, port, mutations(template) + extra, started=True)
+    # A `dtmf` whose digit is still a key is a key pressed, a caller's turn (keys are turns): junk
+    # around a valid key is counted apart from junk keys, as the turns it starts, with their audio.
+    junk_keys = mutations(TW_DTMF)
+    t = tally("twilio", "dtmf mutations after start (no key pressed)")
+    await _twilio_batch(t, port, [m for m in junk_keys if not _key_pressed(m[1])], started=True)
+    t = tally("twilio", "dtmf mutations after start that still press a key (turns)")
+    pound = ("pound ends the sequence", json.dumps(put(TW_DTMF, ("dtmf", "digit"), "#")))
+    await _twilio_batch(t, port, [m for m in junk_keys if _key_pressed(m[1])] + [pound], started=True,
+                        count=lambda label, payload, msgs: t.codes.update(
+                            "audio answer (media)" for m in msgs if _event_of(m) == "media"), late=(5.0, 20.0))
     t = tally("twilio", "stop mutations (each on its own call)", "yes when event is still 'stop' (the call ends)")
     for label, text in mutations({"event": "stop", "streamSid": "MZ1", "stop": {"accountSid": "AC1",
                                                                                 "callSid": "CA1"}})[:120]:
         await _twilio_batch(t, port, [(label, text)], started=True, stop_ok=True)
+
+
+def _key_pressed(payload) -> bool:
+    """Does the Twilio front take this message as a key pressed (`dtmf` with a digit 0-9, *, #, A-D)?"""
+    def refuse(value: str) -> float:
+        raise ValueError(value)  # NaN, Infinity and numbers out of range: the server's decoder refuses them too
+    try:
+        msg = json.loads(payload, parse_constant=refuse,
+                         parse_float=lambda v: float(v) if math.isfinite(float(v)) else refuse(v))
+    except (ValueError, TypeError, RecursionError):
+        return False
+    dtmf = msg.get("dtmf") if isinstance(msg, dict) else None
+    digit = dtmf.get("digit") if isinstance(dtmf, dict) else None
+    return msg.get("event") == "dtmf" and isinstance(digit, str) and len(digit) == 1 and \
+        digit.upper() in "0123456789*#ABCD"
 
 
 def _event_of(payload) -> object:
@@ -606,12 +633,13 @@ def _event_of(payload) -> object:
     return msg.get("event") if isinstance(msg, dict) else None
 
 
-async def _twilio_batch(t: Tally, port: int, inputs: list, started: bool, stop_ok: bool = False) -> None:
+async def _twilio_batch(t: Tally, port: int, inputs: list, started: bool, stop_ok: bool = False,
+                        count=lambda label, payload, msgs: None, late: tuple[float, float] = (0.5, 2.0)) -> None:
     ws = await ws_open(f"ws://{HOST}:{port}/twilio")
     await ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
     if started:
         await ws.send(json.dumps(TW_START))
-    closed_at = await _send_each(t, ws, inputs, lambda label, payload, msgs: None, (0.02, 0.1), (0.5, 2.0))
+    closed_at = await _send_each(t, ws, inputs, count, (0.02, 0.1), late)
     after_stop = closed_at is not None and stop_ok and _event_of(
         inputs[-1][1] if closed_at[0] == "(after the batch)" else closed_at[1]) == "stop"
     _count_closed(t, closed_at, expected=after_stop)
@@ -1240,7 +1268,9 @@ def main() -> None:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="hostile_pass_", dir="/tmp"))
     logs.mkdir(parents=True, exist_ok=True)
     cfg = logs / "voice.toml"
-    cfg.write_text('[lm]\nmodel = "small"\n')
+    # Capacity admission off: the pass opens its calls one after another, and a call refused with
+    # 503 `too_many_sessions` while the one before still answers (keys are turns) would stop it.
+    cfg.write_text('[lm]\nmodel = "small"\n\n[limits]\nmax_load = 0\n')
     ports = {"http": free_port(), "wyoming": free_port(), "engine": free_port()}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind((HOST, 0))

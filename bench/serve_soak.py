@@ -62,13 +62,19 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no RSS for process {pid}")
 
 
-def messages_for(rng: random.Random) -> list[dict]:
-    """One to three turns of varied length, so conversations touch different amounts of cache."""
+def messages_for(rng: random.Random, long_tokens: int = 0) -> list[dict]:
+    """One to three turns of varied length, so conversations touch different amounts of cache; a
+    last message of about `long_tokens` tokens of numbered facts when that is set."""
     msgs = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.5 else []
     for _ in range(rng.randint(0, 2)):
         msgs += [{"role": "user", "content": rng.choice(PROMPTS)},
                  {"role": "assistant", "content": "Sure. " + rng.choice(PROMPTS)}]
-    return msgs + [{"role": "user", "content": rng.choice(PROMPTS)}]
+    last = rng.choice(PROMPTS)
+    if long_tokens:  # ~19 tokens a fact; a different set each time, so no cached prefix is reused
+        first = rng.randrange(10_000)
+        last = " ".join(f"Fact {first + i}: box {i} holds {i * 7 % 100} marbles." for i in range(long_tokens // 19)) \
+            + " " + last
+    return msgs + [{"role": "user", "content": last}]
 
 
 def start_server(a, port: int, log_path: Path) -> subprocess.Popen:
@@ -102,8 +108,9 @@ async def soak(a, base_url: str, pid: int) -> list[dict]:
     client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = (await client.models.list()).data[0].id
     rng = random.Random(a.seed)
-    plans = [(messages_for(rng), rng.random() < a.cancel_fraction, rng.randint(1, a.cancel_after_max))
-             for _ in range(a.requests)]
+    long_rng = random.Random(a.seed + 1)  # (the plan of short prompts stays as without --long-fraction)
+    plans = [(messages_for(rng, a.long_tokens if long_rng.random() < a.long_fraction else 0),
+              rng.random() < a.cancel_fraction, rng.randint(1, a.cancel_after_max)) for _ in range(a.requests)]
     gate = asyncio.Semaphore(a.concurrency)
     samples: list[dict] = []
 
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
                    help="share of requests cancelled mid-stream (default 0.5)")
     p.add_argument("--cancel-after-max", type=int, default=6,
                    help="a cancelled request is closed after 1..N chunks (default 6)")
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="fraction of requests whose last message is about --long-tokens tokens (default 0)")
+    p.add_argument("--long-tokens", type=int, default=1500, help="a long message's tokens (default 1500)")
     p.add_argument("--warmup", type=int, default=20, help="requests before the baseline sample (default 20)")
     p.add_argument("--every", type=int, default=20, help="print the RSS every N requests (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request plan (prompts, which to cancel, when)")

@@ -617,8 +617,8 @@ def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
     now = time.monotonic()
 
-    def request(used_s: float, rows: int, waited_s: float) -> SimpleNamespace:
-        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s,
+    def request(used_s: float, rows: int, waited_s: float, left: int = 10_000) -> SimpleNamespace:
+        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s, rows_left=lambda: left,
                                forward=SimpleNamespace(clean=[1] * rows, draft=[]))
 
     newcomer, step, chunk = request(0.0, 1, 0.0), request(5.0, 1, 0.5), request(5.0, 16, 0.5)

@@ -60,11 +60,9 @@ class Admission:
         shares = sum(1 for r in active if not r.warm and not r.cancelled)
         now = time.perf_counter()
         for request in sorted(active, key=lambda r: r.start, reverse=True):
-            reply, state = request.reply, request.conversation.state
-            if request.warm or request.probe is not None or request.cancelled or reply is None or \
-                    reply.first is not None or state is None:
+            if request.warm or request.probe is not None or request.cancelled:
                 continue
-            left = reply.prefilled - (len(state.ids) - (reply.prompt_tokens - reply.prefilled))
+            left = request.prompt_left()
             waited, needs = now - request.start, left * token_s * shares
             if left <= 0 or waited + needs <= self.max_prefill_s:
                 continue

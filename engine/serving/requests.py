@@ -104,6 +104,19 @@ class Request:
     used_s: float = 0.0  # model time its forwards took so far: the least served go first
     cancelled: bool = False
 
+    def prompt_left(self) -> int:
+        """Prompt tokens not read into the cache yet (0 once the reply has begun)."""
+        reply, state = self.reply, self.conversation.state
+        if reply is None or state is None or reply.first is not None:
+            return 0
+        return max(0, reply.prefilled - (len(state.ids) - (reply.prompt_tokens - reply.prefilled)))
+
+    def rows_left(self) -> int:
+        """The most rows of model work the request still needs: its prompt's tokens not read yet
+        and its reply's tokens not decoded yet (`max_new_tokens` at most)."""
+        decoded = len(self.reply.ids) if self.reply is not None else 0
+        return self.prompt_left() + max(0, self.cfg.max_new_tokens - decoded)
+
     def level(self) -> int:
         if self.warm:
             return BACKGROUND

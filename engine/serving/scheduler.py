@@ -9,8 +9,9 @@ that has not delivered a piece yet is WAITED); the others sit out, each forward 
 Within a priority the least served requests go first (each is charged its rows' share of the model
 time of the batches it was in), and a prompt is prefilled in chunks of about `SLICE_S` of model
 time, one chunk a round: a conversation that sends a long prompt cannot hold the model from the
-others' steps, and a newcomer goes ahead of it. Nor does a newcomer wait for the chunk under way
-when it comes: a forward of long prompts' chunks only stops when someone starts waiting
+others' steps, and a newcomer goes ahead of it; so does a request near its end (`short_rows`),
+however little the long prompts beside it have had so far. Nor does a newcomer wait for the
+chunk under way when it comes: a forward of long prompts' chunks only stops when someone starts waiting
 (`interrupt`: a new request, or the voice service's speech recognition or synthesis for a silent
 user), on kernels that can stop one (llama.cpp), and is read again after the others' turn.
 Cancelling a request (barge-in) drops it at the next round; the cache invariant in
@@ -196,33 +197,57 @@ class Scheduler:
         prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
         newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
         and as many times again as such chunks sit out together: with six long prompts one of them
-        was due every round, and each of a newcomer's steps took a slice longer)."""
+        was due every round, and each of a newcomer's steps took a slice longer). A request near
+        its end (`short_rows`) counts as least served, and the chunks of longer requests sit out
+        behind it: least served alone did not tell an 8-token request from six long prompts that
+        had had as little as it (each went between its two chunks and joined each of its steps)."""
         levels = [request.level() for request in ready]
         top, now = max(levels, default=NORMAL), time.monotonic()
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
         yielding = self.yield_to()
-        behind_chunks = sum(1 for r, level in zip(ready, levels)
-                            if level == top > BACKGROUND and _chunk(r) and r.used_s > least + SLICE_S)
+        near = {id(r) for r, level in zip(ready, levels)
+                if level == top > BACKGROUND and r.rows_left() <= self.short_rows}
 
-        def due(request: Request, level: int) -> bool:
+        def front(request: Request, level: int) -> bool:
+            if level != top or top == BACKGROUND:
+                return False
+            if id(request) in near:
+                return True
+            return request.used_s <= least + SLICE_S and not (near and _chunk(request))
+        fronts = [front(r, level) for r, level in zip(ready, levels)]
+        behind_chunks = sum(1 for r, level, f in zip(ready, levels, fronts) if level == top > BACKGROUND
+                            and _chunk(r) and not f)
+
+        def due(request: Request, level: int, first: bool) -> bool:
             waited, patient = now - request.ready_since, self.max_defer_s * PREFILL_DEFER
             if yielding and _long_prompt(request) and waited < patient:
                 return False
-            if level == top > BACKGROUND and request.used_s <= least + SLICE_S:
+            if first:
                 return True
             behind = level == top > BACKGROUND and _chunk(request)
             return waited >= (patient * max(1, behind_chunks) if behind else self.max_defer_s)
-        chosen = [request for request, level in zip(ready, levels) if due(request, level)]
+        chosen = [r for r, level, f in zip(ready, levels, fronts) if due(r, level, f)]
         # One prompt chunk a round: a round is then at most a slice longer than its steps, and a
         # reply that arrives meanwhile waits for at most that. First one deferred long enough (the
-        # one that has waited longest), else the least served's: a newcomer's prompt goes ahead of
-        # long prompts that have had less than a slice each so far (six sent 2 s before an 8-token
-        # request each went first, a chunk of seconds on a loaded machine).
-        def order(r: Request) -> tuple[bool, float, float]:
-            front = r.used_s <= least + SLICE_S
-            return front, r.used_s if front else 0.0, r.ready_since
+        # one that has waited longest), else the one nearest its end, else the least served's: a
+        # newcomer's prompt goes ahead of long prompts that have had less than a slice each so far
+        # (six sent 2 s before an 8-token request each went first, a chunk of seconds on a loaded
+        # machine).
+        front_of = {id(r): f for r, f in zip(ready, fronts)}
+
+        def order(r: Request) -> tuple[bool, int, float, float]:
+            if not front_of[id(r)]:
+                return False, 0, 0.0, r.ready_since
+            return True, r.rows_left() if id(r) in near else self.short_rows + 1, r.used_s, r.ready_since
         chunks = sorted((r for r in chosen if _chunk(r)), key=order)
         return [r for r in chosen if not _chunk(r)] + chunks[:1]
+
+    @property
+    def short_rows(self) -> int:
+        """A request with at most this many rows of work left (its prompt's unread tokens and its
+        reply's tokens) is near its end: `ALONE_SLICES` prefill chunks' worth (an 8-token reply to
+        a one-line question is; a ~1,700-token prompt is not)."""
+        return ALONE_SLICES * self.prefill_chunk
 
     def admit(self, request: Request, active: list[Request], queued: bool = False) -> None:
         """Start the request beside `active`; or, on a shared KV cache without room for it now, queue

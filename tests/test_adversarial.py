@@ -556,7 +556,12 @@ def test_ctrl_c_stops_engine_serve_without_a_traceback():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     engine = Path(sys.executable).parent / "engine"
-    proc = subprocess.Popen([str(engine), "serve", "--model", "small", "--port", str(port)],
+    # As from a terminal: Ctrl-C not ignored. A suite started in the background of a shell without job control
+    # (`nohup ./dev test &`) has SIGINT ignored, its children inherit that, uvicorn's re-raise is then ignored
+    # too and the server exits 0, not 130; so SIGINT is set back to its default before `engine` is exec'd.
+    command = [str(engine), "serve", "--model", "small", "--port", str(port)]
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+                             "signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

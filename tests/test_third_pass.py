@@ -354,6 +354,42 @@ def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):
     assert not eng.scheduler.queued
 
 
+def test_a_short_request_with_room_goes_ahead_of_a_long_one_waiting_for_room(smol):
+    """Six 1,609-token prompts on the 1.5B (8,192 cells): five fit, the sixth waited for room, and an 8-token
+    request sent beside them, which fitted, waited behind it, first come first served, for 147 s (237x alone).
+    A short request (prompt and reply within `short_rows`) with room now goes ahead of those waiting."""
+    import asyncio
+
+    from engine.decode import DecodeConfig
+    from engine.stream import Engine
+    eng = Engine(smol, max_seq_len=512)
+    long_cfg, short_cfg = DecodeConfig(mode="ar", max_new_tokens=6), DecodeConfig(mode="ar", max_new_tokens=2)
+    filler = " ".join(["apples pears plums"] * 60)
+    longs = [[{"role": "user", "content": f"Name {n} fruits from this list: {filler}"}] for n in (2, 3, 4)]
+    short = [{"role": "user", "content": "Hi."}]
+    need = max(len(eng.prompt_ids(p)) for p in longs) + long_cfg.max_new_tokens
+    short_need = len(eng.prompt_ids(short)) + short_cfg.max_new_tokens
+    assert short_need <= eng.scheduler.short_rows < need  # what the test is about
+    eng.admission.kv_tokens = 2 * need + short_need  # two long ones and the short one
+    events: list[tuple[str, str]] = []
+
+    async def reply(name: str, messages: list[dict], cfg: DecodeConfig, after: float = 0.0):
+        await asyncio.sleep(after)
+        async for _ in eng.stream(messages, cfg):
+            events.append(("piece", name))
+        events.append(("done", name))
+
+    async def main():
+        await asyncio.gather(*(reply(f"long{n}", longs[n], long_cfg) for n in range(3)),
+                             reply("short", short, short_cfg, after=0.05))
+
+    asyncio.run(main())
+    first_done = min(events.index(("done", "long0")), events.index(("done", "long1")))
+    assert events.index(("done", "short")) < first_done, events  # it did not wait for a long one to end
+    assert sorted(n for kind, n in events if kind == "done") == ["long0", "long1", "long2", "short"]
+    assert not eng.scheduler.queued
+
+
 def test_kept_conversations_give_up_their_caches_least_recently_used_first():
     from engine.api.server import PrefixCaches
     from engine.decode import CacheState

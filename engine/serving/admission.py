@@ -81,12 +81,21 @@ class Admission:
             return True
         running = sum(r.reply.prompt_tokens + r.cfg.max_new_tokens for r in active
                       if r.reply is not None and r.probe is None and r.conversation is not request.conversation)
-        try:
-            prompt = self.prompt_ids(request.messages, request.tools)
-        except Exception:  # noqa: BLE001 - the request's planning meets it again and hands it to the request
+        needs = self.tokens(request)
+        if needs is None:
             return True
-        left = self.kv_tokens - running - len(prompt) - request.cfg.max_new_tokens
+        left = self.kv_tokens - running - needs
         if left < 0:
             return False
         self.release_idle(left)
         return True
+
+    def tokens(self, request: Request) -> int | None:
+        """The cache cells the request's prompt and reply take at most (None: its prompt cannot be built;
+        its planning meets that again and hands it to the request). Counted once per request."""
+        if request.needs is None:
+            try:
+                request.needs = len(self.prompt_ids(request.messages, request.tools)) + request.cfg.max_new_tokens
+            except Exception:  # noqa: BLE001 - see above
+                return None
+        return request.needs

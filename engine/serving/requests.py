@@ -103,6 +103,7 @@ class Request:
     ready_since: float = 0.0  # when `forward` was planned (monotonic)
     used_s: float = 0.0  # model time its forwards took so far: the least served go first
     cancelled: bool = False
+    needs: int | None = None  # its prompt's and reply's tokens, once counted (Admission.tokens)
 
     def prompt_left(self) -> int:
         """Prompt tokens not read into the cache yet (0 once the reply has begun)."""

@@ -312,6 +312,18 @@ def raw_notify(phone: RawPhone, status: str, final: bool = False, event: str = "
         "Content-Type: message/sipfrag", f"Content-Length: {len(body)}", "", body]).encode())
 
 
+def accepted(refer) -> bytes:
+    """The phone's 202 Accepted to our REFER (RFC 3515)."""
+    echoed = [f"{name}: {refer.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
+    return "\r\n".join(["SIP/2.0 202 Accepted", *echoed, "Content-Length: 0", "", ""]).encode()
+
+
+def caller_hangs_up(phone: RawPhone) -> None:
+    phone.request("BYE")
+    while phone.recv().status != 200:
+        pass
+
+
 def test_stray_and_flooded_notifies_change_nothing(service):
     """A NOTIFY outside a transfer is 481 and the call goes on; during one, NOTIFYs of progress are taken
     and change nothing, and a final 486 in one fails the transfer: the caller stays. (Finals are queued,
@@ -327,8 +339,7 @@ def test_stray_and_flooded_notifies_change_nothing(service):
         while (refer := phone.recv(10)).method != "REFER":
             assert refer.status == 200, refer
         assert refer.h("refer-to") == "<sip:+14155550100@127.0.0.1>", refer.h("refer-to")
-        phone.send_raw("\r\n".join(["SIP/2.0 202 Accepted", *(f"{n}: {refer.h(n)}" for n in ("via", "from", "to",
-                                     "call-id", "cseq")), "Content-Length: 0", "", ""]).encode())
+        phone.send_raw(accepted(refer))
         for _ in range(50):
             raw_notify(phone, "180 Ringing")
         assert [phone.recv().status for _ in range(50)] == [200] * 50
@@ -337,9 +348,7 @@ def test_stray_and_flooded_notifies_change_nothing(service):
         wait_until(lambda: service.lm.asked and "SIP 486" in told(service), 10, "the LM to be told")
         record = next(r for r in calls.find("sip") if r.id == phone.call_id)
         assert not record.ended and not record.counters["transfers"]
-        phone.request("BYE")
-        while phone.recv().status != 200:
-            pass
+        caller_hangs_up(phone)
     finally:
         phone.close()
     wait_until(lambda: record.ended, 10, "the call to end")
@@ -367,11 +376,8 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
         same = [(m.start, m.headers, m.body) for m in (first, second, refer)]
         assert same[0] == same[1] == same[2]  # the same request: its branch and CSeq too
         assert 0.35 < t1 - t0 < 0.9 and 0.8 < t2 - t1 < 1.5, (t1 - t0, t2 - t1)
-        accepted = "\r\n".join(["SIP/2.0 202 Accepted", *(f"{n}: {refer.h(n)}" for n in ("via", "from", "to",
-                                                                                        "call-id", "cseq")),
-                                 "Content-Length: 0", "", ""]).encode()
-        phone.send_raw(accepted)
-        phone.send_raw(accepted)
+        phone.send_raw(accepted(refer))
+        phone.send_raw(accepted(refer))
         assert phone.nothing(1.2), "a REFER answered is not sent again"
         raw_notify(phone, "200 OK", final=True)
         assert phone.recv().status == 200
@@ -400,9 +406,7 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
         # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
         assert record.counters["refer_retransmits"] == 10, record.counters
         assert not record.ended
-        phone.request("BYE")
-        while phone.recv().status != 200:
-            pass
+        caller_hangs_up(phone)
     finally:
         phone.close()
     wait_until(lambda: record.ended, 10, "the call to end")

@@ -198,14 +198,10 @@ def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
         assert [m for m in c.events("reply") if m["turn"] == 1]
 
 
-@pytest.mark.parametrize("voice_after_ms", [800, 0])
-def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(voice_after_ms):
-    """`turn.voice_after_ms`: "Ten of clubs." reads finished (no hold), so without it a fast reply is heard
-    inside the pause; with it nothing of the reply is voiced before the user goes on, and they are answered once.
-    (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
-    60 ms later: 800 ms leaves the wall clock some room.)"""
-    config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms})
-    instance = fake_instance(config, FakeWhisper("Ten of clubs."), lm=FakeLM(blocks=("Done.",)))
+def talk_with_a_pause(config, heard: str) -> Client:
+    """Two recordings 0.6 s apart (the 400 ms hangover ends the first turn), every utterance heard as `heard` and
+    answered "Done." at once; until the second turn's reply is done."""
+    instance = fake_instance(config, FakeWhisper(heard), lm=FakeLM(blocks=("Done.",)))
     with LiveServer(config, instance) as srv:
         async def scenario():
             c = await Client.open(srv.ws + "/ws")
@@ -214,7 +210,17 @@ def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(vo
             await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
             await c.shut()
             return c
-        c = asyncio.run(scenario())
+        return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("voice_after_ms", [800, 0])
+def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(voice_after_ms):
+    """`turn.voice_after_ms`: "Ten of clubs." reads finished (no hold), so without it a fast reply is heard
+    inside the pause; with it nothing of the reply is voiced before the user goes on, and they are answered once.
+    (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
+    60 ms later: 800 ms leaves the wall clock some room.)"""
+    c = talk_with_a_pause(make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms}),
+                          "Ten of clubs.")
     started = c.events("speech_started")
     assert len(started) == 2  # the pause ended turn 1
     in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
@@ -229,17 +235,8 @@ def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     its first audio waits for a second of silence, the user resumes first, and it is dropped unheard:
     one answer, to the whole utterance. Without the hold (0, the service before) the first reply's
     audio reached the client in the pause and was cut."""
-    config = make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms})
-    instance = fake_instance(config, FakeWhisper("set a timer for"), lm=FakeLM(blocks=("Done.",)))
-    with LiveServer(config, instance) as srv:
-        async def scenario():
-            c = await Client.open(srv.ws + "/ws")
-            c.listen(speed=1.0)
-            c.say(speech("001.wav") + silence(0.6) + speech("002.wav") + silence(1.5))
-            await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
-            await c.shut()
-            return c
-        c = asyncio.run(scenario())
+    c = talk_with_a_pause(make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms}),
+                          "set a timer for")
     started = c.events("speech_started")
     assert len(started) == 2  # the pause ended turn 1
     in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]

@@ -416,15 +416,21 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
 # --- Twilio: the media stream and the REST stand-in ------------------------------------------------------
 
 
+async def pressing(ws, sid: str, keys: str) -> FakeTwilio:
+    """A Twilio media stream started on `ws` that presses `keys`."""
+    twilio = FakeTwilio(ws, sid)
+    await twilio.start()
+    await asyncio.sleep(0.1)
+    for key in keys:
+        await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+    return twilio
+
+
 def twilio_call(service, sid: str, ended: bool = True):
     """A Twilio stream presses 1 #; the record, and what the client received, once the server closed it."""
     async def call():
         async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
-            twilio = FakeTwilio(ws, sid)
-            await twilio.start()
-            await asyncio.sleep(0.1)
-            for key in "1#":
-                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            twilio = await pressing(ws, sid, "1#")
             if ended:
                 await asyncio.wait_for(twilio.tasks[0], 20)  # the server closes the stream
             else:
@@ -492,11 +498,7 @@ def keypad_call(service, sid: str, keys: str):
     the record once the caller hung up."""
     async def call():
         async with websockets.connect(f"ws://127.0.0.1:{service.port}/twilio", open_timeout=30) as ws:
-            twilio = FakeTwilio(ws, sid)
-            await twilio.start()
-            await asyncio.sleep(0.1)
-            for key in "1#":
-                await twilio.send("dtmf", dtmf={"track": "inbound_track", "digit": key})
+            twilio = await pressing(ws, sid, "1#")
             await twilio.wait(lambda: len(twilio.events("media")) > 20, 10)  # the prompt is being said
             service.lm.tool_calls = []
             for key in keys:

@@ -198,9 +198,10 @@ def test_room_talk_inside_resume_ms_does_not_drop_the_unheard_reply(goes_on):
         assert [m for m in c.events("reply") if m["turn"] == 1]
 
 
-def talk_with_a_pause(config, heard: str) -> Client:
+def talk_with_a_pause(config, heard: str) -> tuple[Client, list[dict], list, list[int]]:
     """Two recordings 0.6 s apart (the 400 ms hangover ends the first turn), every utterance heard as `heard` and
-    answered "Done." at once; until the second turn's reply is done."""
+    answered "Done." at once; until the second turn's reply is done. The client, its two speech_started, what of
+    a reply reached it in the pause (audio, text), and the turns answered without interruption."""
     instance = fake_instance(config, FakeWhisper(heard), lm=FakeLM(blocks=("Done.",)))
     with LiveServer(config, instance) as srv:
         async def scenario():
@@ -210,7 +211,11 @@ def talk_with_a_pause(config, heard: str) -> Client:
             await c.wait(lambda m: m["type"] == "reply_done" and m["turn"] == 2, timeout=30)
             await c.shut()
             return c
-        return asyncio.run(scenario())
+        c = asyncio.run(scenario())
+    started = c.events("speech_started")
+    assert len(started) == 2  # the pause ended turn 1
+    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
+    return c, started, in_pause, [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
 
 
 @pytest.mark.parametrize("voice_after_ms", [800, 0])
@@ -219,12 +224,8 @@ def test_a_reply_voiced_no_sooner_than_voice_after_ms_is_not_heard_in_a_pause(vo
     inside the pause; with it nothing of the reply is voiced before the user goes on, and they are answered once.
     (0.6 s of silence between these recordings is 0.64 s between their voiced frames, speech starting again
     60 ms later: 800 ms leaves the wall clock some room.)"""
-    c = talk_with_a_pause(make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms}),
-                          "Ten of clubs.")
-    started = c.events("speech_started")
-    assert len(started) == 2  # the pause ended turn 1
-    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
-    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    c, started, in_pause, answered = talk_with_a_pause(
+        make_config(turn={"policy": "fixed", "resume_ms": 3000, "voice_after_ms": voice_after_ms}), "Ten of clubs.")
     assert (not in_pause and answered == [2]) == bool(voice_after_ms), c.events()
 
 
@@ -235,12 +236,8 @@ def test_a_reply_to_words_that_trail_off_is_not_voiced_in_a_pause(hold_ms):
     its first audio waits for a second of silence, the user resumes first, and it is dropped unheard:
     one answer, to the whole utterance. Without the hold (0, the service before) the first reply's
     audio reached the client in the pause and was cut."""
-    c = talk_with_a_pause(make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms}),
-                          "set a timer for")
-    started = c.events("speech_started")
-    assert len(started) == 2  # the pause ended turn 1
-    in_pause = [m for m in c.log[:c.log.index(started[1])] if isinstance(m, bytes) or m["type"] == "reply"]
-    answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
+    c, started, in_pause, answered = talk_with_a_pause(
+        make_config(turn={"policy": "fixed", "resume_ms": 3000, "hold_ms": hold_ms}), "set a timer for")
     if hold_ms:  # nothing of the reply (audio, text) in the pause; turn 2 resumes turn 1; one answer
         assert not in_pause and started[1].get("resumes") == 1 and answered == [2], c.events()
     else:  # the reply to the half sentence was heard in the pause (so turn 2 did not resume it) and cut

@@ -349,10 +349,9 @@ def words(text: str) -> list[str]:
 @pytest.mark.parametrize("pause_s", [0.2, 0.6, 1.0, 1.5])
 def test_a_pause_mid_sentence_loses_no_word(real_instance, pause_s, policy):
     """A real recording with a pause inserted between two words mid-sentence, streamed in real time
-    over /ws: with the combined policy, below its ceiling, one final transcript with the words of
-    both halves; past it, and with the fixed 400 ms hangover (the default), turns whose transcripts
-    together hold every word (a resumed utterance's final holds both halves); one reply either way,
-    to the last turn."""
+    over /ws, with either policy: every word reaches a final; below 1 s (before a reply is heard) one
+    final, or turns each resuming the one before, the last holding both halves; one reply, to the last
+    turn."""
     from voice.audio import float_to_pcm16, pcm16_to_float
     from voice.evals.eot_eval import boundary_s, with_pause
     config = make_config(lm={"max_new_tokens": 24}, turn={"policy": policy})
@@ -376,8 +375,11 @@ def test_a_pause_mid_sentence_loses_no_word(real_instance, pause_s, policy):
     assert finals, c.events()
     heard = {w for m in finals for w in words(m["text"])}
     assert {"feels", "days", "go", "forever"} <= heard, finals  # every word of both halves reached a final
-    if policy == "combined" and pause_s < 1.0:  # within the policy's ceiling: no cut-off at all
-        assert len(finals) == 1, finals
+    if pause_s < 1.0:  # the user goes on before any reply is heard: a cut, if any, is resumed
+        # The combined policy hears this pause as an end (Smart Turn 0.94, the LM 0.60 for "Feels like these
+        # days."): whether it holds depends on whether its verdict (150-480 ms) comes before the user goes on.
+        assert {"feels", "days", "go", "forever"} <= set(words(finals[-1]["text"])), finals
+        assert [m.get("resumes", 0) for m in finals] == list(range(len(finals))), finals
     answered = [m["turn"] for m in c.events("reply_done") if not m["interrupted"]]
     assert answered == [finals[-1]["turn"]], c.events("reply_done")  # one reply, to the whole utterance
 

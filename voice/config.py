@@ -78,6 +78,9 @@ class TurnConfig:
     # (LM and TTS) as any, but its first audio waits until the user has been quiet this long: if they go
     # on meanwhile (a pause mid-sentence), it is dropped unheard and their turn resumes (0: never held)
     hold_ms: int = 1000
+    # (a list not closed only when Smart Turn does not hear it finished), and a reply to words that only lack an
+    # end mark ("7 of clubs": Whisper writes complete clips that way as often as cut ones) this long, at most hold_ms
+    hold_unmarked_ms: int = 650
     # Any spoken reply the user may still resume is voiced no sooner than this much silence after their last
     # word (0: as soon as it is ready): a 0.6 s pause mid-sentence is 0.46-0.56 s of silence, so 650 keeps it
     # whole whatever the words (`voice eot-eval`), but on a machine that answers sooner every reply waits
@@ -99,6 +102,8 @@ class TurnConfig:
             raise ValueError(f"turn.barge_in_ms must not be negative, got {self.barge_in_ms}")
         if self.hold_ms < 0:
             raise ValueError(f"turn.hold_ms must not be negative, got {self.hold_ms}")
+        if self.hold_unmarked_ms < 0:
+            raise ValueError(f"turn.hold_unmarked_ms must not be negative, got {self.hold_unmarked_ms}")
         if self.voice_after_ms < 0:
             raise ValueError(f"turn.voice_after_ms must not be negative, got {self.voice_after_ms}")
 

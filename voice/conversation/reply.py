@@ -24,14 +24,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from prometheus_client import Counter
 
 from voice.pipeline.asr import backchannel, echoes, goes_on, has_words
 from voice.conversation.calllog import CallLog
 from voice.config import Config
-from voice.pipeline.endofturn import trails_off
+from voice.pipeline.endofturn import EndOfTurn, hold_for, unfinished
 from voice.events import (Announcement, AudioSent, Clear, Error, Event, ReplyDone, ReplyText, ToolCall, ToolResult,
                           TtsAudio, Work)
 from voice.conversation.faults import StageFailure, blocks_within, synthesis_within
@@ -43,6 +43,9 @@ from voice.service.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due, Scheduler
 from voice.pipeline.tools import Timers, Toolbox, ToolRun, with_results
 from voice.pipeline.tts import PhraseSplitter, SpeechSynthesizer
 from voice.conversation.turns import TurnTaker
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class Send(Protocol):
@@ -77,6 +80,8 @@ class Reply:
     announcement: bool = False  # not a reply to a turn (a timer speaking up): no latency, no record
     superseded: bool = False  # the user resumed before hearing it: the next turn's transcript holds this one's
     hold_s: float = 0.0  # its first audio waits for this much silence after the user's last word (Floor.voiced)
+    unfinished: str | None = None  # why the words it answers may be unfinished (endofturn.unfinished), if spoken
+    sounds_finished: asyncio.Future[float | None] | None = None  # a list's: Smart Turn on the utterance (Floor.voiced)
     # Set once the user's turn is over and the final transcript is out: until then nothing of a
     # speculative reply reaches the client, the history or the records.
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -401,9 +406,12 @@ class Floor:
     replies it runs as tasks send theirs as they go."""
 
     def __init__(self, name: str, turns: TurnTaker, history: History, outbox: Outbox, call_log: CallLog,
-                 scheduler: Scheduler, send: Send, fault: Callable[[StageFailure], None], barge_ins: Counter):
+                 scheduler: Scheduler, send: Send, fault: Callable[[StageFailure], None], barge_ins: Counter,
+                 end_of_turn: EndOfTurn | None = None):
+        """`end_of_turn`: the session's policy, whose Smart Turn hears whether a list said is finished (`voiced`)."""
         self.name, self.turns, self.history, self.outbox, self.call_log = name, turns, history, outbox, call_log
         self.scheduler, self.send, self.fault, self.barge_ins = scheduler, send, fault, barge_ins
+        self.end_of_turn = end_of_turn
         self.replies: ReplyRunner  # the session's, whose sink this is: set once both are built
         self.reply: Reply | None = None
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
@@ -423,7 +431,13 @@ class Floor:
         self._resume_decided()
         turn_config = self.turns.config.turn
         if spoken:
-            reply.hold_s = max(turn_config.hold_ms if trails_off(user_text) else 0, turn_config.voice_after_ms) / 1000
+            reply.unfinished = unfinished(user_text)
+            # (a list's hold, until Smart Turn is heard in `voiced`, is the longest; it hears it beside the reply)
+            hold_ms = hold_for(reply.unfinished, None, turn_config.hold_ms, turn_config.hold_unmarked_ms)
+            reply.hold_s = max(hold_ms, turn_config.voice_after_ms) / 1000
+            audio = self._utterance(turn)
+            if reply.unfinished == "open_list" and self.end_of_turn is not None and audio is not None:
+                reply.sounds_finished = asyncio.ensure_future(self.end_of_turn.sounds_finished(audio))
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply
 
@@ -643,8 +657,10 @@ class Floor:
         self.scheduler.stop_waiting(self.name)
 
     async def voiced(self, reply: Reply) -> None:
-        """Until `reply` may be heard: released (the user's turn is over) and, if their words trail off
-        (`Reply.hold_s`: "Set a timer for."), until they have been quiet `turn.hold_ms` (any reply:
+        """Until `reply` may be heard: released (the user's turn is over) and, if their words may be unfinished
+        (`Reply.hold_s`: "Set a timer for.", `endofturn.hold_for`), until they have been quiet `turn.hold_ms`
+        (`turn.hold_unmarked_ms` for words that only lack an end mark; a list only if Smart Turn does not hear it
+        finished; any reply:
         `turn.voice_after_ms`, if set). A pause mid-sentence
         ends the turn at the VAD's hangover; if the user goes on within the hold, their turn resumes
         (`speech_started`) and this reply, prepared, is dropped unheard once that is the user. While a turn
@@ -658,6 +674,9 @@ class Floor:
             reply.hold_s = 0.0
             await self._undecided(reply)
             return
+        if reply.sounds_finished is not None:
+            await self._hear_the_list(reply, reply.sounds_finished)
+            reply.sounds_finished = None
         delay = self.turns.last_word_at + reply.hold_s - time.monotonic()
         if delay > 0:
             reply.did("held")
@@ -668,6 +687,28 @@ class Floor:
                              self.name, reply.turn, (time.monotonic() - self.turns.last_word_at) * 1000,
                              max(delay, 0) * 1000)
         await self._undecided(reply)
+
+    def _utterance(self, turn: int) -> np.ndarray | None:
+        """The audio of `turn`'s utterance so far, its silence included (None: not at hand)."""
+        last = self.turns.last_utterance
+        if last is not None and last[2] == turn:
+            return last[0]
+        audio = self.turns.transcriber.audio() if turn == self.turns.turn else None
+        return audio if audio is not None and len(audio) else None
+
+    async def _hear_the_list(self, reply: Reply, sounds_finished: asyncio.Future[float | None]) -> None:
+        """A list not closed ("Eight of spades, four of clubs, seven of hearts."): its hold stands only if Smart
+        Turn does not hear the utterance as finished (`endofturn.hold_for`)."""
+        try:
+            heard = await sounds_finished
+        except Exception as err:  # noqa: BLE001 - the hold stands, as it did without the model
+            session_log.warning("session=%s turn=%d Smart Turn failed on a list: %r", self.name, reply.turn, err)
+            return
+        config = self.turns.config.turn
+        hold_ms = hold_for(reply.unfinished, heard, config.hold_ms, config.hold_unmarked_ms)
+        reply.hold_s = max(hold_ms, config.voice_after_ms) / 1000
+        session_log.info("session=%s turn=%d a list Smart Turn hears %s finished: held %d ms", self.name, reply.turn,
+                         "-" if heard is None else f"{heard:.2f}", hold_ms)
 
     async def _undecided(self, reply: Reply) -> None:
         """Until no turn that may be the user going on with `reply`'s utterance is undecided."""

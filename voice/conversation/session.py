@@ -73,7 +73,7 @@ class Session:
         self.judge_task: asyncio.Task | None = None  # the end-of-turn policy deciding about the current pause
         # the assistant's side: the reply being made or heard (voice/conversation/reply.py)
         self.floor = Floor(self.id, self.turns, self.history, self.outbox, self.call_log, instance.scheduler, self.emit,
-                           instance.fault, instance.metrics.barge_ins)
+                           instance.fault, instance.metrics.barge_ins, self.end_of_turn)
         self.timers = Timers(self._announce, instance.tools.zone)
         self.replies = self.floor.replies = ReplyRunner(
             cfg, oneshot.NoChat() if requests else instance.lm.chat(), instance.synthesizer, out_rate, lm_mode,

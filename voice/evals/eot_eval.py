@@ -40,7 +40,7 @@ import numpy as np
 
 from voice.audio import read_wav, resample, ulaw_decode, ulaw_encode
 from voice.config import Config, VadConfig
-from voice.pipeline.endofturn import EndOfTurn, SmartTurn, reads_finished, trails_off, wait_for
+from voice.pipeline.endofturn import EndOfTurn, SmartTurn, hold_for, reads_finished, unfinished, wait_for
 
 if TYPE_CHECKING:
     from faster_whisper import WhisperModel
@@ -306,11 +306,14 @@ class Policy:
     threshold: float = 0.5
     hangover_ms: int = 400  # fixed only
     hold_ms: int = 0  # `turn.hold_ms`: a reply to words that trail off is voiced after this much silence
+    hold_unmarked_ms: int = 0  # `turn.hold_unmarked_ms`: ... to words that only lack an end mark, after this much
     voice_after_ms: int = 0  # `turn.voice_after_ms`: any reply is voiced after this much silence at the soonest
 
     @property
     def label(self) -> str:
         hold = f" + hold {self.hold_ms} ms" if self.hold_ms else ""
+        if self.hold_ms and self.hold_unmarked_ms < self.hold_ms:
+            hold += f" (no end mark {self.hold_unmarked_ms} ms)"
         return self.name + hold + (f" + voice after {self.voice_after_ms} ms" if self.voice_after_ms else "")
 
 
@@ -326,9 +329,10 @@ class Outcome:
 
 def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int, start_ms: int = 60) -> Outcome:
     """When `policy` ends the turn, on the signals recorded for the item. With a hold (`Policy.hold_ms`), a
-    turn ended in a pause whose transcript trails off is no cut-off if the user resumes (`start_ms` of voice)
-    before the hold is over: its reply, prepared, is dropped unheard (voice/conversation/reply.py's Floor.voiced). The
-    transcript is the one taken at `min_silence_ms` (the service's early final comes at `asr.early_final_ms`)."""
+    turn ended in a pause whose transcript may be unfinished (`endofturn.hold_for`, with the Smart Turn recorded)
+    is no cut-off if the user resumes (`start_ms` of voice) before the hold is over: its reply, prepared, is
+    dropped unheard (voice/conversation/reply.py's Floor.voiced). The transcript is the one taken at
+    `min_silence_ms` (the service's early final comes at `asr.early_final_ms`)."""
     asks = {a.silence_start_s: a for a in record.asks}
     held = 0
     for n, (begin, length) in enumerate(record.silences):
@@ -345,8 +349,9 @@ def outcome(policy: Policy, record: Record, min_silence_ms: int, ceiling_ms: int
                                                                      min_silence_ms, ceiling_ms)
             spent = _spent(policy, ask) if wait_ms <= min_silence_ms else 0.0  # decided at once: its time shows
         if length * 1000 >= wait_ms:
-            holds = bool(policy.hold_ms) and ask is not None and trails_off(ask.transcript)
-            voiced = max(wait_ms, float(policy.hold_ms if holds else 0), float(policy.voice_after_ms))
+            hold_ms = 0 if ask is None else hold_for(unfinished(ask.transcript), ask.audio, policy.hold_ms,
+                                                     policy.hold_unmarked_ms)
+            voiced = max(wait_ms, float(hold_ms), float(policy.voice_after_ms))
             if n < len(record.silences) - 1:  # the user spoke again after it: a pause
                 if voiced > wait_ms and length * 1000 + start_ms < voiced:
                     held += 1  # ... before its reply was voiced: their turn resumes, nothing lost
@@ -462,9 +467,11 @@ def summarise(records: list[Record], config: Config, phone: bool = False) -> dic
                           for name in ("smart_turn", "lm", "combined")]
     policies.append(Policy("shape", hangover_ms=config.vad.hangover_ms))
     if turn.hold_ms:  # the free policies again with the hold (fixed is the service's default)
-        policies += [replace(p, hold_ms=turn.hold_ms) for p in policies if p.name in ("fixed", "shape")]
+        policies += [replace(p, hold_ms=turn.hold_ms, hold_unmarked_ms=turn.hold_unmarked_ms)
+                     for p in policies if p.name in ("fixed", "shape")]
     for after in VOICE_AFTER_MS:  # and with every reply voiced no sooner than that
-        policies.append(replace(fixed, hold_ms=turn.hold_ms, voice_after_ms=after))
+        policies.append(replace(fixed, hold_ms=turn.hold_ms, hold_unmarked_ms=turn.hold_unmarked_ms,
+                                voice_after_ms=after))
     asks = [a for r in records for a in r.asks]
     cost = {name: _stats([getattr(a, name) for a in asks if getattr(a, name)])
             for name in ("smart_turn_ms", "smart_turn_cpu_ms", "asr_ms", "lm_ms")}

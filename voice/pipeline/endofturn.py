@@ -73,18 +73,43 @@ TRAILING_WORDS = frozenset(
 
 
 def trails_off(text: str) -> bool:
-    """Do the words so far read unfinished: no sentence end (`reads_finished`), a statement that
-    ends on one of TRAILING_WORDS ("Set a timer for."), or a list not closed (`open_list`)? A question
-    ends a turn whatever its last word ("What is it made of?"). The Floor holds the first audio of a
-    reply to such words for `turn.hold_ms` of silence (voice/conversation/reply.py); BENCHMARKS.md
-    "Heard in a room"."""
+    """Do the words so far read unfinished (`unfinished` names why)? A question ends a turn whatever its
+    last word ("What is it made of?")."""
+    return unfinished(text) is not None
+
+
+def unfinished(text: str) -> str | None:
+    """Why the words so far may be unfinished, the surest first: "trails" (a trailing "...", or a statement
+    ending on one of TRAILING_WORDS: "Set a timer for.", "Can you remind me to call my"), "open_list" (a
+    list not closed: `open_list`), "unmarked" (no end mark, the words otherwise whole: Whisper writes "7 of
+    clubs" and "5, 5" for complete clips as often as "My number is 555-0142" for one cut in a pause); None
+    when they read finished. How long each holds a reply: `hold_for`; BENCHMARKS.md "Heard in a room"."""
     text = text.strip()
     if not text:
-        return False
-    if not reads_finished(text):
-        return True
+        return None
     words = re.findall(r"[a-z']+", text.lower())
-    return not text.endswith("?") and bool(words) and (words[-1] in TRAILING_WORDS or open_list(text))
+    statement = not text.endswith("?")
+    if text.endswith("...") or (statement and bool(words) and words[-1] in TRAILING_WORDS):
+        return "trails"
+    if statement and open_list(text):
+        return "open_list"
+    return None if reads_finished(text) else "unmarked"
+
+
+LIST_SOUNDS_FINISHED = 0.5  # Smart Turn's probability from which a list not closed is heard as finished
+
+
+def hold_for(why: str | None, sounds_finished: float | None, hold_ms: int, unmarked_ms: int) -> int:
+    """How long after the user's last word a reply to words `unfinished` calls `why` may first be heard
+    (`turn.hold_ms`, `turn.hold_unmarked_ms`). A list not closed is held only when Smart Turn
+    (`sounds_finished`, None: not heard) does not hear the audio as finished: "Eight of spades, four of clubs,
+    seven of hearts." said whole scored 0.99, "I need eggs, milk, bread" cut at its pause 0.04. Words that only
+    lack an end mark wait `unmarked_ms` (at most `hold_ms`): enough for a 0.6 s pause (0.46-0.56 s of VAD
+    silence, the user heard again 60 ms into their next word), and on a 2-core box no longer than the reply
+    takes to make."""
+    if why == "trails" or (why == "open_list" and (sounds_finished is None or sounds_finished < LIST_SOUNDS_FINISHED)):
+        return hold_ms
+    return min(hold_ms, unmarked_ms) if why == "unmarked" else 0
 
 
 def open_list(text: str) -> bool:
@@ -138,6 +163,9 @@ class SmartTurn:
         self.session = onnxruntime.InferenceSession(str(path or smart_turn_path()), options,
                                                     providers=["CPUExecutionProvider"])
         self.features = FeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE, chunk_length=SMART_TURN_WINDOW_S)
+        # ONNX Runtime sets itself up on the first run (1.3 s against 0.17 s after, on a shared Zen 4): here, not
+        # in someone's turn
+        self.probability(np.zeros(SAMPLE_RATE, dtype=np.float32))
 
     def probability(self, audio: np.ndarray) -> float:
         """`audio`: 16 kHz mono float in [-1, 1], the utterance so far with its trailing silence."""
@@ -200,7 +228,7 @@ class EndOfTurn:
         `smart_turn`: the loaded model, shared too (loaded here when the policy needs it and none is given)."""
         self.config, self.vad = config, vad
         needs_audio = config.policy in ("smart_turn", "combined")
-        self.smart_turn = (smart_turn or SmartTurn(threads=config.threads)) if needs_audio else None
+        self.smart_turn = (smart_turn or SmartTurn(threads=config.threads)) if needs_audio else smart_turn
         self.worker = worker or Scheduler().worker("endofturn")
 
     @property
@@ -248,10 +276,17 @@ class EndOfTurn:
             return audio if text is None else text
         return min(audio, text)
 
-    async def _audio(self, audio: np.ndarray) -> float | None:
+    async def sounds_finished(self, audio: np.ndarray) -> float | None:
+        """Smart Turn's probability that `audio` (the utterance with its silence) is a finished turn, on the
+        shared worker; None without the model (an instance that did not load it) or audio."""
         if self.smart_turn is None or not len(audio):
             return None
         return await asyncio.wrap_future(self.worker.submit(self.smart_turn.probability, audio))
+
+    async def _audio(self, audio: np.ndarray) -> float | None:
+        if self.config.policy not in ("smart_turn", "combined"):
+            return None
+        return await self.sounds_finished(audio)
 
     async def _text(self, text: str | None, signal: TextSignal | None) -> float | None:
         if not self.reads_text or signal is None or not text or not text.strip():

@@ -45,7 +45,8 @@ class Instance:
         self.live: set = set()  # open sessions
         self.faults: dict[str, tuple[float, str]] = {}  # stage -> (monotonic time, what) of its last fault
         self.tools = Toolbox(config.tools)
-        self.smart_turn: SmartTurn | None = None  # the end-of-turn model, loaded when a policy first needs it
+        # the end-of-turn model, loaded when a policy first needs it (`load`: with the hold too)
+        self.smart_turn: SmartTurn | None = None
         self.end_of_turn_worker = self.scheduler.worker("endofturn")
 
     @classmethod
@@ -56,6 +57,8 @@ class Instance:
         synthesizer = Synthesizer(load_voice(config.tts), config.tts, scheduler.worker("tts"))
         lm = load_lm(config.lm, scheduler)  # LocalLM for backend "local"
         instance = cls(config, whisper, synthesizer, lm, scheduler, Capacity(config.limits))
+        if config.turn.hold_ms:  # Smart Turn hears whether a list said is finished (reply.py's Floor.voiced)
+            instance.smart_turn = SmartTurn(threads=config.turn.threads)
         instance.end_of_turn(config)  # Smart Turn loaded now if the policy needs it, not at the first session
         lm.serve(config.faults.lm_first_block_timeout_s, instance.tools.openai() if instance.tools else [])
         log.info("models loaded in %.1f s (lm backend=%s model=%s mode=%s: %s)", time.perf_counter() - t,

@@ -154,6 +154,13 @@ class Endpointer:
         return self._voiced * self.config.frame_ms if self._in_speech else 0
 
     @property
+    def quiet_room(self) -> bool:
+        """Does the detector hear the room as silence (`Levels.quiet_room`; always, the gate off)? In a room it
+        voices (background talk) the gate may end the user's speech before their last quiet sound: the "s" of
+        "hearts" 15 dB over the talk came 100-200 ms after it (voice/conversation/turns.py's early final)."""
+        return not self.config.follow_user or self.levels.quiet_room
+
+    @property
     def seconds_heard(self) -> float:
         """Audio pushed since the reset (whole frames), in seconds: the stream time events are in."""
         return self._seconds(self._frames_seen)

@@ -674,8 +674,9 @@ class Floor:
             reply.hold_s = 0.0
             await self._undecided(reply)
             return
-        if reply.sounds_finished is not None:
-            await self._hear_the_list(reply, reply.sounds_finished)
+        if reply.sounds_finished is not None:  # (never waited for past the hold it may lift)
+            left = self.turns.last_word_at + reply.hold_s - time.monotonic()
+            await self._hear_the_list(reply, reply.sounds_finished, max(left, 0.0))
             reply.sounds_finished = None
         delay = self.turns.last_word_at + reply.hold_s - time.monotonic()
         if delay > 0:
@@ -696,11 +697,14 @@ class Floor:
         audio = self.turns.transcriber.audio() if turn == self.turns.turn else None
         return audio if audio is not None and len(audio) else None
 
-    async def _hear_the_list(self, reply: Reply, sounds_finished: asyncio.Future[float | None]) -> None:
+    async def _hear_the_list(self, reply: Reply, sounds_finished: asyncio.Future[float | None],
+                             within_s: float) -> None:
         """A list not closed ("Eight of spades, four of clubs, seven of hearts."): its hold stands only if Smart
-        Turn does not hear the utterance as finished (`endofturn.hold_for`)."""
+        Turn, heard `within_s`, does not hear the utterance as finished (`endofturn.hold_for`)."""
         try:
-            heard = await sounds_finished
+            heard = await asyncio.wait_for(asyncio.shield(sounds_finished), within_s)
+        except TimeoutError:  # the hold is over before Smart Turn is: it has cost nothing more
+            return
         except Exception as err:  # noqa: BLE001 - the hold stands, as it did without the model
             session_log.warning("session=%s turn=%d Smart Turn failed on a list: %r", self.name, reply.turn, err)
             return

@@ -391,10 +391,13 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
 
 def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypatch):
     """No response to the REFER at all: after 64*T1 (Timer F; T1 shortened here) the transfer has failed,
-    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on."""
+    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on. A
+    `transfer_timeout_s` shorter than Timer F does not cut the REFER's transaction short: it bounds the wait
+    for the new call once the REFER is accepted."""
     import voice.transports.sip as sip
     monkeypatch.setattr(sip, "T1", 0.05)
     monkeypatch.setattr(sip, "T2", 0.4)
+    monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
     service.lm.tool_calls = tool_call("transfer_call", target="desk")
     phone = RawPhone(service)
     try:
@@ -411,6 +414,62 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
         phone.close()
     wait_until(lambda: record.ended, 10, "the call to end")
     assert record.end_reason == "caller_hangup"
+
+
+def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s(service, monkeypatch):
+    """The phone accepts the REFER (202) and its NOTIFYs never say how the new call ended: after
+    `transfer_timeout_s` from the acceptance the transfer has failed, the LM is told, and the caller stays."""
+    monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        while (refer := phone.recv(10)).method != "REFER":
+            assert refer.status == 200, refer
+        phone.send_raw(accepted(refer))
+        accepted_at = time.monotonic()
+        raw_notify(phone, "100 Trying")
+        assert phone.recv().status == 200
+        wait_until(lambda: service.lm.asked and "not completed in time" in told(service), 10, "the LM to be told")
+        assert 0.9 < time.monotonic() - accepted_at < 3.0
+        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+        assert not record.ended and not record.counters["transfers"]
+        caller_hangs_up(phone)
+    finally:
+        phone.close()
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
+
+
+def test_a_lost_bye_is_sent_again_until_answered(service):
+    """Our BYE after end_call is a non-INVITE client transaction over UDP as the REFER is: the phone drops the
+    first (as a lossy network would), the same BYE comes again T1 (0.5 s) later, and once answered it is not
+    sent again."""
+    service.lm.tool_calls = tool_call("end_call")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        byes = []
+        while len(byes) < 2:
+            message = phone.recv(15)
+            if message.method == "BYE":
+                byes.append((time.monotonic(), message))
+            else:
+                assert message.status == 200, message
+        (t0, first), (t1, bye) = byes
+        assert (first.start, first.headers) == (bye.start, bye.headers)  # the same request: its branch and CSeq
+        assert 0.35 < t1 - t0 < 0.9, t1 - t0
+        echoed = [f"{name}: {bye.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
+        phone.send_raw("\r\n".join(["SIP/2.0 200 OK", *echoed, "Content-Length: 0", "", ""]).encode())
+        assert phone.nothing(1.5), "a BYE answered is not sent again"
+    finally:
+        phone.close()
+    record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+    assert record.end_reason == "end_call" and record.counters["bye_retransmits"] == 1, record.counters
 
 
 # --- Twilio: the media stream and the REST stand-in ------------------------------------------------------

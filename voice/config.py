@@ -304,7 +304,9 @@ class TelephonyConfig:
                         "thanks, have a nice day), your reply must be the end_call function call, not text; the "
                         "goodbye is spoken after it.")
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
-    transfer_timeout_s: float = 30.0  # a transfer not done by then has failed; the caller stays
+    # a transfer the caller's phone accepted (SIP: the REFER's 2xx; its own transaction ends by Timer F, 32 s) but whose
+    # new call is not answered by then has failed; the caller stays
+    transfer_timeout_s: float = 30.0
     keypad_timeout_s: float = 15.0  # read_keypad: no key sequence by then (after its prompt began) is its result
     twilio_api_base: str = "https://api.twilio.com"  # Twilio's REST API (end and transfer a Twilio call)
     # "AC" + 32 hex: only this account's media streams are taken on /twilio (another `start.accountSid` is refused:

@@ -32,10 +32,12 @@ from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wa
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
-from voice.conversation.calltools import call_prompt, call_tools
+from voice.conversation.calltools import CALL_GATES, call_gate, call_prompt, call_tools
+from voice.conversation.session import Session
 from voice.config import TelephonyConfig
 from voice.service.records import read_sessions
 from voice.service.server import build_app
+from voice.pipeline.lm import LocalChat
 from voice.pipeline.tools import ToolError
 from voice.transports.telephony import calls
 
@@ -525,6 +527,26 @@ def test_the_call_prompt_is_added_only_with_end_call():
     for config in (TelephonyConfig(), TelephonyConfig(tools=["read_keypad"]), TelephonyConfig(tools=["end_call"],
                                                                                                 call_prompt="")):
         assert call_prompt("Be brief.", config) == "Be brief."
+
+
+def test_a_call_offering_end_call_gates_tool_calls_at_the_models_phone_gate():
+    """The 1.5B's replies on a call offering end_call start a call at log-odds -3.3 (CALL_GATES), not its own -2.6,
+    which ends 8/32 held-out goodbyes where -3.3 ends 17/32 (bench/call_end.py); the configured gate comes first; a
+    call without end_call, another model, or a session that is no call keep the LM's own gate."""
+    targets = {"desk": DESK}
+    assert call_gate(TelephonyConfig(tools=["end_call"]), "qwen2.5-1.5b") == CALL_GATES["qwen2.5-1.5b"] == -3.3
+    assert call_gate(TelephonyConfig(tools=["end_call"], tool_call_log_odds=-3.0), "qwen2.5-1.5b") == -3.0
+    assert call_gate(TelephonyConfig(tools=["transfer_call"], transfer_targets=targets), "qwen2.5-1.5b") is None
+    assert call_gate(TelephonyConfig(tools=["end_call"]), "qwen2.5-0.5b") is None
+
+    class LocalFakeLM(FakeLM):  # the conversation the voice default has (no model loaded: no reply is made here)
+        def chat(self):
+            return LocalChat(self)
+    config = make_config(telephony={"tools": ["end_call", "transfer_call"], "transfer_targets": targets})
+    config.lm.model = "qwen2.5-1.5b"
+    instance = fake_instance(config, lm=LocalFakeLM())
+    assert Session(instance, 8000, 8000, "sip", phone=Phone()).replies.chat.tool_call_log_odds == -3.3
+    assert Session(instance, 16000, 16000).replies.chat.tool_call_log_odds is None
 
 
 def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):

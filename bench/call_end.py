@@ -139,7 +139,7 @@ async def run(a) -> dict:
                 tool["function"]["description"] = a.description
         declared, grammar, starts = lm.tool_grammar(tools)
         system = call_prompt(config.lm.system_prompt, telephony)
-        phone_gate = call_gate(telephony, config.lm.model)
+        phone_gate = call_gate(telephony, config.lm.model, [tool["function"]["name"] for tool in tools])
         gate = lm.tool_call_log_odds if phone_gate is None else phone_gate  # as the session's LocalChat has it
         run: dict = {"line": telephony.call_prompt, "description": a.description, "gate": gate, "rows": []}
         print(f"line {run['line']!r}", flush=True)

@@ -530,23 +530,28 @@ def test_the_call_prompt_is_added_only_with_end_call():
 
 
 def test_a_call_offering_end_call_gates_tool_calls_at_the_models_phone_gate():
-    """The 1.5B's replies on a call offering end_call start a call at log-odds -3.3 (CALL_GATES), not its own -2.6,
-    which ends 8/32 held-out goodbyes where -3.3 ends 17/32 (bench/call_end.py); the configured gate comes first; a
-    call without end_call, another model, or a session that is no call keep the LM's own gate."""
-    targets = {"desk": DESK}
-    assert call_gate(TelephonyConfig(tools=["end_call"]), "qwen2.5-1.5b") == CALL_GATES["qwen2.5-1.5b"] == -3.3
-    assert call_gate(TelephonyConfig(tools=["end_call"], tool_call_log_odds=-3.0), "qwen2.5-1.5b") == -3.0
-    assert call_gate(TelephonyConfig(tools=["transfer_call"], transfer_targets=targets), "qwen2.5-1.5b") is None
-    assert call_gate(TelephonyConfig(tools=["end_call"]), "qwen2.5-0.5b") is None
+    """The 1.5B's replies on a call offering only end_call start a call at log-odds -3.3 (CALL_GATES), not its own
+    -2.6, which ends 8/32 held-out goodbyes where -3.3 ends 17/32 (bench/call_end.py); the configured gate comes
+    first; a call without end_call, with tools the gate was not measured with, another model, or a session that is
+    no call keep the LM's own gate."""
+    config = TelephonyConfig(tools=["end_call"])
+    assert call_gate(config, "qwen2.5-1.5b", ["end_call"]) == CALL_GATES["qwen2.5-1.5b", ("end_call",)] == -3.3
+    assert call_gate(TelephonyConfig(tools=["end_call"], tool_call_log_odds=-3.0), "qwen2.5-1.5b", ["end_call"]) == -3.0
+    assert call_gate(config, "qwen2.5-1.5b", ["get_time", "end_call"]) is None
+    assert call_gate(config, "qwen2.5-1.5b", ["transfer_call"]) is None
+    assert call_gate(config, "qwen2.5-0.5b", ["end_call"]) is None
 
     class LocalFakeLM(FakeLM):  # the conversation the voice default has (no model loaded: no reply is made here)
         def chat(self):
             return LocalChat(self)
-    config = make_config(telephony={"tools": ["end_call", "transfer_call"], "transfer_targets": targets})
+    config = make_config(telephony={"tools": ["end_call"]})
     config.lm.model = "qwen2.5-1.5b"
     instance = fake_instance(config, lm=LocalFakeLM())
     assert Session(instance, 8000, 8000, "sip", phone=Phone()).replies.chat.tool_call_log_odds == -3.3
     assert Session(instance, 16000, 16000).replies.chat.tool_call_log_odds is None
+    config.tools.builtin = ["time"]  # a tool the gate was not measured with
+    instance = fake_instance(config, lm=LocalFakeLM())
+    assert Session(instance, 8000, 8000, "sip", phone=Phone()).replies.chat.tool_call_log_odds is None
 
 
 def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):

@@ -304,8 +304,9 @@ class TelephonyConfig:
                         "thanks, have a nice day), your reply must be the end_call function call, not text; the "
                         "goodbye is spoken after it.")
     # the first-token gate of tool calls on a call that offers end_call ([lm] tool_call_log_odds, a call's own): unset =
-    # the model's phone gate (conversation/calltools.py CALL_GATES: the 1.5B's -3.3, against -2.6 elsewhere: 17/32
-    # held-out goodbyes end the call instead of 8/32, 0/190 other turns; BENCHMARKS.md "ends the call"), else the LM's
+    # the one measured for the model and the tools offered (conversation/calltools.py CALL_GATES: the 1.5B with only
+    # end_call, -3.3 against its -2.6: 17/32 held-out goodbyes end the call instead of 8/32, 0/190 other turns;
+    # BENCHMARKS.md "ends the call, held out"), else the LM's own
     tool_call_log_odds: float | None = None
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
     # a transfer the caller's phone accepted (SIP: the REFER's 2xx; its own transaction ends by Timer F, 32 s) but whose

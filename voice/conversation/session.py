@@ -84,7 +84,8 @@ class Session:
                                                                     self._read_keys))
             self.history.system_prompt = call_prompt(self.history.system_prompt, cfg.telephony)
             if isinstance(self.replies.chat, LocalChat):
-                self.replies.chat.tool_call_log_odds = call_gate(cfg.telephony, cfg.lm.model)
+                self.replies.chat.tool_call_log_odds = call_gate(cfg.telephony, cfg.lm.model,
+                                                                 list(self.replies.tools.tools))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript

@@ -32,10 +32,12 @@ from test_sip import SIPP_DIAL, SIPP_KEY, free_even_udp_ports, free_udp_port, wa
 from test_sip import Phone as RawPhone
 from test_twilio import FakeTwilio, record_for
 from voice.audio import ulaw_encode
-from voice.conversation.calltools import call_prompt, call_tools
+from voice.conversation.calltools import CALL_GATES, call_gate, call_prompt, call_tools
+from voice.conversation.session import Session
 from voice.config import TelephonyConfig
 from voice.service.records import read_sessions
 from voice.service.server import build_app
+from voice.pipeline.lm import LocalChat
 from voice.pipeline.tools import ToolError
 from voice.transports.telephony import calls
 
@@ -391,10 +393,13 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
 
 def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypatch):
     """No response to the REFER at all: after 64*T1 (Timer F; T1 shortened here) the transfer has failed,
-    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on."""
+    the REFER was sent 11 times (RFC 3261's figure), the LM is told, and the call goes on. A
+    `transfer_timeout_s` shorter than Timer F does not cut the REFER's transaction short: it bounds the wait
+    for the new call once the REFER is accepted."""
     import voice.transports.sip as sip
     monkeypatch.setattr(sip, "T1", 0.05)
     monkeypatch.setattr(sip, "T2", 0.4)
+    monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
     service.lm.tool_calls = tool_call("transfer_call", target="desk")
     phone = RawPhone(service)
     try:
@@ -411,6 +416,62 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
         phone.close()
     wait_until(lambda: record.ended, 10, "the call to end")
     assert record.end_reason == "caller_hangup"
+
+
+def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s(service, monkeypatch):
+    """The phone accepts the REFER (202) and its NOTIFYs never say how the new call ended: after
+    `transfer_timeout_s` from the acceptance the transfer has failed, the LM is told, and the caller stays."""
+    monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
+    service.lm.tool_calls = tool_call("transfer_call", target="desk")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        while (refer := phone.recv(10)).method != "REFER":
+            assert refer.status == 200, refer
+        phone.send_raw(accepted(refer))
+        accepted_at = time.monotonic()
+        raw_notify(phone, "100 Trying")
+        assert phone.recv().status == 200
+        wait_until(lambda: service.lm.asked and "not completed in time" in told(service), 10, "the LM to be told")
+        assert 0.9 < time.monotonic() - accepted_at < 3.0
+        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+        assert not record.ended and not record.counters["transfers"]
+        caller_hangs_up(phone)
+    finally:
+        phone.close()
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
+
+
+def test_a_lost_bye_is_sent_again_until_answered(service):
+    """Our BYE after end_call is a non-INVITE client transaction over UDP as the REFER is: the phone drops the
+    first (as a lossy network would), the same BYE comes again T1 (0.5 s) later, and once answered it is not
+    sent again."""
+    service.lm.tool_calls = tool_call("end_call")
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        for key in "1#":
+            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        byes = []
+        while len(byes) < 2:
+            message = phone.recv(15)
+            if message.method == "BYE":
+                byes.append((time.monotonic(), message))
+            else:
+                assert message.status == 200, message
+        (t0, first), (t1, bye) = byes
+        assert (first.start, first.headers) == (bye.start, bye.headers)  # the same request: its branch and CSeq
+        assert 0.35 < t1 - t0 < 0.9, t1 - t0
+        echoed = [f"{name}: {bye.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
+        phone.send_raw("\r\n".join(["SIP/2.0 200 OK", *echoed, "Content-Length: 0", "", ""]).encode())
+        assert phone.nothing(1.5), "a BYE answered is not sent again"
+    finally:
+        phone.close()
+    record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+    assert record.end_reason == "end_call" and record.counters["bye_retransmits"] == 1, record.counters
 
 
 # --- Twilio: the media stream and the REST stand-in ------------------------------------------------------
@@ -466,6 +527,31 @@ def test_the_call_prompt_is_added_only_with_end_call():
     for config in (TelephonyConfig(), TelephonyConfig(tools=["read_keypad"]), TelephonyConfig(tools=["end_call"],
                                                                                                 call_prompt="")):
         assert call_prompt("Be brief.", config) == "Be brief."
+
+
+def test_a_call_offering_end_call_gates_tool_calls_at_the_models_phone_gate():
+    """The 1.5B's replies on a call offering only end_call start a call at log-odds -3.3 (CALL_GATES), not its own
+    -2.6, which ends 8/32 held-out goodbyes where -3.3 ends 17/32 (bench/call_end.py); the configured gate comes
+    first; a call without end_call, with tools the gate was not measured with, another model, or a session that is
+    no call keep the LM's own gate."""
+    config = TelephonyConfig(tools=["end_call"])
+    assert call_gate(config, "qwen2.5-1.5b", ["end_call"]) == CALL_GATES["qwen2.5-1.5b", ("end_call",)] == -3.3
+    assert call_gate(TelephonyConfig(tools=["end_call"], tool_call_log_odds=-3.0), "qwen2.5-1.5b", ["end_call"]) == -3.0
+    assert call_gate(config, "qwen2.5-1.5b", ["get_time", "end_call"]) is None
+    assert call_gate(config, "qwen2.5-1.5b", ["transfer_call"]) is None
+    assert call_gate(config, "qwen2.5-0.5b", ["end_call"]) is None
+
+    class LocalFakeLM(FakeLM):  # the conversation the voice default has (no model loaded: no reply is made here)
+        def chat(self):
+            return LocalChat(self)
+    config = make_config(telephony={"tools": ["end_call"]})
+    config.lm.model = "qwen2.5-1.5b"
+    instance = fake_instance(config, lm=LocalFakeLM())
+    assert Session(instance, 8000, 8000, "sip", phone=Phone()).replies.chat.tool_call_log_odds == -3.3
+    assert Session(instance, 16000, 16000).replies.chat.tool_call_log_odds is None
+    config.tools.builtin = ["time"]  # a tool the gate was not measured with
+    instance = fake_instance(config, lm=LocalFakeLM())
+    assert Session(instance, 8000, 8000, "sip", phone=Phone()).replies.chat.tool_call_log_odds is None
 
 
 def test_twilio_stream_of_another_account_is_refused(service, rest, monkeypatch):

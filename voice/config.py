@@ -308,8 +308,15 @@ class TelephonyConfig:
     call_prompt: str = ("You are answering a phone call. If the caller's message is a goodbye (bye, that's all, "
                         "thanks, have a nice day), your reply must be the end_call function call, not text; the "
                         "goodbye is spoken after it.")
+    # the first-token gate of tool calls on a call that offers end_call ([lm] tool_call_log_odds, a call's own): unset =
+    # the one measured for the model and the tools offered (conversation/calltools.py CALL_GATES: the 1.5B with only
+    # end_call, -3.3 against its -2.6: 17/32 held-out goodbyes end the call instead of 8/32, 0/190 other turns;
+    # BENCHMARKS.md "ends the call, held out"), else the LM's own
+    tool_call_log_odds: float | None = None
     transfer_targets: dict = field(default_factory=dict)  # name -> "sip:desk@pbx.example.com" or "+14155550100"
-    transfer_timeout_s: float = 30.0  # a transfer not done by then has failed; the caller stays
+    # a transfer the caller's phone accepted (SIP: the REFER's 2xx; its own transaction ends by Timer F, 32 s) but whose
+    # new call is not answered by then has failed; the caller stays
+    transfer_timeout_s: float = 30.0
     keypad_timeout_s: float = 15.0  # read_keypad: no key sequence by then (after its prompt began) is its result
     twilio_api_base: str = "https://api.twilio.com"  # Twilio's REST API (end and transfer a Twilio call)
     # "AC" + 32 hex: only this account's media streams are taken on /twilio (another `start.accountSid` is refused:

@@ -21,6 +21,13 @@ from typing import Protocol
 from voice.config import TelephonyConfig
 from voice.pipeline.tools import Timers, Tool, ToolError
 
+# The first-token gate of tool calls (voice.pipeline.lm, `[lm] tool_call_log_odds`) on a phone call offering end_call,
+# per model and the tools offered (the tools' descriptions in the prompt move the log-odds), while `[telephony]
+# tool_call_log_odds` is unset: the 1.5B answers most goodbyes in words at its own -2.6. Each chosen on
+# bench/call_end.py's calibration split (0.5 above its highest ordinary turn), then measured on its held-out split
+# (BENCHMARKS.md, "A phone agent ends the call, held out"). Any other model or set of tools keeps the LM's own gate.
+CALL_GATES: dict[tuple[str, tuple[str, ...]], float] = {("qwen2.5-1.5b", ("end_call",)): -3.3}
+
 
 class Phone(Protocol):
     """What a call's transport does for its tools (voice/transports/sip.py, twilio.py)."""
@@ -70,6 +77,16 @@ def call_prompt(system_prompt: str, config: TelephonyConfig) -> str:
     if "end_call" not in config.tools or not config.call_prompt:
         return system_prompt
     return f"{system_prompt} {config.call_prompt}" if system_prompt else config.call_prompt
+
+
+def call_gate(config: TelephonyConfig, model: str, offered: list[str]) -> float | None:
+    """The tool-call gate of a phone call's replies when end_call is among the tools `offered`:
+    `config.tool_call_log_odds`, else the one CALL_GATES has for the model and these tools; None: the LM's own."""
+    if "end_call" not in offered:
+        return None
+    if config.tool_call_log_odds is not None:
+        return config.tool_call_log_odds
+    return CALL_GATES.get((model, tuple(sorted(offered))))
 
 
 async def _transfer(phone: Phone, targets: dict[str, str], args: dict) -> str:

@@ -29,7 +29,7 @@ from typing import assert_never
 
 from voice.conversation import oneshot
 from voice.conversation.calllog import CallLog
-from voice.conversation.calltools import Phone, call_prompt, call_tools
+from voice.conversation.calltools import Phone, call_gate, call_prompt, call_tools
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.conversation.faults import StageFailure, transcript_within
@@ -37,7 +37,7 @@ from voice.conversation.history import History
 from voice.conversation.keypad import KEYS, Keypad, keypad_text
 from voice.conversation.latency import LatencyTracker
 from voice.service.limits import watch_session
-from voice.pipeline.lm import Chat
+from voice.pipeline.lm import Chat, LocalChat
 from voice.conversation.outbox import Outbox
 from voice.conversation.playback import Playback
 from voice.conversation.reply import Floor, Reply, ReplyRunner
@@ -83,6 +83,9 @@ class Session:
             self.replies.tools = instance.tools.with_tools(call_tools(cfg.telephony, phone, self._end_after_reply,
                                                                     self._read_keys))
             self.history.system_prompt = call_prompt(self.history.system_prompt, cfg.telephony)
+            if isinstance(self.replies.chat, LocalChat):
+                self.replies.chat.tool_call_log_odds = call_gate(cfg.telephony, cfg.lm.model,
+                                                                 list(self.replies.tools.tools))
         self.final_task: asyncio.Task | None = None  # handles the latest final transcript (then its reply)
         self.partial_tasks: set[asyncio.Task] = set()  # partial transcripts on their way to the client
         self.read_ahead: asyncio.Task | None = None  # the LM reading the latest partial transcript

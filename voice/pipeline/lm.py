@@ -201,6 +201,7 @@ class LocalChat:
     def __init__(self, lm: LocalLM):
         from engine.stream import ConversationCache
         self.lm, self.conversation = lm, ConversationCache()
+        self.tool_call_log_odds: float | None = None  # this conversation's own gate (a phone call's), else the LM's
 
     def priority(self, urgent: Callable[[str], bool] | None, tools: bool = False) -> Callable[[str], int]:
         """A reply the user waits for in silence goes first; the others yield while anyone on the
@@ -223,7 +224,8 @@ class LocalChat:
         if tools:
             declared, grammar, starts = self.lm.tool_grammar(tools)
             constraint = await asyncio.to_thread(self.lm.engine.grammars.lark, grammar)
-            constraint.gate_first(starts, self.lm.tool_call_log_odds)
+            gate = self.lm.tool_call_log_odds if self.tool_call_log_odds is None else self.tool_call_log_odds
+            constraint.gate_first(starts, gate)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
                                                  tools=declared, priority=self.priority(urgent, bool(tools)),

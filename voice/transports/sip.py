@@ -215,7 +215,8 @@ class Call:
     async def transfer(self, name: str, target: str) -> str | None:
         """transfer_call (voice/conversation/calltools.py): a REFER (RFC 3515) to `target` (a phone number goes as
         sip:NUMBER@ the caller's host), then its NOTIFYs until a final status: 2xx = done, we hang up (BYE);
-        a REFER refused, a failure, or no final within `telephony.transfer_timeout_s`: the caller stays."""
+        a REFER refused or unanswered (its transaction ends by Timer F, 64*T1), a failure, or no final NOTIFY
+        within `telephony.transfer_timeout_s` of the REFER's acceptance: the caller stays."""
         if self.state != "confirmed" or self.refer_progress is not None:
             return "the call cannot be transferred now"
         uri = target if target.startswith("sip") else f"sip:{target}@{uri_hostport(self.remote_target)[0]}"
@@ -228,12 +229,13 @@ class Call:
         retransmits = self.ep.spawn(self._retransmit_refer(refer, dest))
         log.info("sip call=%s transfer to %s (%s): REFER sent", self.id, name, uri)
         try:
-            async with asyncio.timeout(self.ep.instance.config.telephony.transfer_timeout_s):
+            async with asyncio.timeout(2 * 64 * T1):  # (a bound on its own: Timer F puts a 408 at 64*T1)
                 status = await progress.get()  # the REFER's final response (Timer F: 408, none came)
-                if self.refer_status is None or self.refer_status < 200:
-                    return "the caller's phone did not answer the REFER"
-                if status >= 300:
-                    return f"the caller's phone refused it: SIP {status}"
+            if self.refer_status is None or self.refer_status < 200:
+                return "the caller's phone did not answer the REFER"
+            if status >= 300:
+                return f"the caller's phone refused it: SIP {status}"
+            async with asyncio.timeout(self.ep.instance.config.telephony.transfer_timeout_s):
                 status = await progress.get()  # the new call's final status, in a NOTIFY
         except TimeoutError:
             return "it was not completed in time"
@@ -249,22 +251,10 @@ class Call:
         return None
 
     async def _retransmit_refer(self, refer: bytes, dest: tuple[str, int]) -> None:
-        """Timers E and F (RFC 3261 section 17.1.2.2, a non-INVITE client transaction over UDP): the REFER is
-        sent again T1, 2*T1, ... apart, at most T2 (T2 apart once a provisional response came), until its final
-        response; none within 64*T1 ends the transfer as a 408 (Request Timeout)."""
-        interval, waited = T1, 0.0
-        while True:
-            pause = min(interval, 64 * T1 - waited)
-            await asyncio.sleep(pause)
-            waited += pause
-            if self.refer_status is not None and self.refer_status >= 200:
-                return
-            if waited >= 64 * T1:
-                _progress(self, 408)
-                return
-            self.ep.send(refer, dest)
-            self.record.counters["refer_retransmits"] += 1
-            interval = T2 if self.refer_status is not None else min(2 * interval, T2)
+        """The REFER's transaction (`SipEndpoint.retransmit`); none of its responses final by Timer F ends the
+        transfer as a 408 (Request Timeout)."""
+        if not await self.ep.retransmit(refer, dest, lambda: self.refer_status, self.record, "refer_retransmits"):
+            _progress(self, 408)
 
     async def end(self, reason: str) -> None:
         if self.state == "ended":
@@ -303,6 +293,8 @@ class SipEndpoint:
         self.calls: dict[str, Call] = {}
         self.completed: collections.OrderedDict[tuple[str, str], bytes] = collections.OrderedDict()  # non-2xx finals
         self.transport: asyncio.DatagramTransport | None = None
+        # our BYEs not answered finally yet, (Call-ID, CSeq) -> their latest response: one a call, 64*T1 at most
+        self.bye_status: dict[tuple[str, int], int | None] = {}
         self.port = config.port
         self.rtp_used: set[int] = set()
         self._next_rtp = config.rtp_port_min
@@ -466,13 +458,14 @@ class SipEndpoint:
             call._dtmf(req.body.decode("utf-8", "replace").strip()[:1].upper(), "sip-info")
 
     def _response(self, resp: SipMessage) -> None:
-        """A response to our request: a REFER's final status goes to its transfer; the rest (our BYEs') are
-        not waited for."""
+        """A response to our request: a REFER's final status goes to its transfer, a BYE's ends its transaction."""
         call = self.calls.get(resp.call_id)
         try:
             cseq = resp.cseq
         except ValueError:
             return
+        if cseq[1] == "BYE" and (resp.call_id, cseq[0]) in self.bye_status and resp.status is not None:
+            self.bye_status[(resp.call_id, cseq[0])] = resp.status
         if call is not None and call.refer_progress is not None and cseq == (call.refer_cseq, "REFER") \
                 and resp.status is not None:
             final = call.refer_status is not None and call.refer_status >= 200
@@ -658,14 +651,38 @@ class SipEndpoint:
             self.spawn(call.end("cancel"))
 
     def send_bye(self, call: Call) -> None:
-        """Hang up from our side (RFC 3261 section 15.1.1)."""
-        self.send_request(call, "BYE")
-
-    def send_request(self, call: Call, method: str, extra: list[tuple[str, str]] | None = None) -> int:
-        """A request in the call's dialog, sent once; its CSeq number."""
-        cseq, data, dest = self.request(call, method, extra)
+        """Hang up from our side (RFC 3261 section 15.1.1): the BYE is sent again until its final response, as
+        the REFER is (`retransmit`), so that one lost datagram does not leave the caller's phone in the call."""
+        cseq, data, dest = self.request(call, "BYE")
         self.send(data, dest)
-        return cseq
+        self.bye_status[(call.id, cseq)] = None
+        self.spawn(self._retransmit_bye(call, cseq, data, dest))
+
+    async def _retransmit_bye(self, call: Call, cseq: int, data: bytes, dest: tuple[str, int]) -> None:
+        try:
+            if not await self.retransmit(data, dest, lambda: self.bye_status.get((call.id, cseq)), call.record,
+                                         "bye_retransmits"):
+                log.info("sip call=%s our BYE had no final response within 64*T1", call.id)
+        finally:
+            self.bye_status.pop((call.id, cseq), None)
+
+    async def retransmit(self, data: bytes, dest: tuple[str, int], status: Callable[[], int | None],
+                         record: CallSummary, counter: str) -> bool:
+        """Timers E and F (RFC 3261 section 17.1.2.2, a non-INVITE client transaction over UDP): the request
+        `data`, already sent once, is sent again T1, 2*T1, ... apart, at most T2 (T2 apart once `status()`, its
+        latest response, is provisional), until that is final (True); none within 64*T1: False."""
+        interval, waited = T1, 0.0
+        while True:
+            pause = min(interval, 64 * T1 - waited)
+            await asyncio.sleep(pause)
+            waited += pause
+            if (latest := status()) is not None and latest >= 200:
+                return True
+            if waited >= 64 * T1:
+                return False
+            self.send(data, dest)
+            record.counters[counter] += 1
+            interval = T2 if latest is not None else min(2 * interval, T2)
 
     def request(self, call: Call, method: str, extra: list[tuple[str, str]] | None = None
                 ) -> tuple[int, bytes, tuple[str, int]]:

@@ -221,13 +221,13 @@ class Scheduler:
         """Of the highest level present (unless that is BACKGROUND), each with a deadline and the
         least served of those that wait alike: a newcomer goes ahead of a conversation that has had
         the model for a while (a long prompt's prefill); a reply whose listener's audio runs out goes
-        by when it does, however much it has had (before, least served first held a long reply about
-        to run dry behind a newcomer's prefill); in that order, the earliest deadline first (rows
-        beyond `max_batch` go in the round's later forwards). And those that have sat out
-        `max_defer_s` (a prompt's chunk behind a
-        newcomer of its level, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
-        and as many times again as such chunks sit out together: with six long prompts one of them
-        was due every round, and each of a newcomer's steps took a slice longer). A request near
+        by when it does, however much it has had (least served first held a long reply about to run
+        dry behind a newcomer or a shorter reply, up to `max_defer_s` a forward); in that order, the
+        earliest deadline first (rows beyond `max_batch` go in the round's later forwards). And those
+        that have sat out `max_defer_s` (a prompt's chunk behind a newcomer of its level, or a long
+        prompt's while `yield_to`, `PREFILL_DEFER` times that, and as many times again as such chunks
+        sit out together: with six long prompts one of them was due every round, and each of a
+        newcomer's steps took a slice longer). A request near
         its end (`short_rows`) counts as least served, and the chunks of longer requests sit out
         behind it: least served alone did not tell an 8-token request from six long prompts that
         had had as little as it (each went between its two chunks and joined each of its steps)."""

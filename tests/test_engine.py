@@ -575,6 +575,38 @@ def test_a_background_reply_sits_out_but_is_never_starved(smol):
     assert len(gaps) == 5 and all(0.2 <= gap < 2.0 for gap in gaps)
 
 
+def test_a_reply_about_to_run_dry_keeps_its_forwards_beside_a_less_served_one(smol, monkeypatch):
+    """Two replies someone listens to, on a clock that stands still: the older one, which has had more
+    model time and much left to say, is the one whose listener's audio runs out first, so it keeps
+    getting forwards beside the newer one. Before (least served first among replies someone waits for
+    alike), it sat out every round of the newer one's first 8 pieces (`max_defer_s` is a minute here)."""
+    monkeypatch.setattr(engine.serving.scheduler, "SLICE_S", 0.0)  # strictly least served first, as before
+    eng = Engine(smol, max_seq_len=512, max_batch=4, max_defer_s=60.0)
+    eng.scheduler.clock, eng.scheduler.horizon_s = lambda: 100.0, 2.0
+    older_cfg, newer_cfg = DecodeConfig(mode="ar", max_new_tokens=120), DecodeConfig(mode="ar", max_new_tokens=40)
+    newer_chat = [{"role": "user", "content": "Write a short story about a cat."}]
+    expected = [reply_ids(eng.generate_sync(FIRST, older_cfg)), reply_ids(eng.generate_sync(newer_chat, newer_cfg))]
+    events: list[str] = []
+
+    async def listen(name: str, messages: list[dict], cfg: DecodeConfig, runs_out: float) -> list[int]:
+        pieces = []
+        async for piece in eng.stream(messages, cfg, deadline=lambda text: runs_out):
+            events.append(name)
+            pieces.append(piece)
+        return reply_ids(pieces)
+
+    async def main():
+        older = asyncio.create_task(listen("older", FIRST, older_cfg, 100.5))  # its audio runs out in 0.5 s
+        while events.count("older") < 20:
+            await asyncio.sleep(0.005)
+        newer = asyncio.create_task(listen("newer", newer_chat, newer_cfg, 101.5))  # this one's in 1.5 s
+        return list(await asyncio.gather(older, newer))
+
+    assert asyncio.run(main()) == expected
+    newer = [i for i, e in enumerate(events) if e == "newer"]
+    assert len(newer) >= 8 and events[newer[0]:newer[7]].count("older") >= 4  # main: 0
+
+
 LONG = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(60))}]
 SHORT = [{"role": "user", "content": "Name a fruit."}]
 

@@ -3,14 +3,14 @@
 `Engine` is the door: it loads a model, decides once how `mode = "diffusion"` decodes on it
 (`decide`), turns messages into a prompt and a decoder's steps, and hands the steps to its parts
 (engine/serving/): the scheduler thread, which batches every conversation's forwards in rounds
-by priority and fairness and prefills long prompts in chunks (`Scheduler`); admission, which
+by deadline and fairness and prefills long prompts in chunks (`Scheduler`); admission, which
 refuses a prompt that cannot be read in time here and, on a KV cache shared by every
 conversation, makes a request wait for room (`Admission`); each conversation's own KV cache, so
 a new turn only prefills what is new, and the pool of idle ones that one-off requests borrow
-(`CachePool`); and the end-of-turn probes (`engine.serving.probes`). What deserves which priority
-is the caller's policy (voice/pipeline/lm.py has the voice service's). Cancelling a stream (barge-in)
-drops the request at the next round; the cache invariant in `engine.decode` keeps the
-conversation consistent.
+(`CachePool`); and the end-of-turn probes (`engine.serving.probes`). When a request's reader runs
+out of text is the caller's to say (voice/pipeline/lm.py: when the listener's audio runs out).
+Cancelling a stream (barge-in) drops the request at the next round; the cache invariant in
+`engine.decode` keeps the conversation consistent.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from engine.serving import probes
 from engine.serving.admission import Admission
 from engine.serving.caches import CachePool, ConversationCache
 from engine.serving.cost import PrefillCost
-from engine.serving.requests import BACKGROUND, NORMAL, WAITED, Piece, Probe, Reply, Request, Superseded
+from engine.serving.requests import Piece, Probe, Reply, Request, Superseded
 from engine.serving.scheduler import Scheduler
 from engine.tools import Tool, for_template
 
-__all__ = ["BACKGROUND", "NORMAL", "WAITED", "ConversationCache", "Decoding", "Engine", "Piece", "Superseded", "decide"]
+__all__ = ["ConversationCache", "Decoding", "Engine", "Piece", "Superseded", "decide"]
 
 log = logging.getLogger("engine.stream")
 
@@ -68,7 +68,7 @@ class Engine:
                  max_batch: int = 8, pool_size: int | None = None, max_defer_s: float = 0.3,
                  max_prefill_s: float | None = None):
         """`pool_size`: idle KV caches kept for requests without a conversation (default `max_batch`).
-        `max_defer_s`: how long a lower-priority forward may sit out rounds (`Scheduler`).
+        `max_defer_s`: how long a forward nobody waits for may sit out rounds (`Scheduler`).
         `max_prefill_s`: a request whose new prompt tokens would take longer to prefill here is
         refused up front (`Admission`); None: never."""
         self.loaded = loaded
@@ -180,12 +180,13 @@ class Engine:
     # --- many requests, batched by the scheduler thread ---------------------------------------
 
     async def stream(self, messages: list[dict], cfg: DecodeConfig | None = None,
-                     conversation: ConversationCache | None = None, priority: Callable[[str], int] | None = None,
+                     conversation: ConversationCache | None = None, deadline: Callable[[str], float] | None = None,
                      constraint: Constraint | None = None, tools: list[Tool] | None = None, warm: bool = False,
                      probe: Probe | None = None, **overrides: Any) -> AsyncGenerator[Piece, None]:
         """Pieces as they are committed; closing the iterator cancels the request. Until its first
-        piece the request is WAITED, then `priority(text)` (NORMAL if None), `text` being what is
-        decoded so far: the caller's next piece may already decide its priority before it arrives.
+        piece someone waits for it, then until `deadline(text)`, when its reader runs out of text
+        (monotonic; None: on no clock), `text` being what is decoded so far: the caller's next piece
+        may already move its deadline before it arrives (`Scheduler` orders rounds by it).
         Without a `conversation` the request is a one-off on a pooled cache. `constraint`
         (engine.grammar): the reply stays inside its grammar (JSON, tool calls); `tools`
         (engine.tools) are rendered into the prompt; `warm`: a prefill ahead of time (`warm()`), never urgent."""
@@ -199,7 +200,7 @@ class Engine:
                 pass
 
         request = Request(messages, replace(cfg or self.defaults, **overrides),
-                          conversation or ConversationCache(abandoned=True), deliver, priority, constraint, tools, warm,
+                          conversation or ConversationCache(abandoned=True), deliver, deadline, constraint, tools, warm,
                           probe)
         self.scheduler.submit(request)
         if not warm:
@@ -216,7 +217,7 @@ class Engine:
                    ) -> None:
         """Prefill `messages` into `conversation`'s cache ahead of its next request, which then
         prefills only what is new (the voice service warms a session's system prompt and tools
-        while its user speaks). BACKGROUND priority; the one token it decodes is dropped."""
+        while its user speaks). Nobody waits for it; the one token it decodes is dropped."""
         try:
             async for _ in self.stream(messages, conversation=conversation, tools=tools, warm=True, max_new_tokens=1):
                 pass
@@ -226,7 +227,7 @@ class Engine:
     async def probe(self, prompt: list[int], tokens: list[int], conversation: ConversationCache | None = None
                     ) -> list[float]:
         """The model's probability of each of `tokens` right after `prompt` (ids), from one forward
-        that someone waits for (WAITED), on a copy of `conversation`'s cache (`engine.serving.probes`):
+        that someone waits for, on a copy of `conversation`'s cache (`engine.serving.probes`):
         the voice service asks whether the user's turn is over on the words its reply will start from."""
         request = Probe(prompt, tokens)
         async for _ in self.stream([], conversation=conversation, probe=request):

@@ -55,7 +55,7 @@ class FakeChat:
     def __init__(self, lm: "FakeLM"):
         self.lm = lm
 
-    async def reply(self, messages, mode=None, urgent=None, tools=None):
+    async def reply(self, messages, mode=None, runs_out=None, tools=None):
         self.lm.calls += 1
         self.lm.asked.append((messages, tools))
         if tools and self.lm.tool_calls:  # scripted: this reply calls tools instead of speaking
@@ -316,7 +316,7 @@ class StandInEngine:
     def prompt_ids(self, messages, tools=None):
         return list(range(sum(len(m["content"]) for m in messages) // 4 + 1))
 
-    async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
+    async def stream(self, messages, cfg, conversation, constraint=None, tools=None, deadline=None):
         from engine import stream  # the engine's pieces (this module's `Piece` is the LM stage's)
         for i, word in enumerate(["Hello", " there."]):
             yield stream.Piece(word, [i], 1, i + 1, i + 1, 1.0, 2.0, i == 1, "stop" if i == 1 else None, 3, 3)

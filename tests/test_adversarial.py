@@ -51,7 +51,7 @@ class GivesUpEngine(EncodingEngine):
         def token_id(text):
             return None  # the tool-call tags as text
 
-    async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
+    async def stream(self, messages, cfg, conversation, constraint=None, tools=None, deadline=None):
         from engine.grammar import GrammarError
         from engine.stream import Piece
         if constraint is not None:

@@ -16,6 +16,9 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -116,6 +119,40 @@ def test_the_phrase_about_to_run_dry_is_synthesised_first():
     for job in jobs:
         job.result(5)
     assert order == ["first phrase", "final transcript", "about to run dry", "plenty left", "not urgent"]
+
+
+def _step(used_s: float, runs_out: Callable[[], float], since: float) -> SimpleNamespace:
+    """A reply in the engine's round (`engine.serving.scheduler.Scheduler.this_round`): a one-row
+    step, far from its end, with `used_s` of model time so far."""
+    return SimpleNamespace(runs_out=runs_out, warm=False, used_s=used_s, ready_since=since, rows_left=lambda: 10_000,
+                           forward=SimpleNamespace(clean=[1], draft=[]))
+
+
+def test_the_reply_whose_audio_runs_out_first_gets_the_next_forward():
+    """The engine's round goes by when each listener's audio runs out (the voice service's deadline,
+    on a fake clock here): the reply that runs out first gets the next forward (one row a forward
+    here, `max_batch` 1), however much model time its longer reply has had; a newcomer whose user
+    waits in silence (-inf) before both. Before, both were WAITED alike and the least served went
+    first: the reply about to run dry sat out behind one with a second more of audio queued."""
+    from engine.serving.cost import PrefillCost
+    from engine.serving.scheduler import Scheduler as Rounds
+    from voice.service.scheduler import LM_HORIZON_S
+    now = [1000.0]
+    rounds = Rounds(cast("Any", None), PrefillCost(), cast("Any", None), cast("Any", None), cast("Any", None),
+                    max_batch=1)
+    rounds.clock, rounds.horizon_s = lambda: now[0], LM_HORIZON_S
+    ends = {"long": now[0] + 0.5, "short": now[0] + 1.5}
+    long, short = (_step(used, lambda name=name: ends[name], now[0]) for name, used in (("long", 3.0), ("short", 0.5)))
+    assert rounds.this_round([short, long]) == [long, short]
+    newcomer = _step(0.0, lambda: -math.inf, now[0])
+    assert rounds.this_round([short, long, newcomer]) == [newcomer, long, short]
+    now[0] += 0.4
+    ends["long"] = now[0] + 1.6  # its next phrase went on the wire: now the short reply's runs out first
+    assert rounds.this_round([long, short]) == [short, long]
+    ends["long"], long.ready_since = now[0] + LM_HORIZON_S + 1.0, now[0]  # audio to spare: it sits out
+    assert rounds.this_round([long, short]) == [short]  # ... while another's runs low
+    now[0] += rounds.max_defer_s + 0.01  # ... for at most max_defer_s
+    assert rounds.this_round([long, short]) == [short, long]
 
 
 # --- the real service -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ greedy decoding against transformers' own GGUF loader.
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import threading
 import time
@@ -22,7 +23,7 @@ from engine.model import visibility_mask
 from engine.runtime import Interrupted
 import engine.decode
 import engine.serving.scheduler
-from engine.stream import BACKGROUND, NORMAL, WAITED, ConversationCache, Engine
+from engine.stream import ConversationCache, Engine
 
 import tinyckpt
 from tinyckpt import MASK_ID
@@ -509,8 +510,8 @@ def test_concurrent_streams_are_batched_and_equal_sequential_replies(smol):
 
 @pytest.mark.parametrize("wanted", [1, 3])
 def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
-    """Someone waits in silence for a reply's first piece (and, while its caller says WAITED, for
-    more: a whole first phrase); a reply already flowing has slack and sits out meanwhile."""
+    """Someone waits in silence for a reply's first piece (and, while its caller's deadline is now,
+    for more: a whole first phrase); a reply already flowing has slack and sits out meanwhile."""
     engine = Engine(smol, max_seq_len=512, max_batch=4, max_defer_s=60.0)
     flowing_cfg = DecodeConfig(mode="ar", max_new_tokens=40)  # a piece per forward
     newcomer_cfg = DecodeConfig(rule="topk", topk=1, max_new_tokens=8)  # one token per forward
@@ -533,7 +534,7 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
         async def newcomer():
             pieces = []
             async for piece in engine.stream(newcomer_chat, newcomer_cfg,
-                                             priority=lambda text: WAITED if len(pieces) < wanted else NORMAL):
+                                             deadline=lambda text: -math.inf if len(pieces) < wanted else math.inf):
                 events.append("newcomer")
                 pieces.append(piece)
             return pieces
@@ -554,16 +555,17 @@ def test_a_waited_for_reply_goes_ahead_of_a_flowing_one(smol, wanted):
 
 
 def test_a_background_reply_sits_out_but_is_never_starved(smol):
-    """A BACKGROUND reply (the voice service's while someone waits for speech recognition or
-    synthesis) sits out rounds past its first piece, each forward at most `max_defer_s`, even alone,
-    and still finishes unchanged."""
+    """A reply nobody waits for while someone waits outside the engine (the voice service's: for
+    speech recognition or synthesis) sits out rounds past its first piece, each forward at most
+    `max_defer_s`, even alone, and still finishes unchanged."""
     engine = Engine(smol, max_seq_len=512, max_defer_s=0.2)
+    engine.scheduler.someone_waits = lambda: True
     cfg = DecodeConfig(mode="ar", max_new_tokens=6)
     expected = reply_ids(engine.generate_sync(FIRST, cfg))
 
     async def main():
         arrivals = []
-        async for piece in engine.stream(FIRST, cfg, priority=lambda text: BACKGROUND):
+        async for piece in engine.stream(FIRST, cfg):
             arrivals.append((time.monotonic(), piece))
         return arrivals
 
@@ -571,6 +573,38 @@ def test_a_background_reply_sits_out_but_is_never_starved(smol):
     assert reply_ids([piece for _, piece in arrivals]) == expected
     gaps = [b - a for (a, _), (b, _) in zip(arrivals, arrivals[1:])]
     assert len(gaps) == 5 and all(0.2 <= gap < 2.0 for gap in gaps)
+
+
+def test_a_reply_about_to_run_dry_keeps_its_forwards_beside_a_less_served_one(smol, monkeypatch):
+    """Two replies someone listens to, on a clock that stands still: the older one, which has had more
+    model time and much left to say, is the one whose listener's audio runs out first, so it keeps
+    getting forwards beside the newer one. Before (least served first among replies someone waits for
+    alike), it sat out every round of the newer one's first 8 pieces (`max_defer_s` is a minute here)."""
+    monkeypatch.setattr(engine.serving.scheduler, "SLICE_S", 0.0)  # strictly least served first, as before
+    eng = Engine(smol, max_seq_len=512, max_batch=4, max_defer_s=60.0)
+    eng.scheduler.clock, eng.scheduler.horizon_s = lambda: 100.0, 2.0
+    older_cfg, newer_cfg = DecodeConfig(mode="ar", max_new_tokens=120), DecodeConfig(mode="ar", max_new_tokens=40)
+    newer_chat = [{"role": "user", "content": "Write a short story about a cat."}]
+    expected = [reply_ids(eng.generate_sync(FIRST, older_cfg)), reply_ids(eng.generate_sync(newer_chat, newer_cfg))]
+    events: list[str] = []
+
+    async def listen(name: str, messages: list[dict], cfg: DecodeConfig, runs_out: float) -> list[int]:
+        pieces = []
+        async for piece in eng.stream(messages, cfg, deadline=lambda text: runs_out):
+            events.append(name)
+            pieces.append(piece)
+        return reply_ids(pieces)
+
+    async def main():
+        older = asyncio.create_task(listen("older", FIRST, older_cfg, 100.5))  # its audio runs out in 0.5 s
+        while events.count("older") < 20:
+            await asyncio.sleep(0.005)
+        newer = asyncio.create_task(listen("newer", newer_chat, newer_cfg, 101.5))  # this one's in 1.5 s
+        return list(await asyncio.gather(older, newer))
+
+    assert asyncio.run(main()) == expected
+    newer = [i for i, e in enumerate(events) if e == "newer"]
+    assert len(newer) >= 8 and events[newer[0]:newer[7]].count("older") >= 4  # main: 0
 
 
 LONG = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(60))}]
@@ -618,7 +652,8 @@ def test_a_prompt_chunk_behind_a_newcomer_sits_out_longer_than_a_step(smol):
     now = time.monotonic()
 
     def request(used_s: float, rows: int, waited_s: float, left: int = 10_000) -> SimpleNamespace:
-        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s, rows_left=lambda: left,
+        return SimpleNamespace(runs_out=lambda: -math.inf, warm=False, used_s=used_s, ready_since=now - waited_s,
+                               rows_left=lambda: left,
                                forward=SimpleNamespace(clean=[1] * rows, draft=[]))
 
     newcomer, step, chunk = request(0.0, 1, 0.0), request(5.0, 1, 0.5), request(5.0, 16, 0.5)
@@ -657,7 +692,7 @@ def test_a_round_writes_one_prompt_chunk(smol, monkeypatch):
 
     async def main():
         async def ask(messages):
-            return reply_ids([p async for p in eng.stream(messages, cfg, priority=lambda text: WAITED)])
+            return reply_ids([p async for p in eng.stream(messages, cfg, deadline=lambda text: -math.inf)])
         return await asyncio.gather(ask(LONG), ask(other))
 
     assert asyncio.run(main()) == expected
@@ -677,7 +712,7 @@ def test_a_short_turn_is_not_held_behind_a_long_prompt(smol, monkeypatch):
 
     async def ask(name, messages):
         pieces = []
-        async for piece in eng.stream(messages, cfg, priority=lambda text: WAITED):  # both someone waits for
+        async for piece in eng.stream(messages, cfg, deadline=lambda text: -math.inf):  # both someone waits for
             events.append(name)
             pieces.append(piece)
         return reply_ids(pieces)
@@ -737,7 +772,7 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
 
     async def ask(name, messages):
         pieces = []
-        async for piece in eng.stream(messages, cfg, priority=lambda text: WAITED):
+        async for piece in eng.stream(messages, cfg, deadline=lambda text: -math.inf):
             firsts.setdefault(name, time.monotonic())
             pieces.append(piece)
         return reply_ids(pieces)

@@ -49,13 +49,13 @@ class StrictLM(FakeLM):
         lm, inner = self, super().chat()
 
         class Chat:
-            async def reply(self, messages, mode=None, urgent=None, tools=None):
+            async def reply(self, messages, mode=None, runs_out=None, tools=None):
                 text = "".join(m["content"] for m in messages)
                 text.encode("utf-8")  # UnicodeEncodeError on a lone surrogate, like a tokenizer
                 if len(text) > lm.context_chars:
                     from engine.decode import ContextOverflow
                     raise ContextOverflow(f"{len(text)} characters do not fit the context")
-                async for block in inner.reply(messages, mode, urgent, tools):
+                async for block in inner.reply(messages, mode, runs_out, tools):
                     yield block
 
             async def prepare(self, messages, tools=None):

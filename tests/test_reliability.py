@@ -83,14 +83,14 @@ class FaultyChat:
     async def prepare(self, messages, tools=None):
         await self.real.prepare(messages, tools)
 
-    async def reply(self, messages, mode=None, urgent=None, tools=None):
+    async def reply(self, messages, mode=None, runs_out=None, tools=None):
         m = Faults.mode
         if m == "lm_raise":
             raise RuntimeError("injected LM failure")
         if m == "lm_hang":
             await asyncio.sleep(3600)
         n = 0
-        async for block in self.real.reply(messages, mode, urgent, tools):
+        async for block in self.real.reply(messages, mode, runs_out, tools):
             n += 1
             if m == "lm_slow" or (m == "lm_slow_mid" and n == 2):
                 await asyncio.sleep(0.4 if m == "lm_slow" else 30)

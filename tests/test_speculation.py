@@ -6,6 +6,7 @@ note when they are called.
 """
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from fakes import FakeLM, FakeSynth, FakeWhisper, fake_instance, make_config, speech
 from voice.events import LatencyReport, ReplyDone, ReplyText, SpeechStopped, Transcript, TtsAudio
 from voice.conversation.session import Session
+from voice.service.scheduler import LM_HORIZON_S
 
 FRAME = 640  # 20 ms of 16 kHz PCM16
 
@@ -36,9 +38,9 @@ class TimedLM(FakeLM):
         chat = super().chat()
         inner = chat.reply
 
-        def reply(messages, mode=None, urgent=None, tools=None):
+        def reply(messages, mode=None, runs_out=None, tools=None):
             self.asked_at.append(time.monotonic())
-            return inner(messages, mode, urgent, tools)
+            return inner(messages, mode, runs_out, tools)
         chat.reply = reply
         return chat
 
@@ -229,13 +231,14 @@ def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():
 
 
 def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded_it():
-    """The engine asks a reply's urgency with the text it has decoded, before that text reaches the
-    reply: urgent until it holds the first phrase, then not (its next forwards would share the
-    cores with that phrase's synthesis), urgent again once the audio sent runs low."""
+    """The engine asks when a reply's listener runs out of audio with the text it has decoded, before
+    that text reaches the reply: now (-inf) until it holds the first phrase, then never while that
+    phrase is synthesised (its next forwards would share the cores with it), then when the audio
+    sent runs out (the engine waits for the reply again within `LM_HORIZON_S` of that)."""
     instance = instance_for(True)
     instance.lm.blocks = ["There ", "are ", "10 ", "close ", "things."]
     instance.lm.delay_s = 0.3  # the last block comes after the first phrase is on the wire
-    answers: list[tuple[bool, bool]] = []
+    answers: list[tuple[float, float, float]] = []
     chat = instance.lm.chat
     played: list = []
 
@@ -243,9 +246,9 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
         made = chat()
         inner = made.reply
 
-        async def reply(messages, mode=None, urgent=None, tools=None):
-            async for block in inner(messages, mode, urgent, tools):
-                answers.append((urgent("There"), urgent("There are 10")))
+        async def reply(messages, mode=None, runs_out=None, tools=None):
+            async for block in inner(messages, mode, runs_out, tools):
+                answers.append((runs_out("There"), runs_out("There are 10"), time.monotonic()))
                 yield block
         made.reply = reply
         return made
@@ -263,8 +266,10 @@ def test_the_lm_yields_to_the_first_phrase_s_synthesis_as_soon_as_it_has_decoded
         await s.close()
 
     asyncio.run(scenario())
-    assert answers[0] == (True, False)  # nothing spoken yet: only the text that holds a phrase yields
-    assert answers[-1] == (True, True)  # the first phrase's audio (about a second) runs low: urgent again
+    assert answers[0][:2] == (-math.inf, math.inf)  # nothing spoken yet: only the text that holds a phrase yields
+    ends, asked = answers[-1][:2], answers[-1][2]
+    # the first phrase's audio (about a second) is on the wire: its end is the deadline, within the horizon
+    assert ends[0] == ends[1] and math.isfinite(ends[0]) and ends[0] - asked < LM_HORIZON_S
     assert played and played[0].text == "There are"  # tts.first_words = 2
 
 

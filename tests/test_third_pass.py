@@ -9,6 +9,7 @@ before its fix. `engine serve` is its real app around the stand-in engines of te
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -251,12 +252,13 @@ def test_long_prompts_chunks_sitting_out_together_share_their_wait(smol):
     from types import SimpleNamespace
 
     import engine.serving.scheduler
-    from engine.stream import WAITED, Engine
+    from engine.stream import Engine
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
     patient, now = 0.3 * engine.serving.scheduler.PREFILL_DEFER, time.monotonic()
 
     def request(used_s: float, rows: int, waited_s: float, left: int = 10_000) -> SimpleNamespace:
-        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s, rows_left=lambda: left,
+        return SimpleNamespace(runs_out=lambda: -math.inf, warm=False, used_s=used_s, ready_since=now - waited_s,
+                               rows_left=lambda: left,
                                forward=SimpleNamespace(clean=[1] * rows, draft=[]))
 
     newcomer = request(0.0, 1, 0.0)
@@ -281,13 +283,14 @@ def test_a_request_near_its_end_goes_ahead_of_long_prompts_as_little_served(smol
     from types import SimpleNamespace
 
     import engine.serving.scheduler
-    from engine.stream import WAITED, Engine
+    from engine.stream import Engine
     eng = Engine(smol, max_seq_len=512, max_defer_s=0.3)
     patient, now = 0.3 * engine.serving.scheduler.PREFILL_DEFER, time.monotonic()
     near = eng.scheduler.short_rows
 
     def request(used_s: float, rows: int, waited_s: float, left: int) -> SimpleNamespace:
-        return SimpleNamespace(level=lambda: WAITED, used_s=used_s, ready_since=now - waited_s, rows_left=lambda: left,
+        return SimpleNamespace(runs_out=lambda: -math.inf, warm=False, used_s=used_s, ready_since=now - waited_s,
+                               rows_left=lambda: left,
                                forward=SimpleNamespace(clean=[1] * rows, draft=[]))
 
     fresh = [request(0.19 + 0.01 * i, 16, 0.5 + 0.1 * i, 1600) for i in range(6)]
@@ -302,22 +305,22 @@ def test_a_request_near_its_end_goes_ahead_of_long_prompts_as_little_served(smol
 
 
 def test_engine_serve_keeps_every_request_waited_for():
-    """An HTTP client waits for its whole reply: engine serve's requests stay WAITED after their
-    first piece (before, NORMAL: a short request sat out behind long prompts still being read)."""
+    """An HTTP client waits for its whole reply: engine serve's requests' readers run out of text now
+    (-inf) after their first piece too (before, they had slack: a short request sat out behind long
+    prompts still being read)."""
     from engine.api.server import build_app
     from engine.decode import DecodeConfig
-    from engine.stream import WAITED
     asked = []
 
     class Recording(EncodingEngine):
-        async def stream(self, messages, cfg, conversation, constraint=None, tools=None, priority=None):
-            asked.append(priority)
+        async def stream(self, messages, cfg, conversation, constraint=None, tools=None, deadline=None):
+            asked.append(deadline)
             async for piece in super().stream(messages, cfg, conversation, constraint, tools):
                 yield piece
 
     with serving(build_app(Recording(), DecodeConfig(max_new_tokens=8))) as port:
         still_answers(port)
-    assert len(asked) == 1 and asked[0] is not None and asked[0]("Hello there.") == WAITED
+    assert len(asked) == 1 and asked[0] is not None and asked[0]("Hello there.") == -math.inf
 
 
 def test_a_request_without_room_in_the_shared_kv_cache_waits_its_turn(smol):

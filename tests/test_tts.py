@@ -314,28 +314,17 @@ def test_held_jobs_go_as_soon_as_the_last_waiting_session_has_its_audio():
 
 
 
-def test_a_local_reply_is_waited_for_while_urgent_and_yields_while_anyone_waits():
-    """The voice service's policy for the engine's per-request priority (voice/pipeline/lm.py): asked with
-    the text decoded so far; a tool call being written is no text to speak."""
-    from types import SimpleNamespace
-
-    from engine.stream import BACKGROUND, NORMAL, WAITED
+def test_a_local_reply_s_deadline_is_its_listener_s_and_a_tool_call_is_no_text_to_speak():
+    """The voice service's deadline for the engine's request (voice/pipeline/lm.py): asked with the text
+    decoded so far, when the listener runs out of audio; a tool call being written is no text to speak."""
     from voice.pipeline.lm import LocalChat
-    scheduler = Scheduler()
-    chat = LocalChat(SimpleNamespace(scheduler=scheduler))
-    urgent = threading.Event()
     asked: list[str] = []
-    priority = chat.priority(lambda text: asked.append(text) or urgent.is_set())
-    assert priority("Sure") == NORMAL
-    scheduler.start_waiting("another session")
-    assert priority("Sure") == BACKGROUND
-    urgent.set()
-    assert priority("Sure") == WAITED
-    scheduler.stop_waiting("another session")
-    urgent.clear()
-    assert priority("Sure") == NORMAL and chat.priority(None)("Sure") == NORMAL
-    assert asked == ["Sure"] * 4
-    chat.priority(lambda text: asked.append(text) or False, tools=True)('<tool_call>\n{"name": "x", ')
+    deadline = LocalChat.deadline(lambda text: asked.append(text) or 12.5)
+    assert deadline is not None and deadline("Sure") == 12.5 and asked == ["Sure"]
+    assert LocalChat.deadline(None) is None
+    with_tools = LocalChat.deadline(lambda text: asked.append(text) or 12.5, tools=True)
+    assert with_tools is not None
+    with_tools('<tool_call>\n{"name": "x", ')
     assert asked[-1] == ""
 
 

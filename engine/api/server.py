@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -57,7 +58,7 @@ from engine.common.redact import install_redaction
 from engine.common.wire import WireError, ascii_int, decode_json
 from engine.decode import ContextOverflow, DecodeConfig
 from engine.grammar import GrammarError
-from engine.stream import WAITED, ConversationCache, Engine, Piece
+from engine.stream import ConversationCache, Engine, Piece
 from engine.tools import calls_in, tag_terminals
 
 log = logging.getLogger("engine.server")
@@ -181,7 +182,7 @@ class ChatAPI:
         conversation = self.caches.take(messages)
         pieces = self.kept_after(engine.stream(messages, cfg, conversation=conversation, constraint=constraint,
                                                tools=tool_use.tools if tool_use is not None else None,
-                                               priority=waited_throughout),
+                                               deadline=waited_throughout),
                                  messages, conversation, tool_use is not None)
         if opts.stream:
             return EventStream(chunks(answer, pieces, opts, info), on_cancel=lambda: info.update(finish="cancelled"))
@@ -263,12 +264,12 @@ class ChatAPI:
         return JSONResponse(body)
 
 
-def waited_throughout(text: str) -> int:
+def waited_throughout(text: str) -> float:
     """An HTTP client waits for the whole reply, not only its first piece (as a voice client,
-    whose first words buy the rest time): every request stays WAITED, so the scheduler serves
-    the least served first, and a short request is not put behind long prompts still being read
-    (an 8-token request beside six ~1,700-token prompts took 115 s on the 1.5B)."""
-    return WAITED
+    whose first words buy the rest time): every request's reader runs out of text now (-inf), so
+    the scheduler serves the least served first, and a short request is not put behind long
+    prompts still being read (an 8-token request beside six ~1,700-token prompts took 115 s on the 1.5B)."""
+    return -math.inf
 
 
 async def api_error(request: Request, exc: APIError) -> Response:

@@ -1,10 +1,11 @@
 """A request inside the engine, and what it hands its caller: `Piece`s of committed text, made
-from a decoder's blocks by `Reply` (incremental detokenisation, timings). A request's priority
-(`Request.level`) is what the scheduler ranks rounds by; what deserves which priority is the
-caller's policy (voice/pipeline/lm.py has the voice service's)."""
+from a decoder's blocks by `Reply` (incremental detokenisation, timings). When a request's reader
+runs out of text (`Request.runs_out`, on the monotonic clock) is what the scheduler orders rounds
+by; the caller says when that is (voice/pipeline/lm.py: when the listener's audio runs out)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +16,6 @@ from engine.runtime import CacheState, Forward
 from engine.serving.caches import ConversationCache
 from engine.tokenizer import Tokenizer
 from engine.tools import Tool
-
-# Request priorities (`priority(text)`): the highest present runs; the others sit out for a while.
-BACKGROUND, NORMAL, WAITED = 0, 1, 2
 
 
 class Superseded(Exception):
@@ -89,12 +87,13 @@ class Request:
     cfg: DecodeConfig
     conversation: ConversationCache
     deliver: Callable  # thread-safe: hands a Piece, an exception or None (end) to the caller
-    # asked each round once the first piece is out, with the text decoded so far (default NORMAL)
-    priority: Callable[[str], int] | None = None
+    # asked each round once the first piece is out, with the text decoded so far: when its reader runs
+    # out of text (monotonic; -inf: they wait now; inf, the default: nobody waits on a clock)
+    deadline: Callable[[str], float] | None = None
     constraint: Constraint | None = None
     tools: list[Tool] | None = None
-    warm: bool = False  # only prefilling ahead of a request (Engine.warm): BACKGROUND throughout
-    probe: Probe | None = None  # only the next token's probabilities (Engine.probe): WAITED throughout
+    warm: bool = False  # only prefilling ahead of a request (Engine.warm): nobody waits, it sits out throughout
+    probe: Probe | None = None  # only the next token's probabilities (Engine.probe): waited for throughout
     start: float = field(default_factory=time.perf_counter)
     steps: Steps | None = None  # set when admitted (with `reply`)
     reply: Reply | None = None
@@ -118,15 +117,17 @@ class Request:
         decoded = len(self.reply.ids) if self.reply is not None else 0
         return self.prompt_left() + max(0, self.cfg.max_new_tokens - decoded)
 
-    def level(self) -> int:
+    def runs_out(self) -> float:
+        """When its reader runs out of text (monotonic): -inf until its first piece (someone waits for
+        it now), then what its `deadline` says; inf for a warm (nobody waits for it)."""
         if self.warm:
-            return BACKGROUND
+            return math.inf
         if self.probe is not None:
-            return WAITED
+            return -math.inf
         assert self.reply is not None  # only admitted requests are ranked
-        if self.reply.first is None:  # nothing delivered yet: someone is waiting for it
-            return WAITED
-        return NORMAL if self.priority is None else self.priority(self.reply.text)
+        if self.reply.first is None:
+            return -math.inf
+        return math.inf if self.deadline is None else self.deadline(self.reply.text)
 
     def close(self) -> None:
         """A newer turn on its conversation takes its place: it stops at the next round."""

@@ -1,26 +1,30 @@
 """The scheduler: one thread owns the model and runs every request's forwards in rounds.
 
-Every round it advances each active request to its next forward (a denoising step, or an AR
-token) and runs up to `max_batch` of them as one batched pass, so concurrent conversations share
+Every round it advances each active request to its next forward (a denoising step, or an AR token)
+and runs up to `max_batch` of them as one batched pass, so concurrent conversations share
 block-denoising steps instead of queueing behind each other (continuous batching at block-step
-granularity). Each round the requests of the highest priority go first (`Request.level`: a reply
-that has not delivered a piece yet is WAITED); the others sit out, each forward at most
-`max_defer_s`, so they are delayed, never starved; a BACKGROUND request sits out even alone.
-Within a priority the least served requests go first (each is charged its rows' share of the model
-time of the batches it was in), and a prompt is prefilled in chunks of about `SLICE_S` of model
-time, one chunk a round: a conversation that sends a long prompt cannot hold the model from the
-others' steps, and a newcomer goes ahead of it; so does a request near its end (`short_rows`),
-however little the long prompts beside it have had so far. Nor does a newcomer wait for the
-chunk under way when it comes: a forward of long prompts' chunks only stops when someone starts waiting
-(`interrupt`: a new request, or the voice service's speech recognition or synthesis for a silent
-user), on kernels that can stop one (llama.cpp), and is read again after the others' turn.
-Cancelling a request (barge-in) drops it at the next round; the cache invariant in
+granularity). Each round is ordered by when each request's reader runs out of text
+(`Request.runs_out`: -inf for a reply that has not delivered a piece yet, someone waits for it now;
+for the voice service, when the listener's queued audio runs out): those that run out within
+`horizon_s` are waited for and go first, the earliest first; the others sit out, each forward at
+most `max_defer_s`, so they are delayed, never starved; so do they, even alone, while someone waits
+outside the engine (`someone_waits`), and a warm always. Among the waited-for that wait alike (-inf:
+now; inf: on no clock) the least served go first (each is charged its rows' share of the model time
+of the batches it was in); one with a deadline goes by it. A prompt is prefilled in chunks of about
+`SLICE_S` of model time, one chunk a round: a conversation that sends a long prompt cannot hold the
+model from the others' steps, and a newcomer goes ahead of it; so does a request near its end
+(`short_rows`), however little the long prompts beside it have had so far. Nor does a newcomer wait
+for the chunk under way when it comes: a forward of long prompts' chunks only stops when someone
+starts waiting (`interrupt`: a new request, or the voice service's speech recognition or synthesis
+for a silent user), on kernels that can stop one (llama.cpp), and is read again after the others'
+turn. Cancelling a request (barge-in) drops it at the next round; the cache invariant in
 `engine.decode` keeps the conversation consistent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -33,7 +37,7 @@ from engine.serving import probes
 from engine.serving.admission import Admission
 from engine.serving.caches import CachePool
 from engine.serving.cost import MIN_PREFILL_CHUNK, PrefillCost
-from engine.serving.requests import BACKGROUND, NORMAL, Reply, Request, Superseded
+from engine.serving.requests import Reply, Request, Superseded
 
 log = logging.getLogger("engine.stream")
 
@@ -47,7 +51,7 @@ FIRST_PREFILL_CHUNK = 64  # before a forward has measured what a prompt token co
 # took 1.35 s on two Zen 5 cores beside speech recognition): so only while nobody else may come
 # (`Admission.may_share`).
 ALONE_SLICES = 4
-# A prompt's chunk that sits out behind a less served request of its priority (a newcomer's reply)
+# A prompt's chunk that sits out behind a less served request of its level (a newcomer's reply)
 # rejoins after this many times `max_defer_s`, a one-row step after `max_defer_s`: a chunk makes the
 # round it joins a slice longer, a step hardly at all. So does a long prompt's chunk (its request
 # has had more than `ALONE_SLICES` slices) while other work that someone waits for shares the
@@ -56,6 +60,11 @@ ALONE_SLICES = 4
 # prompts a newcomer's steps are joined by about one chunk per `PREFILL_DEFER * max_defer_s`, not
 # one every round (`engine serve`: an 8-token request beside six ~1,700-token prompts).
 PREFILL_DEFER = 4
+
+# What a request is to a round, from when its reader runs out of text (`Scheduler.level`): sits out even
+# alone (a warm, or anything not waited for while someone waits outside the engine) | runs when nothing
+# waited for is there | waited for: goes first.
+BACKGROUND, NORMAL, WAITED = 0, 1, 2
 
 # Plans an admitted request's steps beside `others` being served (the engine's: a reply or a probe).
 Plan = Callable[[Request, int], tuple[Steps, Reply]]
@@ -75,9 +84,16 @@ def _long_prompt(request: Request) -> bool:
 class Scheduler:
     def __init__(self, model: Model, cost: PrefillCost, admission: Admission, pool: CachePool, plan: Plan,
                  max_batch: int = 8, max_defer_s: float = 0.3):
-        """`max_defer_s`: how long a lower-priority forward may sit out rounds."""
+        """`max_defer_s`: how long a forward not waited for may sit out rounds."""
         self.model, self.cost, self.admission, self.pool, self.plan = model, cost, admission, pool, plan
         self.max_batch, self.max_defer_s = max_batch, max_defer_s
+        # A request whose reader runs out of text within this is waited for (the voice service: the
+        # few forwards of its next phrase, before the listener's audio runs out).
+        self.horizon_s = 0.0
+        # Does someone wait in silence outside the engine now (the voice service: for a final
+        # transcript or a first phrase)? Then what nobody waits for sits out, even alone.
+        self.someone_waits: Callable[[], bool] = lambda: False
+        self.clock: Callable[[], float] = time.monotonic  # the deadlines' clock
         # Is work someone waits for running beside the engine on the same cores now?
         self.yield_to: Callable[[], bool] = lambda: False
         self.forwards = 0  # batched forwards run so far
@@ -111,7 +127,7 @@ class Scheduler:
 
     def chunking(self, background: bool = False) -> Callable[[], int]:
         """A request's prefill chunk, asked before each: `ALONE_SLICES` times the shared one while
-        it has the model to itself and nobody else may come (`may_share`), unless it is BACKGROUND
+        it has the model to itself and nobody else may come (`may_share`), unless it is a warm
         (someone may come and wait any moment) or a token's cost is not measured yet."""
         return lambda: self.prefill_chunk * (1 if background or self.sharing or self.cost.token_s is None
                                              or self.admission.may_share else ALONE_SLICES)
@@ -152,7 +168,7 @@ class Scheduler:
             log.debug("a forward of %d rows of long prompts stopped after %.0f ms: someone waits",
                       sum(rows), 1000 * took)
             for request in batch:
-                request.ready_since = time.monotonic()
+                request.ready_since = self.clock()
             return
         self.measure(forwards, took)
         for request, result in zip(batch, results):
@@ -189,23 +205,36 @@ class Scheduler:
         """Plan each request's next forward (finished and cancelled requests leave `active`)."""
         for request in list(active):
             if request.forward is None or request.cancelled:
-                request.forward, request.ready_since = self.advance(request), time.monotonic()
+                request.forward, request.ready_since = self.advance(request), self.clock()
                 if request.forward is None:
                     active.remove(request)
         return active
 
+    def level(self, runs_out: float, warm: bool, now: float, someone_waits: bool) -> int:
+        """WAITED if a request's reader runs out of text within `horizon_s` (-inf: waits now); else
+        BACKGROUND if it is a warm, or someone waits outside the engine; else NORMAL."""
+        if runs_out - now < self.horizon_s:
+            return WAITED
+        return BACKGROUND if warm or someone_waits else NORMAL
+
     def this_round(self, ready: list[Request]) -> list[Request]:
-        """The least served requests of the highest priority present (unless that is BACKGROUND):
-        a newcomer goes ahead of a conversation that has had the model for a while (a long
-        prompt's prefill); and those that have sat out `max_defer_s` (a prompt's chunk behind a
-        newcomer of its priority, or a long prompt's while `yield_to`, `PREFILL_DEFER` times that,
-        and as many times again as such chunks sit out together: with six long prompts one of them
-        was due every round, and each of a newcomer's steps took a slice longer). A request near
+        """Of the highest level present (unless that is BACKGROUND), each with a deadline and the
+        least served of those that wait alike: a newcomer goes ahead of a conversation that has had
+        the model for a while (a long prompt's prefill); a reply whose listener's audio runs out goes
+        by when it does, however much it has had (least served first held a long reply about to run
+        dry behind a newcomer or a shorter reply, up to `max_defer_s` a forward); in that order, the
+        earliest deadline first (rows beyond `max_batch` go in the round's later forwards). And those
+        that have sat out `max_defer_s` (a prompt's chunk behind a newcomer of its level, or a long
+        prompt's while `yield_to`, `PREFILL_DEFER` times that, and as many times again as such chunks
+        sit out together: with six long prompts one of them was due every round, and each of a
+        newcomer's steps took a slice longer). A request near
         its end (`short_rows`) counts as least served, and the chunks of longer requests sit out
         behind it: least served alone did not tell an 8-token request from six long prompts that
         had had as little as it (each went between its two chunks and joined each of its steps)."""
-        levels = [request.level() for request in ready]
-        top, now = max(levels, default=NORMAL), time.monotonic()
+        now, someone_waits = self.clock(), self.someone_waits()
+        runs_out = {id(r): r.runs_out() for r in ready}
+        levels = [self.level(runs_out[id(r)], r.warm, now, someone_waits) for r in ready]
+        top = max(levels, default=NORMAL)
         least = min((r.used_s for r, level in zip(ready, levels) if level == top), default=0.0)
         yielding = self.yield_to()
         near = {id(r) for r, level in zip(ready, levels)
@@ -214,7 +243,7 @@ class Scheduler:
         def front(request: Request, level: int) -> bool:
             if level != top or top == BACKGROUND:
                 return False
-            if id(request) in near:
+            if id(request) in near or math.isfinite(runs_out[id(request)]):
                 return True
             return request.used_s <= least + SLICE_S and not (near and _chunk(request))
         fronts = [front(r, level) for r, level in zip(ready, levels)]
@@ -243,7 +272,7 @@ class Scheduler:
                 return False, 0, 0.0, r.ready_since
             return True, r.rows_left() if id(r) in near else self.short_rows + 1, r.used_s, r.ready_since
         chunks = sorted((r for r in chosen if _chunk(r)), key=order)
-        return [r for r in chosen if not _chunk(r)] + chunks[:1]
+        return sorted([r for r in chosen if not _chunk(r)] + chunks[:1], key=lambda r: runs_out[id(r)])
 
     @property
     def short_rows(self) -> int:

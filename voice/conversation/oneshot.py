@@ -118,7 +118,7 @@ class Dictation(TurnTaker):
 class NoChat:
     """A requests session's own chat: it has none (an answer borrows its conversation's)."""
 
-    async def reply(self, messages: list[dict], mode: str | None = None, urgent: object = None,
+    async def reply(self, messages: list[dict], mode: str | None = None, runs_out: object = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         raise RuntimeError("this session answers only in a conversation it is given")
         yield

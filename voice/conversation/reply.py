@@ -20,6 +20,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
@@ -39,7 +40,7 @@ from voice.conversation.history import History
 from voice.pipeline.lm import Chat
 from voice.conversation.outbox import Outbox
 from voice.conversation.playback import Playback
-from voice.service.scheduler import LM_HORIZON_S, TTS_HORIZON_S, Due, Scheduler
+from voice.service.scheduler import TTS_HORIZON_S, Due, Scheduler
 from voice.pipeline.tools import Timers, Toolbox, ToolRun, with_results
 from voice.pipeline.tts import PhraseSplitter, SpeechSynthesizer
 from voice.conversation.turns import TurnTaker
@@ -222,12 +223,17 @@ class ReplyRunner:
                       phrases: asyncio.Queue, speaker: asyncio.Task, tools: list[dict] | None) -> list[dict]:
         """One LM reply, each block under its timeout; the tool calls it makes instead of text, if any."""
         limit = self.config.limits.max_reply_chars
-        # Urgent until the first phrase is decoded (the LM knows before we do: then its next forward
-        # would share the cores with that phrase's synthesis), and again once the audio runs low.
+        # The listener waits in silence until the first phrase is decoded (the LM knows before we do:
+        # then its next forward would share the cores with that phrase's synthesis); then the LM's
+        # deadline is when the audio on the wire runs out (none while the first phrase is synthesised).
         reply.did("lm_asked")
-        stream = chat.reply(messages, self.lm_mode, urgent=lambda text: (
-            not (reply.phrased or splitter.would_phrase(text))
-            or reply.playback.runs_dry(time.monotonic(), LM_HORIZON_S)), tools=tools)
+
+        def runs_out(text: str) -> float:
+            if not (reply.phrased or splitter.would_phrase(text)):
+                return -math.inf
+            end = reply.playback.end()
+            return math.inf if end is None else end
+        stream = chat.reply(messages, self.lm_mode, runs_out=runs_out, tools=tools)
         calls: list[dict] = []
         try:
             async with aclosing(blocks_within(stream, self.config.faults)) as blocks:

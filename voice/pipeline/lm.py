@@ -3,9 +3,10 @@
 `reply(messages)` yields committed text pieces as they are final; closing the iterator
 (barge-in) cancels generation. With `tools` (OpenAI function declarations) a reply is either
 text or tool calls, never both (a local engine's grammar says so): calls come as one last
-`Piece` with `calls`; `urgent(text)` says while the user still waits in silence for more
-of it, given the text decoded so far (a local engine asks before that text reaches the caller).
-For a local engine that is the voice service's priority policy (`LocalChat.priority`). Each
+`Piece` with `calls`; `runs_out(text)` says when the listener runs out of audio (monotonic; -inf:
+they wait in silence for it now; inf: nothing is waited for from the LM yet), given the text
+decoded so far (a local engine asks before that text reaches the caller, and orders its rounds by
+it: `LocalChat.deadline`). Each
 session gets its own `Chat` so a local engine keeps the conversation's prefix cached between turns.
 
 A remote endpoint that can't be reached is retried with backoff before the first block
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from engine.common.wire import WireError, decode_json
 from engine.tools import MAX_CALL_BYTES, calls_in, starts_a_call
 from voice.config import LmConfig
-from voice.service.scheduler import Scheduler
+from voice.service.scheduler import LM_HORIZON_S, Scheduler
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolUnionParam
@@ -58,7 +59,7 @@ class Chat(Protocol):
     """One conversation with the LM: `LocalChat` (its cache kept between turns), `RemoteChat`;
     tests' FakeChat."""
 
-    def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
+    def reply(self, messages: list[dict], mode: str | None = None, runs_out: Callable[[str], float] | None = None,
               tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         """The reply's pieces as they come (an async generator); the last one carries any tool calls."""
         ...
@@ -130,6 +131,10 @@ class LocalLM:
         if self.engine.loaded.weights == "gguf":  # llama.cpp: threads are chosen per step
             busy, idle = config.threads or torch.get_num_threads(), config.idle_threads or os.cpu_count() or 1
             self.engine.model.threads = lambda: busy if self.scheduler.stages_busy() else idle
+        # a reply is waited for once its listener's audio runs out within the horizon; what nobody
+        # waits for sits out while someone waits in silence (for speech recognition or synthesis too)
+        self.engine.scheduler.horizon_s = LM_HORIZON_S
+        self.engine.scheduler.someone_waits = self.scheduler.busy
         # a long prompt's chunk waits for a final, a first phrase ...
         self.engine.scheduler.yield_to = self.scheduler.stage_waited
         self.scheduler.on_waited_job.append(self.engine.interrupt_long_prompts)  # ... and one under way stops
@@ -203,20 +208,15 @@ class LocalChat:
         self.lm, self.conversation = lm, ConversationCache()
         self.tool_call_log_odds: float | None = None  # this conversation's own gate (a phone call's), else the LM's
 
-    def priority(self, urgent: Callable[[str], bool] | None, tools: bool = False) -> Callable[[str], int]:
-        """A reply the user waits for in silence goes first; the others yield while anyone on the
-        host waits (for speech recognition or synthesis too), and run normally otherwise. `urgent`
-        is asked with the text to be spoken so far: none while the reply writes a tool call."""
-        from engine.stream import BACKGROUND, NORMAL, WAITED
-        from engine.tools import starts_a_call
-        busy = self.lm.scheduler.busy
+    @staticmethod
+    def deadline(runs_out: Callable[[str], float] | None, tools: bool = False) -> Callable[[str], float] | None:
+        """The engine's deadline for a reply: when its listener runs out of audio, asked with the
+        text to be spoken so far: none while the reply writes a tool call."""
+        if runs_out is None:
+            return None
+        return lambda text: runs_out("" if tools and starts_a_call(text) else text)
 
-        def level(text: str) -> int:
-            spoken = "" if tools and starts_a_call(text) else text
-            return WAITED if urgent is not None and urgent(spoken) else BACKGROUND if busy() else NORMAL
-        return level
-
-    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
+    async def reply(self, messages: list[dict], mode: str | None = None, runs_out: Callable[[str], float] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         from engine.tools import calls_in, starts_a_call
         overrides: dict[str, Any] = {"mode": mode} if mode else {}
@@ -228,7 +228,7 @@ class LocalChat:
             constraint.gate_first(starts, gate)
         text, calling = "", False
         async for piece in self.lm.engine.stream(messages, conversation=self.conversation, constraint=constraint,
-                                                 tools=declared, priority=self.priority(urgent, bool(tools)),
+                                                 tools=declared, deadline=self.deadline(runs_out, bool(tools)),
                                                  **overrides):
             text += piece.text
             calling = bool(tools) and starts_a_call(text)  # calls are never spoken
@@ -363,10 +363,10 @@ class RemoteChat:
     def close(self) -> None:
         """Nothing to give back: the endpoint keeps its own caches."""
 
-    async def reply(self, messages: list[dict], mode: str | None = None, urgent: Callable[[str], bool] | None = None,
+    async def reply(self, messages: list[dict], mode: str | None = None, runs_out: Callable[[str], float] | None = None,
                     tools: list[dict] | None = None) -> AsyncGenerator[Piece, None]:
         from openai import omit  # what the SDK sends for an argument not given
-        cfg, lm = self.lm.config, self.lm  # `urgent` is for a local engine's scheduler; an endpoint has its own
+        cfg, lm = self.lm.config, self.lm  # `runs_out` is for a local engine's scheduler; an endpoint has its own
         for attempt in range(cfg.retries + 1):
             try:
                 # messages and tools: JSON dicts in the shapes of the SDK's TypedDicts

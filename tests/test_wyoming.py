@@ -173,7 +173,7 @@ def test_a_conversation_the_lm_cannot_take_is_no_fault_under_wyoming(server):
     class ContextOverflow(Exception):
         pass
 
-    async def overflowing(messages, mode=None, urgent=None, tools=None):
+    async def overflowing(messages, mode=None, runs_out=None, tools=None):
         raise ContextOverflow("the conversation does not fit the context")
         yield
 

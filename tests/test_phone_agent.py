@@ -314,10 +314,28 @@ def raw_notify(phone: RawPhone, status: str, final: bool = False, event: str = "
         "Content-Type: message/sipfrag", f"Content-Length: {len(body)}", "", body]).encode())
 
 
-def accepted(refer) -> bytes:
-    """The phone's 202 Accepted to our REFER (RFC 3515)."""
-    echoed = [f"{name}: {refer.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
-    return "\r\n".join(["SIP/2.0 202 Accepted", *echoed, "Content-Length: 0", "", ""]).encode()
+def response_to(request, status: str) -> bytes:
+    """The phone's response to our request ("202 Accepted" to a REFER: RFC 3515)."""
+    echoed = [f"{name}: {request.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
+    return "\r\n".join([f"SIP/2.0 {status}", *echoed, "Content-Length: 0", "", ""]).encode()
+
+
+def press_for_the_tool(phone: RawPhone) -> None:
+    """The caller keys 1 # over SIP INFO: the turn on which the stand-in LM calls its tool."""
+    for key in "1#":
+        phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+
+
+def requests_from_us(phone: RawPhone, method: str, count: int, timeout_s: float) -> list:
+    """Our next `count` requests of `method` to the phone, each with when it came (every other message a 200)."""
+    got = []
+    while len(got) < count:
+        message = phone.recv(timeout_s)
+        if message.method == method:
+            got.append((time.monotonic(), message))
+        else:
+            assert message.status == 200, message
+    return got
 
 
 def caller_hangs_up(phone: RawPhone) -> None:
@@ -336,12 +354,11 @@ def test_stray_and_flooded_notifies_change_nothing(service):
         phone.call(formats="0", rtpmap=("0 PCMU/8000",))
         raw_notify(phone, "200 OK", final=True)
         assert phone.recv().status == 481
-        for key in "1#":
-            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        press_for_the_tool(phone)
         while (refer := phone.recv(10)).method != "REFER":
             assert refer.status == 200, refer
         assert refer.h("refer-to") == "<sip:+14155550100@127.0.0.1>", refer.h("refer-to")
-        phone.send_raw(accepted(refer))
+        phone.send_raw(response_to(refer, "202 Accepted"))
         for _ in range(50):
             raw_notify(phone, "180 Ringing")
         assert [phone.recv().status for _ in range(50)] == [200] * 50
@@ -365,21 +382,13 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
     phone = RawPhone(service)
     try:
         phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        for key in "1#":
-            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
-        refers = []
-        while len(refers) < 3:
-            message = phone.recv(10)
-            if message.method == "REFER":
-                refers.append((time.monotonic(), message))
-            else:
-                assert message.status == 200, message
-        (t0, first), (t1, second), (t2, refer) = refers
+        press_for_the_tool(phone)
+        (t0, first), (t1, second), (t2, refer) = requests_from_us(phone, "REFER", 3, 10)
         same = [(m.start, m.headers, m.body) for m in (first, second, refer)]
         assert same[0] == same[1] == same[2]  # the same request: its branch and CSeq too
         assert 0.35 < t1 - t0 < 0.9 and 0.8 < t2 - t1 < 1.5, (t1 - t0, t2 - t1)
-        phone.send_raw(accepted(refer))
-        phone.send_raw(accepted(refer))
+        phone.send_raw(response_to(refer, "202 Accepted"))
+        phone.send_raw(response_to(refer, "202 Accepted"))
         assert phone.nothing(1.2), "a REFER answered is not sent again"
         raw_notify(phone, "200 OK", final=True)
         assert phone.recv().status == 200
@@ -404,8 +413,7 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
     phone = RawPhone(service)
     try:
         phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        for key in "1#":
-            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        press_for_the_tool(phone)
         wait_until(lambda: service.lm.asked and "did not answer the REFER" in told(service), 10, "the LM to be told")
         record = next(r for r in calls.find("sip") if r.id == phone.call_id)
         # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
@@ -426,11 +434,10 @@ def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s
     phone = RawPhone(service)
     try:
         phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        for key in "1#":
-            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
+        press_for_the_tool(phone)
         while (refer := phone.recv(10)).method != "REFER":
             assert refer.status == 200, refer
-        phone.send_raw(accepted(refer))
+        phone.send_raw(response_to(refer, "202 Accepted"))
         accepted_at = time.monotonic()
         raw_notify(phone, "100 Trying")
         assert phone.recv().status == 200
@@ -453,20 +460,11 @@ def test_a_lost_bye_is_sent_again_until_answered(service):
     phone = RawPhone(service)
     try:
         phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        for key in "1#":
-            phone.request("INFO", f"Signal={key}\r\nDuration=160\r\n", ctype="application/dtmf-relay")
-        byes = []
-        while len(byes) < 2:
-            message = phone.recv(15)
-            if message.method == "BYE":
-                byes.append((time.monotonic(), message))
-            else:
-                assert message.status == 200, message
-        (t0, first), (t1, bye) = byes
+        press_for_the_tool(phone)
+        (t0, first), (t1, bye) = requests_from_us(phone, "BYE", 2, 15)
         assert (first.start, first.headers) == (bye.start, bye.headers)  # the same request: its branch and CSeq
         assert 0.35 < t1 - t0 < 0.9, t1 - t0
-        echoed = [f"{name}: {bye.h(name)}" for name in ("via", "from", "to", "call-id", "cseq")]
-        phone.send_raw("\r\n".join(["SIP/2.0 200 OK", *echoed, "Content-Length: 0", "", ""]).encode())
+        phone.send_raw(response_to(bye, "200 OK"))
         assert phone.nothing(1.5), "a BYE answered is not sent again"
     finally:
         phone.close()

@@ -320,6 +320,16 @@ def response_to(request, status: str) -> bytes:
     return "\r\n".join([f"SIP/2.0 {status}", *echoed, "Content-Length: 0", "", ""]).encode()
 
 
+def the_caller_stays_then_hangs_up(phone: RawPhone) -> None:
+    """After a failed transfer the call is up and no transfer counted; the caller's BYE ends it, and the record
+    says they hung up."""
+    record = next(r for r in calls.find("sip") if r.id == phone.call_id)
+    assert not record.ended and not record.counters["transfers"]
+    caller_hangs_up(phone)
+    wait_until(lambda: record.ended, 10, "the call to end")
+    assert record.end_reason == "caller_hangup"
+
+
 def press_for_the_tool(phone: RawPhone) -> None:
     """The caller keys 1 # over SIP INFO: the turn on which the stand-in LM calls its tool."""
     for key in "1#":
@@ -365,13 +375,9 @@ def test_stray_and_flooded_notifies_change_nothing(service):
         raw_notify(phone, "486 Busy Here", final=True)
         assert phone.recv().status == 200
         wait_until(lambda: service.lm.asked and "SIP 486" in told(service), 10, "the LM to be told")
-        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
-        assert not record.ended and not record.counters["transfers"]
-        caller_hangs_up(phone)
+        the_caller_stays_then_hangs_up(phone)
     finally:
         phone.close()
-    wait_until(lambda: record.ended, 10, "the call to end")
-    assert record.end_reason == "caller_hangup"
 
 
 def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
@@ -418,12 +424,9 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
         record = next(r for r in calls.find("sip") if r.id == phone.call_id)
         # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
         assert record.counters["refer_retransmits"] == 10, record.counters
-        assert not record.ended
-        caller_hangs_up(phone)
+        the_caller_stays_then_hangs_up(phone)
     finally:
         phone.close()
-    wait_until(lambda: record.ended, 10, "the call to end")
-    assert record.end_reason == "caller_hangup"
 
 
 def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s(service, monkeypatch):
@@ -443,13 +446,9 @@ def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s
         assert phone.recv().status == 200
         wait_until(lambda: service.lm.asked and "not completed in time" in told(service), 10, "the LM to be told")
         assert 0.9 < time.monotonic() - accepted_at < 3.0
-        record = next(r for r in calls.find("sip") if r.id == phone.call_id)
-        assert not record.ended and not record.counters["transfers"]
-        caller_hangs_up(phone)
+        the_caller_stays_then_hangs_up(phone)
     finally:
         phone.close()
-    wait_until(lambda: record.ended, 10, "the call to end")
-    assert record.end_reason == "caller_hangup"
 
 
 def test_a_lost_bye_is_sent_again_until_answered(service):

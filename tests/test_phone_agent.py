@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from urllib.parse import parse_qs
 
 import numpy as np
@@ -330,6 +332,19 @@ def the_caller_stays_then_hangs_up(phone: RawPhone) -> None:
     assert record.end_reason == "caller_hangup"
 
 
+@contextlib.contextmanager
+def a_call_keying_for(service, tool_calls) -> Iterator[RawPhone]:
+    """A raw phone's call, µ-law, in which the caller keys 1 # for the stand-in LM's `tool_calls`; hung up after."""
+    service.lm.tool_calls = tool_calls
+    phone = RawPhone(service)
+    try:
+        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
+        press_for_the_tool(phone)
+        yield phone
+    finally:
+        phone.close()
+
+
 def press_for_the_tool(phone: RawPhone) -> None:
     """The caller keys 1 # over SIP INFO: the turn on which the stand-in LM calls its tool."""
     for key in "1#":
@@ -384,11 +399,7 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
     """Over UDP our REFER is a non-INVITE client transaction (RFC 3261 17.1.2.2): the phone drops the first two
     (as a lossy network would); the same REFER comes again 0.5 s, then 1 s later (Timer E from T1 doubling), and
     the transfer answered then completes; the phone's 202, sent twice, is taken once."""
-    service.lm.tool_calls = tool_call("transfer_call", target="desk")
-    phone = RawPhone(service)
-    try:
-        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        press_for_the_tool(phone)
+    with a_call_keying_for(service, tool_call("transfer_call", target="desk")) as phone:
         (t0, first), (t1, second), (t2, refer) = requests_from_us(phone, "REFER", 3, 10)
         same = [(m.start, m.headers, m.body) for m in (first, second, refer)]
         assert same[0] == same[1] == same[2]  # the same request: its branch and CSeq too
@@ -399,8 +410,6 @@ def test_a_lost_refer_is_sent_again_t1_then_2t1_later(service):
         raw_notify(phone, "200 OK", final=True)
         assert phone.recv().status == 200
         assert phone.recv(10).method == "BYE"
-    finally:
-        phone.close()
     record = next(r for r in calls.find("sip") if r.id == phone.call_id)
     wait_until(lambda: record.ended, 10, "the call to end")
     assert record.end_reason == "transfer:desk" and record.counters["refer_retransmits"] == 2, record.counters
@@ -415,29 +424,19 @@ def test_a_refer_never_answered_times_out_and_the_caller_stays(service, monkeypa
     monkeypatch.setattr(sip, "T1", 0.05)
     monkeypatch.setattr(sip, "T2", 0.4)
     monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
-    service.lm.tool_calls = tool_call("transfer_call", target="desk")
-    phone = RawPhone(service)
-    try:
-        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        press_for_the_tool(phone)
+    with a_call_keying_for(service, tool_call("transfer_call", target="desk")) as phone:
         wait_until(lambda: service.lm.asked and "did not answer the REFER" in told(service), 10, "the LM to be told")
         record = next(r for r in calls.find("sip") if r.id == phone.call_id)
         # sent again at 0.05, 0.15, 0.35, 0.75, then T2 apart to 3.15 s; Timer F at 64*T1 = 3.2 s
         assert record.counters["refer_retransmits"] == 10, record.counters
         the_caller_stays_then_hangs_up(phone)
-    finally:
-        phone.close()
 
 
 def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s(service, monkeypatch):
     """The phone accepts the REFER (202) and its NOTIFYs never say how the new call ended: after
     `transfer_timeout_s` from the acceptance the transfer has failed, the LM is told, and the caller stays."""
     monkeypatch.setattr(service.config.telephony, "transfer_timeout_s", 1.0)
-    service.lm.tool_calls = tool_call("transfer_call", target="desk")
-    phone = RawPhone(service)
-    try:
-        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        press_for_the_tool(phone)
+    with a_call_keying_for(service, tool_call("transfer_call", target="desk")) as phone:
         while (refer := phone.recv(10)).method != "REFER":
             assert refer.status == 200, refer
         phone.send_raw(response_to(refer, "202 Accepted"))
@@ -447,26 +446,18 @@ def test_an_accepted_refer_without_a_final_notify_fails_after_transfer_timeout_s
         wait_until(lambda: service.lm.asked and "not completed in time" in told(service), 10, "the LM to be told")
         assert 0.9 < time.monotonic() - accepted_at < 3.0
         the_caller_stays_then_hangs_up(phone)
-    finally:
-        phone.close()
 
 
 def test_a_lost_bye_is_sent_again_until_answered(service):
     """Our BYE after end_call is a non-INVITE client transaction over UDP as the REFER is: the phone drops the
     first (as a lossy network would), the same BYE comes again T1 (0.5 s) later, and once answered it is not
     sent again."""
-    service.lm.tool_calls = tool_call("end_call")
-    phone = RawPhone(service)
-    try:
-        phone.call(formats="0", rtpmap=("0 PCMU/8000",))
-        press_for_the_tool(phone)
+    with a_call_keying_for(service, tool_call("end_call")) as phone:
         (t0, first), (t1, bye) = requests_from_us(phone, "BYE", 2, 15)
         assert (first.start, first.headers) == (bye.start, bye.headers)  # the same request: its branch and CSeq
         assert 0.35 < t1 - t0 < 0.9, t1 - t0
         phone.send_raw(response_to(bye, "200 OK"))
         assert phone.nothing(1.5), "a BYE answered is not sent again"
-    finally:
-        phone.close()
     record = next(r for r in calls.find("sip") if r.id == phone.call_id)
     assert record.end_reason == "end_call" and record.counters["bye_retransmits"] == 1, record.counters
 

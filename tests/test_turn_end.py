@@ -261,8 +261,11 @@ def test_only_a_turn_the_user_may_still_resume_holds_its_reply():
     assert asyncio.run(committed()) and not t.resumable(2, time.monotonic())
 
 
-def test_trails_off_reads_the_words_not_only_the_end_mark():
-    from voice.pipeline.endofturn import trails_off
+def test_unfinished_reads_the_words_not_only_the_end_mark():
+    from voice.pipeline.endofturn import unfinished
+
+    def trails_off(text: str) -> bool:
+        return unfinished(text) is not None
     assert trails_off("Set a timer for.") and trails_off("Feels like these days go on.")
     assert trails_off("Can you remind me to call my") and trails_off("So I was thinking, maybe we...")
     assert not trails_off("Ten of clubs.") and not trails_off("What is it made of?") and not trails_off("")

@@ -74,7 +74,7 @@ class TurnConfig:
     # "you") or this much voiced audio, whichever comes first: a VAD blip (a click, a breath, a browser's
     # microphone settling) leaves the reply playing
     barge_in_ms: int = 600
-    # A reply to words that trail off ("Set a timer for.": voice/pipeline/endofturn.py's trails_off) is prepared
+    # A reply to words that trail off ("Set a timer for.": voice/pipeline/endofturn.py's unfinished) is prepared
     # (LM and TTS) as any, but its first audio waits until the user has been quiet this long: if they go
     # on meanwhile (a pause mid-sentence), it is dropped unheard and their turn resumes (0: never held)
     hold_ms: int = 1000

@@ -64,7 +64,7 @@ def reads_finished(text: str) -> bool:
 
 # Words a finished English sentence rarely ends on: conjunctions, prepositions, articles and
 # possessives, fillers. Whisper writes "Set a timer for." and "Feels like these days go on." for
-# speech cut mid-sentence; a reply to such words is prepared but not voiced yet (`trails_off`).
+# speech cut mid-sentence; a reply to such words is prepared but not voiced yet (`unfinished`).
 TRAILING_WORDS = frozenset(
     "and or but so because if that than then when while where which who whose "
     "of for to in on at by with from about into like as "
@@ -72,18 +72,13 @@ TRAILING_WORDS = frozenset(
     "um uh hmm er erm".split())
 
 
-def trails_off(text: str) -> bool:
-    """Do the words so far read unfinished (`unfinished` names why)? A question ends a turn whatever its
-    last word ("What is it made of?")."""
-    return unfinished(text) is not None
-
-
 def unfinished(text: str) -> str | None:
     """Why the words so far may be unfinished, the surest first: "trails" (a trailing "...", or a statement
     ending on one of TRAILING_WORDS: "Set a timer for.", "Can you remind me to call my"), "open_list" (a
     list not closed: `open_list`), "unmarked" (no end mark, the words otherwise whole: Whisper writes "7 of
     clubs" and "5, 5" for complete clips as often as "My number is 555-0142" for one cut in a pause); None
-    when they read finished. How long each holds a reply: `hold_for`; BENCHMARKS.md "Heard in a room"."""
+    when they read finished; a question ends a turn whatever its last word ("What is it made of?"). How long
+    each holds a reply: `hold_for`; BENCHMARKS.md "Heard in a room"."""
     text = text.strip()
     if not text:
         return None

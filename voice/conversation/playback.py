@@ -3,7 +3,9 @@
 The transport reports each phrase it puts on the wire (`Session.audio_sent`); the client plays a
 phrase when it arrives or when the previous one ends, whichever is later. From that the ledger
 knows what the user has heard by now (barge-in keeps only that in the history), whether the
-audio is about to run dry (the reply's next work is urgent again), and when playback ends.
+audio is about to run dry (the reply's next work is urgent again), and when playback ends. It keeps the
+phrases' audio too, so that what the microphone hears while the reply plays can be compared with it
+(`echo_of`): on a speakerphone the reply comes back, and an echo canceller may leave some of it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
+
+ECHO_RATE = 16000  # the rate what the microphone hears is compared at (voice/conversation/turns.py's)
+MAX_LAG_S = 1.0  # the longest a reply's echo takes to come back (the client's buffers, the room, the way back)
+ECHO_BAND_HZ = (200.0, 4000.0)  # the voice's band, where an echo's phase follows the reply's
 
 
 @dataclass
@@ -22,6 +30,7 @@ class Playback:
     emitted: int = 0  # phrases handed to the transport
     started: float | None = None  # when the reply's first phrase went on the wire
     apology_at: int | None = None  # phrases from this index on are the apology, not the reply
+    audio: list[np.ndarray] = field(default_factory=list)  # per phrase on the wire: its audio at ECHO_RATE
     _all_sent: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -33,13 +42,44 @@ class Playback:
         self.emitted += 1
         self._all_sent.clear()
 
-    def sent(self, text: str, now: float, seconds: float) -> None:
-        """The transport put a phrase on the wire."""
+    def sent(self, text: str, now: float, seconds: float, audio: np.ndarray | None = None) -> None:
+        """The transport put a phrase on the wire; `audio`: its samples at ECHO_RATE (None: not known)."""
         end = self.end()
         self.pending -= 1
         if not self.pending:
             self._all_sent.set()
         self.phrases.append((text, now if end is None else max(end, now), seconds))
+        self.audio.append(np.zeros(0, np.float32) if audio is None else audio)
+
+    def audio_from(self, start: float, samples: int) -> np.ndarray:
+        """The reply's audio as it plays from `start` (time.monotonic()), `samples` of it at ECHO_RATE: zeros
+        where nothing plays (or a phrase's audio is not known)."""
+        out = np.zeros(samples, np.float32)
+        for (_, begin, _), audio in zip(self.phrases, self.audio):
+            offset = round((begin - start) * ECHO_RATE)
+            lo, hi = max(offset, 0), min(offset + len(audio), samples)
+            if lo < hi:
+                out[lo:hi] = audio[lo - offset:hi - offset]
+        return out
+
+    def echo_of(self, heard: np.ndarray, end: float) -> float:
+        """How much is `heard` (ECHO_RATE audio whose last sample came at `end`, time.monotonic()) the reply's
+        echo? The peak of their phase-transform cross-correlation (GCC-PHAT) within ECHO_BAND_HZ at a lag up to
+        MAX_LAG_S, as a share of the peak a delayed copy gives (1.0). Phase alone, so the room's colour and an
+        echo canceller's suppression do not hide an echo; another voice, the user's, shows no peak (~0.03-0.09
+        over a second of it, an echo canceller's residue 0.12-0.36: BENCHMARKS.md "Heard in a room")."""
+        lag = round(MAX_LAG_S * ECHO_RATE)
+        played = self.audio_from(end - (len(heard) + lag) / ECHO_RATE, len(heard) + lag)
+        if not len(heard) or not played.any() or not heard.any():
+            return 0.0
+        size = 1 << (len(heard) + len(played) - 1).bit_length()
+        cross = np.fft.rfft(heard, size) * np.conj(np.fft.rfft(played, size))
+        freqs = np.fft.rfftfreq(size, 1 / ECHO_RATE)
+        band = (freqs >= ECHO_BAND_HZ[0]) & (freqs <= ECHO_BAND_HZ[1])
+        phase = np.where(band, cross / (np.abs(cross) + 1e-20), 0)
+        correlation = np.fft.irfft(phase, size) * size / (2 * band.sum())
+        # heard[i] echoes played[i + lag - d] after a delay of d samples: the correlation at index d - lag
+        return float(correlation[np.arange(-lag, 1) % size].max())
 
     def apology_started(self) -> bool:
         return self.apology_at is not None and len(self.phrases) >= self.apology_at

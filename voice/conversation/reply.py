@@ -63,6 +63,8 @@ DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
 ECHO_TAIL_S = 0.3  # after a reply has played, its echo (a room's reverberation, a client's buffer) may still come back
+ECHO_PEAK = 0.1  # speech over a reply whose phase follows the reply's this much is its echo (`Floor.echo_heard`)
+ECHO_RECHECK_S = 0.1  # how often speech found to be the reply's echo is heard again
 
 
 @dataclass
@@ -422,6 +424,7 @@ class Floor:
         self.reply: Reply | None = None
         self.tasks: set[asyncio.Task] = set()  # replies still running (a barge-in's too), for close()
         self.contender: int | None = None  # the user's turn begun over a reply: a barge-in once it is speech
+        self.echo_checked: tuple[int, float] | None = None  # the last turn heard as the reply's echo, and when
         # The turn that may go on with the unheard reply's utterance (SpeechStarted.resumes): the user's or
         # the room's? Until `resume_decided` is set the reply is not voiced, nor dropped (`speech_started`).
         self.resuming: int | None = None
@@ -558,6 +561,29 @@ class Floor:
             return self.barge_in(now)
         return []
 
+    def echo_heard(self, turn: int, heard: np.ndarray, now: float) -> bool:
+        """Is the speech `turn` began over the reply, `heard` lately (`TurnTaker.heard_lately`, its last sample
+        come `now`), that reply's own echo? It is when its phase follows the reply's (`Playback.echo_of` from
+        ECHO_PEAK on). On a speakerphone an echo canceller that loses the echo's path (its delay or level
+        changed) lets ~1 s of it through while it adapts again, as loud as no canceller, and the level gate,
+        which learnt the converged canceller's quiet residue, takes it for speech: 600 ms of it cut a reply
+        (bench/mic_echo_live.py). The user talking over the reply does not follow it; their words stop it too.
+        Asked again every ECHO_RECHECK_S while it holds (the user may start meanwhile)."""
+        reply = self.reply
+        if reply is None or turn != self.contender or reply.turn == turn:
+            return False
+        checked = self.echo_checked
+        if checked is not None and checked[0] == turn and now - checked[1] < ECHO_RECHECK_S:
+            return True  # (heard as the echo a moment ago)
+        peak = reply.playback.echo_of(heard, now)
+        if peak < ECHO_PEAK:
+            return False
+        if checked is None or checked[0] != turn:
+            session_log.info("session=%s turn=%d its speech is turn %d's reply's echo (%.2f): no barge-in", self.name,
+                             turn, reply.turn, peak)
+        self.echo_checked = (turn, now)
+        return True
+
     def not_resumed(self, turn: int, resumes: int) -> int:
         """`turn`, resuming the utterance `resumes` (its SpeechStarted's), ended without being the user:
         its reply is voiced after all, and speech that resumes now resumes that utterance still. What the
@@ -621,9 +647,10 @@ class Floor:
         self._resume_decided()
         return [Clear(reply.turn, now)]
 
-    def audio_sent(self, turn: int, text: str, seconds: float) -> list[Event]:
+    def audio_sent(self, turn: int, text: str, seconds: float, audio: np.ndarray | None = None) -> list[Event]:
         """The transport put a phrase's audio on the wire (called once per phrase): at the first,
-        an `AudioSent` for the latency tracker (none for an announcement: no latency of its own)."""
+        an `AudioSent` for the latency tracker (none for an announcement: no latency of its own).
+        `audio`: the phrase's at playback.ECHO_RATE, for its echo (`echo_heard`)."""
         reply = self.reply
         if reply is None or reply.turn != turn:
             return []
@@ -633,7 +660,7 @@ class Floor:
             playback.started = now
             self.turns.heard()  # speech from now on is a new utterance, not the last one resumed
             out = [] if reply.announcement else [AudioSent(turn, now)]
-        playback.sent(text, now, seconds)
+        playback.sent(text, now, seconds, audio)
         return out
 
     async def announce(self, text: str) -> None:

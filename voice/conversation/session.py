@@ -30,6 +30,7 @@ from typing import assert_never
 from voice.conversation import oneshot
 from voice.conversation.calllog import CallLog
 from voice.conversation.calltools import Phone, call_gate, call_prompt, call_tools
+from voice.audio import pcm16_to_float, resample
 from voice.config import Config
 from voice.events import AudioSent, Error, Event, SpeechStarted, SpeechStopped, Transcript
 from voice.conversation.faults import StageFailure, transcript_within
@@ -39,7 +40,7 @@ from voice.conversation.latency import LatencyTracker
 from voice.service.limits import watch_session
 from voice.pipeline.lm import Chat, LocalChat
 from voice.conversation.outbox import Outbox
-from voice.conversation.playback import Playback
+from voice.conversation.playback import ECHO_RATE, Playback
 from voice.conversation.reply import Floor, Reply, ReplyRunner
 from voice.service.instance import Instance
 from voice.pipeline.tools import Timers
@@ -127,8 +128,11 @@ class Session:
                     self._send(self.floor.speech_started(turn, now, resumes))
                     self.call_log.started(turn)
                     self.emit(ev)
-                case Talking(turn, now):  # speech, not a blip: a reply it talks over stops
-                    self._send(self.floor.talked_over(turn, now))
+                case Talking(turn, now):  # speech, not a blip: a reply it talks over stops, unless it is its echo
+                    if self.floor.echo_heard(turn, self.turns.heard_lately(), now):
+                        self.turns.not_talking_yet()
+                    else:
+                        self._send(self.floor.talked_over(turn, now))
                 case Partial(turn, text):
                     task = asyncio.create_task(self._partial(turn, text))
                     self.partial_tasks.add(task)
@@ -428,9 +432,11 @@ class Session:
         """The client drops what the user said so far in this utterance."""
         self._on_turn(self.turns.clear(time.monotonic()))
 
-    def audio_sent(self, turn: int, text: str, seconds: float) -> None:
-        """The runner put a phrase's first audio on the wire: heard from now (voice/conversation/reply.py's Floor)."""
-        self._send(self.floor.audio_sent(turn, text, seconds))
+    def audio_sent(self, turn: int, text: str, seconds: float, pcm: bytes = b"", rate: int = 0) -> None:
+        """The runner put a phrase's first audio on the wire: heard from now (voice/conversation/reply.py's Floor).
+        `pcm` (PCM16LE at `rate`): the phrase's audio, whose levels its echo would follow (Floor.echo_heard)."""
+        audio = resample(pcm16_to_float(pcm), rate, ECHO_RATE) if pcm and rate else None
+        self._send(self.floor.audio_sent(turn, text, seconds, audio))
 
     def is_current(self, turn: int) -> bool:
         """Is audio of `turn` still wanted (not cleared by a barge-in)?"""

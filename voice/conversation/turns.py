@@ -19,6 +19,7 @@ final says which turn it `resumes`. `limits.max_utterance_s` bounds the whole of
 it, the resumed halves included: past it the utterance is cut (`TooLong`) and cannot be resumed.
 Once an utterance has `turn.barge_in_ms` of voiced audio it is `Talking`: speech, not a VAD blip,
 which is what lets it interrupt a reply before its words are transcribed (voice/conversation/reply.py's Floor).
+What was heard lately (`heard_lately`) lets the Floor tell a reply's echo from the user.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from voice.events import SpeechStarted, SpeechStopped
 
 log = logging.getLogger("voice.session")
 PRE_ROLL_S = 0.3  # audio kept from before VAD declares speech, so the first syllable reaches ASR
+LATELY_S = 1.5  # `heard_lately`: the last this much of an utterance (its pre-roll included)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class TurnTaker:
         self.audio_s = 0.0  # seconds of 16 kHz audio received
         self.arrivals: deque[tuple[float, float]] = deque(maxlen=500)  # (audio time, monotonic arrival)
         self.pre_roll: deque[np.ndarray] = deque()
+        self.lately = np.zeros(0, np.float32)  # the last LATELY_S of 16 kHz audio received
         self.utterance_start_s = 0.0  # audio time the current utterance started
         self.resumes = 0  # the turn the current one continues (0: none)
         self.talking = False  # the current utterance has been voiced `turn.barge_in_ms` (Talking went out)
@@ -184,6 +187,7 @@ class TurnTaker:
             return []
         self.audio_s += len(audio) / SAMPLE_RATE
         self.arrivals.append((self.audio_s, now))
+        self.lately = np.concatenate([self.lately, audio])[-round(LATELY_S * SAMPLE_RATE):]
         out: list[TurnEvent] = []
         for ev in self.endpointer.push(float_to_pcm16(audio), playing):
             if isinstance(ev, vad.VoiceStart):
@@ -210,6 +214,17 @@ class TurnTaker:
             while sum(len(a) for a in self.pre_roll) > PRE_ROLL_S * SAMPLE_RATE:
                 self.pre_roll.popleft()
         return out
+
+    def heard_lately(self) -> np.ndarray:
+        """The current utterance's last LATELY_S at most (16 kHz), its pre-roll included; its last sample
+        came with the last push (the client streams in real time)."""
+        samples = round((self.audio_s - self.utterance_start_s + PRE_ROLL_S) * SAMPLE_RATE)
+        return self.lately[-samples:] if samples > 0 else self.lately[:0]
+
+    def not_talking_yet(self) -> None:
+        """The current utterance's Talking was the reply's own echo (voice/conversation/reply.py's
+        `Floor.echo_heard`): it is asked again at the next audio, which may be the user."""
+        self.talking = False
 
     def _speech_started(self, now: float) -> SpeechStarted:
         self.turn += 1

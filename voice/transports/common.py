@@ -213,7 +213,7 @@ class ConversationRunner:
     def heard(self, audio: TtsAudio) -> None:
         """The one place a phrase counts as heard: its first frame reached the wire."""
         assert self.session is not None  # opened
-        self.session.audio_sent(audio.turn, audio.text, audio.seconds)
+        self.session.audio_sent(audio.turn, audio.text, audio.seconds, audio.pcm, audio.rate)
 
     async def _close_when_ending(self) -> None:
         """When the server ends the session: stop reading, let the queue reach the wire, close."""

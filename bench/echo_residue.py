@@ -1,0 +1,131 @@
+"""The reply's echo through `voice mic`'s canceller while it adapts again, offline: how much it follows the reply
+(`Playback.echo_of`, GCC-PHAT) against the user talking over a reply, at each moment the level gate makes it
+`Talking` (600 ms of speech: a barge-in before voice/conversation/reply.py's `Floor.echo_heard`).
+
+The question (tests/speech/003.wav), then replies of recorded speech 2 s apart, each fed back 10 dB under
+through its own echo path: the first 60 ms late, so WebRTC's AEC3 (`voice.clients.mic.EchoCanceller`, as
+`voice mic` feeds it) converges; every later one with the path changed (`--paths`: delay in ms, gain in dB),
+so AEC3 lets it through while it adapts again. Then the same with the user (002.wav) over the first reply at
+`--user-at` seconds. The server's gate (`voice.conversation.turns.TurnTaker`) hears what the canceller sent.
+
+    PYTHONPATH=. .venv/bin/python bench/echo_residue.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from voice.audio import float_to_pcm16, read_wav, resample
+from voice.clients.mic import EchoCanceller
+from voice.config import Config
+from voice.conversation.playback import Playback
+from voice.conversation.reply import ECHO_PEAK
+from voice.conversation.turns import Talking, TurnTaker
+from voice.pipeline.asr import SAMPLE_RATE as RATE
+from voice.service.scheduler import Scheduler
+
+SPEECH = Path(__file__).resolve().parents[1] / "tests" / "speech"
+REPLIES = (("005.wav", "001.wav"), ("004.wav", "forever.wav"), ("goforward.wav", "005.wav"), ("001.wav", "004.wav"))
+FRAME = RATE // 50
+
+
+class Silent:
+    """No transcripts: only the gate's Talking is looked at."""
+
+    def __init__(self) -> None:
+        self.speaking: set = set()
+        self.worker = Scheduler().worker("asr")
+
+    def transcribe(self, audio: np.ndarray, prefix: str = "") -> str:
+        return ""
+
+    def transcribe_final(self, audio: np.ndarray) -> str:
+        return ""
+
+
+def clip(*names: str) -> np.ndarray:
+    return np.concatenate([resample(*read_wav(SPEECH / name), RATE) for name in names]).astype(np.float32)
+
+
+Spans = list[tuple[int, int]]
+
+
+def room(paths: list[tuple[int, float]], user_at_s: float | None) -> tuple[np.ndarray, np.ndarray, Spans]:
+    """(what the client played, what its canceller sent, each reply's span in samples)."""
+    gap = np.zeros(2 * RATE, np.float32)
+    parts: list[np.ndarray] = [np.zeros(RATE, np.float32), np.zeros(len(clip("003.wav")), np.float32), gap]
+    for names in REPLIES[:len(paths)]:
+        parts += [clip(*names), gap]
+    played = np.concatenate(parts)
+    starts = np.cumsum([0, *map(len, parts)])
+    spans = [(int(starts[3 + 2 * i]), int(starts[4 + 2 * i])) for i in range(len(paths))]
+    heard = np.zeros_like(played)
+    heard[RATE:starts[2]] = clip("003.wav")
+    for (a, b), (delay_ms, gain_db) in zip(spans, paths):
+        at = a + RATE * delay_ms // 1000
+        heard[at:at + b - a] += played[a:b] * 10 ** ((gain_db - 10) / 20)
+    if user_at_s is not None:
+        user = clip("002.wav")
+        at = spans[0][0] + int(user_at_s * RATE)
+        heard[at:at + len(user)] += user
+    canceller, sent = EchoCanceller(RATE), []
+    for i in range(0, len(played) - FRAME + 1, FRAME):
+        canceller.played(float_to_pcm16(played[i:i + FRAME]))
+        sent.append(canceller.heard(float_to_pcm16(heard[i:i + FRAME])))
+    return played, np.frombuffer(b"".join(sent), "<i2").astype(np.float32) / 32768, spans
+
+
+def peaks(played: np.ndarray, sent: np.ndarray, spans: Spans) -> list[tuple[int, float, float]]:
+    """At each Talking over a reply: (which reply, seconds into it, the echo's peak); Talking is asked again
+    at every frame, as while `Floor.echo_heard` holds, for the first 1.5 s of each speech."""
+
+    async def run() -> list[tuple[int, float, float]]:
+        taker = TurnTaker(Config(), Silent(), RATE, "bench")  # type: ignore[arg-type]
+        playback, out, first, pending = Playback(), [], {}, [*spans]
+        for i in range(0, len(sent) - FRAME + 1, FRAME):
+            now = i / RATE
+            if pending and i >= pending[0][0]:  # the reply goes on the wire
+                a, b = pending.pop(0)
+                playback.handed_over()
+                playback.sent("", now, (b - a) / RATE, played[a:b])
+            reply = next((n for n, (a, b) in enumerate(spans) if a <= i < b + 0.3 * RATE), None)
+            for ev in taker.push(float_to_pcm16(sent[i:i + FRAME]), now, reply is not None):
+                if isinstance(ev, Talking):
+                    first.setdefault(ev.turn, now)
+                    if reply is not None and now - first[ev.turn] < 1.5:
+                        out.append((reply, now - spans[reply][0] / RATE, playback.echo_of(taker.heard_lately(), now)))
+                        taker.not_talking_yet()
+        return out
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", default="60:0,200:0,120:6,300:0", help="each reply's echo: delay ms:gain dB")
+    parser.add_argument("--user-at", default="0.3,1,2,3", help="seconds into the first reply the user starts")
+    args = parser.parse_args()
+    paths = [(int(d), float(g)) for d, g in (p.split(":") for p in args.paths.split(","))]
+    print(f"echo peak from which speech over a reply is its echo: {ECHO_PEAK}")
+    print("the echo alone, each reply (its path):")
+    found = peaks(*room(paths, None))
+    for n, path in enumerate(paths):
+        print(f"  reply {n + 1}, {path[0]} ms, {path[1]:+g} dB: {summary([(i, p) for r, i, p in found if r == n])}")
+    print("the user over the first reply (its canceller converged):")
+    for at in (float(x) for x in args.user_at.split(",")):
+        print(f"  from {at:.1f} s: {summary([(i, p) for r, i, p in peaks(*room(paths[:1], at)) if r == 0])}")
+
+
+def summary(found: list[tuple[float, float]]) -> str:
+    if not found:
+        return "never Talking"
+    return (f"Talking {found[0][0]:.2f} s in, peak {found[0][1]:.3f}; over the next {len(found)} frames "
+            f"{min(p for _, p in found):.3f}..{max(p for _, p in found):.3f}")
+
+
+if __name__ == "__main__":
+    main()

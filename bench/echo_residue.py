@@ -1,12 +1,13 @@
-"""The reply's echo through `voice mic`'s canceller while it adapts again, offline: how much it follows the reply
-(`Playback.echo_of`, GCC-PHAT) against the user talking over a reply, at each moment the level gate makes it
-`Talking` (600 ms of speech: a barge-in before voice/conversation/reply.py's `Floor.echo_heard`).
+"""The reply's echo through `voice mic`'s canceller while it adapts again, offline: how much of what the server
+hears the reply explains (`Playback.echo_of`), against the user talking over a reply, at each moment the level gate
+makes it `Talking` (600 ms of speech: a barge-in before voice/conversation/reply.py's `Floor.echo_heard`).
 
 The question (tests/speech/003.wav), then replies of recorded speech 2 s apart, each fed back 10 dB under
 through its own echo path: the first 60 ms late, so WebRTC's AEC3 (`voice.clients.mic.EchoCanceller`, as
 `voice mic` feeds it) converges; every later one with the path changed (`--paths`: delay in ms, gain in dB),
 so AEC3 lets it through while it adapts again. Then the same with the user (002.wav) over the first reply at
-`--user-at` seconds. The server's gate (`voice.conversation.turns.TurnTaker`) hears what the canceller sent.
+`--user-at` seconds; and the user over the reply's full echo, `--no-aec-db` under them, with no canceller.
+The server's gate (`voice.conversation.turns.TurnTaker`) hears what the client sent.
 
     PYTHONPATH=. .venv/bin/python bench/echo_residue.py
 """
@@ -23,7 +24,7 @@ from voice.audio import float_to_pcm16, read_wav, resample
 from voice.clients.mic import EchoCanceller
 from voice.config import Config
 from voice.conversation.playback import Playback
-from voice.conversation.reply import ECHO_PEAK
+from voice.conversation.reply import ECHO_PART
 from voice.conversation.turns import Talking, TurnTaker
 from voice.pipeline.asr import SAMPLE_RATE as RATE
 from voice.service.scheduler import Scheduler
@@ -52,10 +53,11 @@ def clip(*names: str) -> np.ndarray:
 
 
 Spans = list[tuple[int, int]]
+Room = tuple[np.ndarray, np.ndarray, Spans]  # what the client played, what it sent, where each reply plays
 
 
-def room(paths: list[tuple[int, float]], user_at_s: float | None) -> tuple[np.ndarray, np.ndarray, Spans]:
-    """(what the client played, what its canceller sent, each reply's span in samples)."""
+def room(paths: list[tuple[int, float]], user_at: float | None, aec: bool = True) -> Room:
+    """(what the client played, what it sent (through its canceller if `aec`), each reply's span in samples)."""
     gap = np.zeros(2 * RATE, np.float32)
     parts: list[np.ndarray] = [np.zeros(RATE, np.float32), np.zeros(len(clip("003.wav")), np.float32), gap]
     for names in REPLIES[:len(paths)]:
@@ -68,10 +70,12 @@ def room(paths: list[tuple[int, float]], user_at_s: float | None) -> tuple[np.nd
     for (a, b), (delay_ms, gain_db) in zip(spans, paths):
         at = a + RATE * delay_ms // 1000
         heard[at:at + b - a] += played[a:b] * 10 ** ((gain_db - 10) / 20)
-    if user_at_s is not None:
+    if user_at is not None:
         user = clip("002.wav")
-        at = spans[0][0] + int(user_at_s * RATE)
+        at = spans[0][0] + int(user_at * RATE)
         heard[at:at + len(user)] += user
+    if not aec:
+        return played, heard, spans
     canceller, sent = EchoCanceller(RATE), []
     for i in range(0, len(played) - FRAME + 1, FRAME):
         canceller.played(float_to_pcm16(played[i:i + FRAME]))
@@ -80,7 +84,7 @@ def room(paths: list[tuple[int, float]], user_at_s: float | None) -> tuple[np.nd
 
 
 def peaks(played: np.ndarray, sent: np.ndarray, spans: Spans) -> list[tuple[int, float, float]]:
-    """At each Talking over a reply: (which reply, seconds into it, the echo's peak); Talking is asked again
+    """At each Talking over a reply: (which reply, seconds into it, the echo's part); Talking is asked again
     at every frame, as while `Floor.echo_heard` holds, for the first 1.5 s of each speech."""
 
     async def run() -> list[tuple[int, float, float]]:
@@ -108,9 +112,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--paths", default="60:0,200:0,120:6,300:0", help="each reply's echo: delay ms:gain dB")
     parser.add_argument("--user-at", default="0.3,1,2,3", help="seconds into the first reply the user starts")
+    parser.add_argument("--no-aec-db", default="10,20", help="without a canceller: the echo this far under the user")
     args = parser.parse_args()
     paths = [(int(d), float(g)) for d, g in (p.split(":") for p in args.paths.split(","))]
-    print(f"echo peak from which speech over a reply is its echo: {ECHO_PEAK}")
+    print(f"the part of its power the reply explains from which speech over it is its echo: {ECHO_PART}")
     print("the echo alone, each reply (its path):")
     found = peaks(*room(paths, None))
     for n, path in enumerate(paths):
@@ -118,12 +123,18 @@ def main() -> None:
     print("the user over the first reply (its canceller converged):")
     for at in (float(x) for x in args.user_at.split(",")):
         print(f"  from {at:.1f} s: {summary([(i, p) for r, i, p in peaks(*room(paths[:1], at)) if r == 0])}")
+    for under in (float(x) for x in args.no_aec_db.split(",")):
+        print(f"no canceller, the echo {under:g} dB under the user: alone "
+              f"{summary([(i, p) for _, i, p in peaks(*room([(60, 10 - under)], None, aec=False))])}")
+        for at in (float(x) for x in args.user_at.split(",")):
+            found = [(i, p) for r, i, p in peaks(*room([(60, 10 - under)], at, aec=False)) if r == 0]
+            print(f"  the user from {at:.1f} s: {summary(found)}")
 
 
 def summary(found: list[tuple[float, float]]) -> str:
     if not found:
         return "never Talking"
-    return (f"Talking {found[0][0]:.2f} s in, peak {found[0][1]:.3f}; over the next {len(found)} frames "
+    return (f"Talking {found[0][0]:.2f} s in, echo part {found[0][1]:.3f}; over the next {len(found)} frames "
             f"{min(p for _, p in found):.3f}..{max(p for _, p in found):.3f}")
 
 

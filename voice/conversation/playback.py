@@ -5,7 +5,7 @@ phrase when it arrives or when the previous one ends, whichever is later. From t
 knows what the user has heard by now (barge-in keeps only that in the history), whether the
 audio is about to run dry (the reply's next work is urgent again), and when playback ends. It keeps the
 phrases' audio too, so that what the microphone hears while the reply plays can be compared with it
-(`echo_of`): on a speakerphone the reply comes back, and an echo canceller may leave some of it.
+(`echo_of`): on a speakerphone the reply comes back, and an echo canceller may let some of it through.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 ECHO_RATE = 16000  # the rate what the microphone hears is compared at (voice/conversation/turns.py's)
 MAX_LAG_S = 1.0  # the longest a reply's echo takes to come back (the client's buffers, the room, the way back)
 ECHO_BAND_HZ = (200.0, 4000.0)  # the voice's band, where an echo's phase follows the reply's
+ECHO_SEGMENT = 512  # samples: the spectra `echo_of` averages over a second or so
 
 
 @dataclass
@@ -63,23 +64,33 @@ class Playback:
         return out
 
     def echo_of(self, heard: np.ndarray, end: float) -> float:
-        """How much is `heard` (ECHO_RATE audio whose last sample came at `end`, time.monotonic()) the reply's
-        echo? The peak of their phase-transform cross-correlation (GCC-PHAT) within ECHO_BAND_HZ at a lag up to
-        MAX_LAG_S, as a share of the peak a delayed copy gives (1.0). Phase alone, so the room's colour and an
-        echo canceller's suppression do not hide an echo; another voice, the user's, shows no peak (~0.03-0.09
-        over a second of it, an echo canceller's residue 0.12-0.36: BENCHMARKS.md "Heard in a room")."""
+        """How much of `heard` (ECHO_RATE audio whose last sample came at `end`, time.monotonic()) is the reply's
+        echo: the share of its power in ECHO_BAND_HZ that the reply, as it played up to MAX_LAG_S earlier,
+        explains linearly (per frequency, the magnitude-squared coherence of the two weighted by the heard power).
+        The echo's delay is where their phase-transform cross-correlation (GCC-PHAT) peaks: phase alone, so an
+        echo canceller's suppression does not hide it. An echo alone, whatever the room's colour, is mostly
+        explained (a canceller adapting again: 0.5-0.9); the user talking over the reply is not, nor over its
+        full echo 10 dB under them (under 0.12; bench/echo_residue.py)."""
         lag = round(MAX_LAG_S * ECHO_RATE)
         played = self.audio_from(end - (len(heard) + lag) / ECHO_RATE, len(heard) + lag)
-        if not len(heard) or not played.any() or not heard.any():
+        if len(heard) < ECHO_SEGMENT * 4 or not played.any() or not heard.any():
             return 0.0
         size = 1 << (len(heard) + len(played) - 1).bit_length()
         cross = np.fft.rfft(heard, size) * np.conj(np.fft.rfft(played, size))
-        freqs = np.fft.rfftfreq(size, 1 / ECHO_RATE)
-        band = (freqs >= ECHO_BAND_HZ[0]) & (freqs <= ECHO_BAND_HZ[1])
-        phase = np.where(band, cross / (np.abs(cross) + 1e-20), 0)
-        correlation = np.fft.irfft(phase, size) * size / (2 * band.sum())
+        band = _band(size)
+        correlation = np.fft.irfft(np.where(band, cross / (np.abs(cross) + 1e-20), 0), size)
         # heard[i] echoes played[i + lag - d] after a delay of d samples: the correlation at index d - lag
-        return float(correlation[np.arange(-lag, 1) % size].max())
+        delay = int(np.argmax(correlation[np.arange(-lag, 1) % size]))
+        echo = played[lag - delay:lag - delay + len(heard)]
+        starts = np.arange(0, len(heard) - ECHO_SEGMENT + 1, ECHO_SEGMENT // 2)
+        window = np.hanning(ECHO_SEGMENT)
+        segments = starts[:, None] + np.arange(ECHO_SEGMENT)
+        band = _band(ECHO_SEGMENT)
+        near = np.fft.rfft(heard[segments] * window, axis=1)[:, band]
+        far = np.fft.rfft(echo[segments] * window, axis=1)[:, band]
+        near_power, far_power = (np.abs(near) ** 2).mean(axis=0), (np.abs(far) ** 2).mean(axis=0)
+        explained = np.abs((near * np.conj(far)).mean(axis=0)) ** 2 / (far_power + 1e-20)
+        return float(explained.sum() / (near_power.sum() + 1e-20))
 
     def apology_started(self) -> bool:
         return self.apology_at is not None and len(self.phrases) >= self.apology_at
@@ -148,3 +159,9 @@ class Playback:
             end = self.end()
             assert end is not None  # playing
             await asyncio.sleep(end - now)  # then look again: a phrase sent meanwhile plays after
+
+
+def _band(size: int) -> np.ndarray:
+    """Which bins of a real FFT of `size` samples at ECHO_RATE are in ECHO_BAND_HZ."""
+    freqs = np.fft.rfftfreq(size, 1 / ECHO_RATE)
+    return (freqs >= ECHO_BAND_HZ[0]) & (freqs <= ECHO_BAND_HZ[1])

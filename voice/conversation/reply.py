@@ -63,7 +63,7 @@ DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
 ECHO_TAIL_S = 0.3  # after a reply has played, its echo (a room's reverberation, a client's buffer) may still come back
-ECHO_PEAK = 0.1  # speech over a reply whose phase follows the reply's this much is its echo (`Floor.echo_heard`)
+ECHO_PART = 0.3  # speech over a reply this much of whose power the reply explains is its echo (`Floor.echo_heard`)
 ECHO_RECHECK_S = 0.1  # how often speech found to be the reply's echo is heard again
 
 
@@ -563,24 +563,24 @@ class Floor:
 
     def echo_heard(self, turn: int, heard: np.ndarray, now: float) -> bool:
         """Is the speech `turn` began over the reply, `heard` lately (`TurnTaker.heard_lately`, its last sample
-        come `now`), that reply's own echo? It is when its phase follows the reply's (`Playback.echo_of` from
-        ECHO_PEAK on). On a speakerphone an echo canceller that loses the echo's path (its delay or level
-        changed) lets ~1 s of it through while it adapts again, as loud as no canceller, and the level gate,
-        which learnt the converged canceller's quiet residue, takes it for speech: 600 ms of it cut a reply
-        (bench/mic_echo_live.py). The user talking over the reply does not follow it; their words stop it too.
-        Asked again every ECHO_RECHECK_S while it holds (the user may start meanwhile)."""
+        come `now`), that reply's own echo? It is when the reply explains ECHO_PART of its power (`Playback.echo_of`).
+        On a speakerphone an echo canceller that loses the echo's path (its delay or level changed) lets ~1 s of
+        it through while it adapts again, as loud as no canceller, and the level gate, which learnt the converged
+        canceller's quiet residue, takes it for speech (600 ms of it cut a reply), and Whisper may hear words in
+        it ("I'm sure." for "I'm sorry": bench/mic_echo_live.py). The user talking over the reply, even over its
+        full echo, is not explained by it. Asked again every ECHO_RECHECK_S while it holds (the user may start)."""
         reply = self.reply
         if reply is None or turn != self.contender or reply.turn == turn:
             return False
         checked = self.echo_checked
         if checked is not None and checked[0] == turn and now - checked[1] < ECHO_RECHECK_S:
             return True  # (heard as the echo a moment ago)
-        peak = reply.playback.echo_of(heard, now)
-        if peak < ECHO_PEAK:
+        part = reply.playback.echo_of(heard, now)
+        if part < ECHO_PART:
             return False
         if checked is None or checked[0] != turn:
             session_log.info("session=%s turn=%d its speech is turn %d's reply's echo (%.2f): no barge-in", self.name,
-                             turn, reply.turn, peak)
+                             turn, reply.turn, part)
         self.echo_checked = (turn, now)
         return True
 

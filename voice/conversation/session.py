@@ -27,6 +27,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import assert_never
 
+import numpy as np
+
 from voice.conversation import oneshot
 from voice.conversation.calllog import CallLog
 from voice.conversation.calltools import Phone, call_gate, call_prompt, call_tools
@@ -151,7 +153,8 @@ class Session:
                     self.instance.scheduler.start_waiting(self.id)  # until the first audio, this user hears nothing
                     if self.read_ahead is not None:  # it would compete with the reply for the cores
                         self.read_ahead.cancel()
-                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes))
+                    heard = (self.turns.heard_lately(), self.last_audio)  # (its audio, for the echo test)
+                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes, heard))
                 case TooLong(limit):
                     self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
                                                      "it is ignored until you pause")
@@ -174,10 +177,12 @@ class Session:
             if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
                 self.read_ahead = self.floor.spawn(self.replies.prepare(self.history.messages(said)))
 
-    async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int) -> None:
+    async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int,
+                        heard: tuple[np.ndarray, float] | None = None) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
         set yet) the reply starts as soon as the transcript is known, held back until `ended`.
-        A turn superseded meanwhile (the user went on) still gets its one final, and no reply."""
+        A turn superseded meanwhile (the user went on) still gets its one final, and no reply.
+        `heard`: the utterance's last audio when its final was taken, and when it came (`_heard_words`)."""
         try:
             text = await transcript_within(transcript, self.config.faults)
         except StageFailure as failure:
@@ -192,7 +197,7 @@ class Session:
         if turn != self.turn:
             self._superseded(turn, text, ended, resumes)
             return
-        text = text if self._heard_words(turn, text, final=True) else ""  # else a blip or echo
+        text = text if self._heard_words(turn, text, final=True, heard=heard) else ""  # else a blip or echo
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
             reply = self.floor.start(turn, text, spoken=True)
@@ -214,10 +219,16 @@ class Session:
         else:
             self.unreplied(turn, "", "no_speech")
 
-    def _heard_words(self, turn: int, text: str, final: bool = False) -> bool:
-        """Is `turn`'s transcript so far a turn to answer (voice/conversation/reply.py's `Floor.heard_words`)? If
-        so, and it began over a reply, that reply stops."""
+    def _heard_words(self, turn: int, text: str, final: bool = False,
+                     heard: tuple[np.ndarray, float] | None = None) -> bool:
+        """Is `turn`'s transcript so far a turn to answer (voice/conversation/reply.py's `Floor.heard_words`), and
+        not words Whisper heard in the reply's own echo (`Floor.echo_heard` on `heard`: the audio they came from
+        and when its last sample came; None: the last LATELY_S, now)? If so, and it began over a reply, that reply
+        stops."""
         if not self.floor.heard_words(turn, text, final):
+            return False
+        audio, at = heard or (self.turns.heard_lately(), self.last_audio)
+        if self.floor.echo_heard(turn, audio, at):
             return False
         self._send(self.floor.talked_over(turn, time.monotonic()))
         return True

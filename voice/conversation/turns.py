@@ -223,8 +223,10 @@ class TurnTaker:
 
     def not_talking_yet(self) -> None:
         """The current utterance's Talking was the reply's own echo (voice/conversation/reply.py's
-        `Floor.echo_heard`): it is asked again at the next audio, which may be the user."""
+        `Floor.echo_heard`): the level gate learns it as the echo, and it is asked again at the next audio,
+        which may be the user."""
         self.talking = False
+        self.endpointer.levels.was_echo()
 
     def _speech_started(self, now: float) -> SpeechStarted:
         self.turn += 1

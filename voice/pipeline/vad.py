@@ -108,6 +108,14 @@ class Levels:
                     self.room_voiced.append(voiced)
         return users
 
+    def was_echo(self) -> None:
+        """The last frame, taken for the user's, was the reply's echo (voice/conversation/reply.py's
+        `Floor.echo_heard` compared it with the reply): learnt as the echo, so that the gate holds it back
+        from now on (an echo canceller adapting again lets through ~1 s far louder than the residue learnt)."""
+        if self.level is not None:
+            self.echoed.append(self.level)
+            self.echo = float(np.percentile(self.echoed, self.ECHO_PERCENTILE))
+
     @property
     def quiet_room(self) -> bool:
         """Does the detector hear the room as silence? Then, once the user speaks, a frame it voices up to

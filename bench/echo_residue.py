@@ -84,12 +84,13 @@ def room(paths: list[tuple[int, float]], user_at: float | None, aec: bool = True
 
 
 def peaks(played: np.ndarray, sent: np.ndarray, spans: Spans) -> list[tuple[int, float, float]]:
-    """At each Talking over a reply: (which reply, seconds into it, the echo's part); Talking is asked again
-    at every frame, as while `Floor.echo_heard` holds, for the first 1.5 s of each speech."""
+    """At each Talking over a reply: (which reply, seconds into it, the share of it the reply explains), as the
+    session asks: under ECHO_PART it would cut the reply (no more is asked of that speech); from it on it is held
+    as the echo (`TurnTaker.not_talking_yet`: the gate learns it) and asked again at the next frame."""
 
     async def run() -> list[tuple[int, float, float]]:
         taker = TurnTaker(Config(), Silent(), RATE, "bench")  # type: ignore[arg-type]
-        playback, out, first, pending = Playback(), [], {}, [*spans]
+        playback, out, cut, pending = Playback(), [], set(), [*spans]
         for i in range(0, len(sent) - FRAME + 1, FRAME):
             now = i / RATE
             if pending and i >= pending[0][0]:  # the reply goes on the wire
@@ -98,11 +99,13 @@ def peaks(played: np.ndarray, sent: np.ndarray, spans: Spans) -> list[tuple[int,
                 playback.sent("", now, (b - a) / RATE, played[a:b])
             reply = next((n for n, (a, b) in enumerate(spans) if a <= i < b + 0.3 * RATE), None)
             for ev in taker.push(float_to_pcm16(sent[i:i + FRAME]), now, reply is not None):
-                if isinstance(ev, Talking):
-                    first.setdefault(ev.turn, now)
-                    if reply is not None and now - first[ev.turn] < 1.5:
-                        out.append((reply, now - spans[reply][0] / RATE, playback.echo_of(taker.heard_lately(), now)))
+                if isinstance(ev, Talking) and reply is not None and ev.turn not in cut:
+                    part = playback.echo_of(taker.heard_lately(), now)
+                    out.append((reply, now - spans[reply][0] / RATE, part))
+                    if part >= ECHO_PART:
                         taker.not_talking_yet()
+                    else:
+                        cut.add(ev.turn)
         return out
 
     return asyncio.run(run())
@@ -134,8 +137,11 @@ def main() -> None:
 def summary(found: list[tuple[float, float]]) -> str:
     if not found:
         return "never Talking"
-    return (f"Talking {found[0][0]:.2f} s in, echo part {found[0][1]:.3f}; over the next {len(found)} frames "
-            f"{min(p for _, p in found):.3f}..{max(p for _, p in found):.3f}")
+    (at, first), *held = found
+    verdict = "cut" if first < ECHO_PART else "held as the echo"
+    parts = [p for _, p in held]
+    more = f"; held {len(held) * 20} ms more ({min(parts):.3f}..{max(parts):.3f})" if held else ""
+    return f"Talking {at:.2f} s in, share {first:.3f}: {verdict}{more}"
 
 
 if __name__ == "__main__":

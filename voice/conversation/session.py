@@ -445,7 +445,7 @@ class Session:
 
     def audio_sent(self, turn: int, text: str, seconds: float, pcm: bytes = b"", rate: int = 0) -> None:
         """The runner put a phrase's first audio on the wire: heard from now (voice/conversation/reply.py's Floor).
-        `pcm` (PCM16LE at `rate`): the phrase's audio, whose levels its echo would follow (Floor.echo_heard)."""
+        `pcm` (PCM16LE at `rate`): the phrase's audio, what its echo would be (Floor.echo_heard)."""
         audio = resample(pcm16_to_float(pcm), rate, ECHO_RATE) if pcm and rate else None
         self._send(self.floor.audio_sent(turn, text, seconds, audio))
 

@@ -178,7 +178,7 @@ class Session:
         """Smart Turn on the utterance at its early final (`audio`), for the Floor's hold of a list not closed
         (voice/conversation/reply.py's `Floor.voiced`): in the silence, on the end-of-turn worker beside Whisper's
         final (one thread: the other core is idle then), done before the reply's LM starts; begun with the
-        reply, it slowed that LM's first block (005.wav: 333-419 ms against 164-193). It costs ~100 ms of one
+        reply, it slowed that LM's first block (005.wav: 333-419 ms against 164-193). It costs ~140 ms of one
         core a turn, so not when the instance is near its capacity (`Scheduler.strained`): then a list's reply
         starts it as before. None: not started."""
         if audio is None or not self.config.turn.hold_ms or self.instance.scheduler.strained():

@@ -432,24 +432,20 @@ class Floor:
         self.closed = False
 
     def start(self, turn: int, user_text: str, history: History | None = None, chat: Chat | None = None,
-              spoken: bool = False, sounds_finished: asyncio.Future[float | None] | None = None) -> Reply:
+              spoken: bool = False) -> Reply:
         """The reply to `user_text`, a turn of the session's conversation, or of the one `history`
         and `chat` hold (Wyoming's answer: the caller keeps it). `spoken`: the user said it (and may
-        go on after a pause), not typed it: words that trail off hold its first audio (`voiced`).
-        `sounds_finished`: Smart Turn on the utterance, begun in its silence by the session (None: begun here,
-        beside the reply, if a list not closed needs it)."""
+        go on after a pause), not typed it: words that trail off hold its first audio (`voiced`)."""
         reply = self.reply = Reply(turn, user_text=user_text)
         self._resume_decided()
         turn_config = self.turns.config.turn
         if spoken:
             reply.unfinished = unfinished(user_text)
-            # (a list's hold, until Smart Turn is heard in `voiced`, is the longest)
+            # (a list's hold, until Smart Turn is heard in `voiced`, is the longest; it hears it beside the reply)
             hold_ms = hold_for(reply.unfinished, None, turn_config.hold_ms, turn_config.hold_unmarked_ms)
             reply.hold_s = max(hold_ms, turn_config.voice_after_ms) / 1000
-            if reply.unfinished == "open_list" and sounds_finished is not None:
-                reply.sounds_finished = sounds_finished
-            elif reply.unfinished == "open_list" and self.end_of_turn is not None \
-                    and (audio := self._utterance(turn)) is not None:
+            audio = self._utterance(turn)
+            if reply.unfinished == "open_list" and self.end_of_turn is not None and audio is not None:
                 reply.sounds_finished = asyncio.ensure_future(self.end_of_turn.sounds_finished(audio))
         reply.task = self.spawn(self._respond(reply, user_text, history or self.history, chat))
         return reply

@@ -149,14 +149,12 @@ class Session:
                     self._drop_speculation()
                 case SpeechStopped():
                     self.emit(ev)
-                case Final(turn, transcript, ended, resumes, audio):
+                case Final(turn, transcript, ended, resumes):
                     self.instance.scheduler.start_waiting(self.id)  # until the first audio, this user hears nothing
                     if self.read_ahead is not None:  # it would compete with the reply for the cores
                         self.read_ahead.cancel()
                     heard = (self.turns.heard_lately(), self.last_audio)  # (its audio, for the echo test)
-                    finished = self._hear_the_end(audio)  # Smart Turn in the silence, for a list's hold
-                    self.final_task = asyncio.create_task(
-                        self._finalise(turn, transcript, ended, resumes, heard, finished))
+                    self.final_task = asyncio.create_task(self._finalise(turn, transcript, ended, resumes, heard))
                 case TooLong(limit):
                     self.error("utterance_too_long", f"speech longer than {limit:g} s is cut off here; the rest of "
                                                      "it is ignored until you pause")
@@ -179,30 +177,8 @@ class Session:
             if not self.replying():  # the LM reads the words so far: the reply prefills only what follows
                 self.read_ahead = self.floor.spawn(self.replies.prepare(self.history.messages(said)))
 
-    def _hear_the_end(self, audio: np.ndarray | None) -> asyncio.Future[float | None] | None:
-        """Smart Turn on the utterance at its early final (`audio`), for the Floor's hold of a list not closed
-        (voice/conversation/reply.py's `Floor.voiced`): in the silence, on the end-of-turn worker beside Whisper's
-        final (one thread: the other core is idle then), done before the reply's LM starts; begun with the
-        reply, it slowed that LM's first block (005.wav: 333-419 ms against 164-193). It costs ~140 ms of one
-        core a turn, so not when the instance is near its capacity (`Scheduler.strained`): then a list's reply
-        starts it as before. None: not started."""
-        if audio is None or not self.config.turn.hold_ms or self.instance.scheduler.strained():
-            return None
-        return asyncio.ensure_future(self.end_of_turn.sounds_finished(audio))
-
     async def _finalise(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int,
-                        heard: tuple[np.ndarray, float] | None = None,
-                        finished: asyncio.Future[float | None] | None = None) -> None:
-        """`_answer` the final; `finished`, Smart Turn begun in its silence (`_hear_the_end`), stops unless its
-        reply waits for it."""
-        try:
-            await self._answer(turn, transcript, ended, resumes, heard, finished)
-        finally:
-            if finished is not None and (self.floor.reply is None or self.floor.reply.sounds_finished is not finished):
-                finished.cancel()
-
-    async def _answer(self, turn: int, transcript: Awaitable[str], ended: asyncio.Event, resumes: int,
-                      heard: tuple[np.ndarray, float] | None, finished: asyncio.Future[float | None] | None) -> None:
+                        heard: tuple[np.ndarray, float] | None = None) -> None:
         """The final transcript, then the reply. Speculatively (during the hangover, `ended` not
         set yet) the reply starts as soon as the transcript is known, held back until `ended`.
         A turn superseded meanwhile (the user went on) still gets its one final, and no reply.
@@ -224,7 +200,7 @@ class Session:
         text = text if self._heard_words(turn, text, final=True, heard=heard) else ""  # else a blip or echo
         reply = None
         if text and not self.requests and (self.config.session.speculative_reply or ended.is_set()):
-            reply = self.floor.start(turn, text, spoken=True, sounds_finished=finished)
+            reply = self.floor.start(turn, text, spoken=True)
         await ended.wait()
         if turn != self.turn:  # the user spoke again in the same breath: a barge-in dropped the reply
             self._superseded(turn, text, ended, resumes)
@@ -237,7 +213,7 @@ class Session:
             await self.floor.listened(turn, text)
             return
         if text and reply is None:
-            reply = self.floor.start(turn, text, spoken=True, sounds_finished=finished)
+            reply = self.floor.start(turn, text, spoken=True)
         if reply is not None:
             reply.released.set()
         else:

@@ -29,7 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,15 +58,12 @@ class Partial:
 class Final:
     """The final transcript of `turn`. `ended` is set once the turn is over; before that the
     transcript is a speculation (decoded during the VAD hangover). `resumes`: the earlier turn
-    whose words it holds too (SpeechStarted's), 0 if none. `audio`: a speculation's utterance so far, its
-    silence included (None: the final was taken at the end), for what else is worth hearing in the silence
-    while the transcript is decoded (Smart Turn: voice/conversation/session.py)."""
+    whose words it holds too (SpeechStarted's), 0 if none."""
 
     turn: int
     transcript: Awaitable[str]
     ended: asyncio.Event
     resumes: int = 0
-    audio: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -305,7 +302,7 @@ class TurnTaker:
         if self.early.quiet(silence_ms, talk=not self.endpointer.quiet_room):
             if (early := self.early.take()) is not None:
                 self.turn_ended = asyncio.Event()
-                out.append(Final(self.turn, early, self.turn_ended, self.resumes, self.transcriber.audio()))
+                out.append(Final(self.turn, early, self.turn_ended, self.resumes))
         if self.asks and silence_ms >= self.config.turn.min_silence_ms:
             if not self.asked:
                 self.asked, self.pauses = True, self.pauses + 1

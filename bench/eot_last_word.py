@@ -20,18 +20,15 @@ import argparse
 import json
 import re
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from voice.audio import float_to_pcm16
 from voice.config import Config
-from voice.evals.eot_eval import PAUSES_S, PRE_ROLL_S, SAMPLE_RATE, build_items
+from voice.evals.eot_eval import PAUSES_S, SAMPLE_RATE, build_items, speech_frames
 from voice.pipeline.asr import Whisper, encode_window, most_tokens
 from voice.pipeline.endofturn import SmartTurn, unfinished
 from voice.pipeline.tts import load_voice
-from voice.pipeline.vad import Endpointer, VoiceStart
 
 
 def decode(whisper: Whisper, audio: np.ndarray) -> dict:
@@ -76,26 +73,16 @@ def last_word(decoded: dict) -> dict:
 def silences_of(item, config: Config, whisper: Whisper, smart_turn: SmartTurn) -> list[dict]:
     """Every silence in speech that reached the early final, as the service's VAD hears the item, with the
     early final's decode and how long the silence lasted (the last: to the item's end)."""
-    vad = config.vad
-    endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)
-    frame = SAMPLE_RATE * vad.frame_ms // 1000
-    start_s: float | None = None
     out: list[dict] = []
     current: dict | None = None
-    for offset in range(0, len(item.audio) - frame + 1, frame):
-        for event in endpointer.push(float_to_pcm16(item.audio[offset:offset + frame])):
-            if isinstance(event, VoiceStart) and start_s is None:
-                start_s = max(event.t_audio_s - PRE_ROLL_S - vad.start_ms / 1000, 0.0)
-        if start_s is None or not endpointer.in_speech:
-            continue
-        silence_ms = endpointer.silence_ms
+    for end, start_s, silence_ms in speech_frames(item.audio, config.vad, config.vad.frame_ms):
         if silence_ms == 0:
             current = None
             continue
         if current is not None:
             current["length_ms"] = silence_ms
         elif silence_ms >= config.asr.early_final_ms:
-            utterance = item.audio[int(start_s * SAMPLE_RATE):offset + frame]
+            utterance = item.audio[int(start_s * SAMPLE_RATE):end]
             decoded = decode(whisper, utterance)
             t0 = time.perf_counter()
             heard = smart_turn.probability(utterance)

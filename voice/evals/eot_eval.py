@@ -31,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,15 +230,27 @@ def _word_times(whisper_model: WhisperModel, audio: np.ndarray) -> list[tuple[fl
 
 # --- streaming the items ------------------------------------------------------------------------
 
+def speech_frames(audio: np.ndarray, vad: VadConfig, frame_ms: int = 20) -> Iterator[tuple[int, float, int]]:
+    """Stream `audio` through the service's VAD a frame at a time, its speech never ended by a hangover: for each
+    frame from the first speech on, (where the frame ends, in samples; where the utterance starts, in s, its
+    pre-roll included; the silence so far, in ms)."""
+    from voice.audio import float_to_pcm16
+    from voice.pipeline.vad import Endpointer, VoiceStart
+    endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)
+    frame = SAMPLE_RATE * frame_ms // 1000
+    start_s: float | None = None
+    for offset in range(0, len(audio) - frame + 1, frame):
+        for event in endpointer.push(float_to_pcm16(audio[offset:offset + frame])):
+            if isinstance(event, VoiceStart) and start_s is None:
+                start_s = max(event.t_audio_s - PRE_ROLL_S - vad.start_ms / 1000, 0.0)
+        if start_s is not None and endpointer.in_speech:
+            yield offset + frame, start_s, endpointer.silence_ms
+
+
 async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: SmartTurn | None,
                   transcribe: Callable[[np.ndarray], str] | None, chat_factory: Callable[[], Chat] | None,
                   system_prompt: str, frame_ms: int = 20) -> Record:
     """Stream `item` in VAD frames; ask the signals once per silence that reaches `min_silence_ms`."""
-    from voice.audio import float_to_pcm16
-    from voice.pipeline.vad import Endpointer, VoiceStart
-    endpointer = Endpointer(replace(vad, hangover_ms=60_000), SAMPLE_RATE)  # never stops speech by itself
-    frame = SAMPLE_RATE * frame_ms // 1000
-    start_s: float | None = None
     silences: list[tuple[float, float]] = []
     asks: list[Ask] = []
     asked = False
@@ -246,14 +258,8 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
     messages = [{"role": "system", "content": system_prompt}]
     if chat is not None:
         await chat.prepare(messages)  # as a session does while its user speaks: the system prompt is cached
-    for offset in range(0, len(item.audio) - frame + 1, frame):
-        now = (offset + frame) / SAMPLE_RATE
-        for event in endpointer.push(float_to_pcm16(item.audio[offset:offset + frame])):
-            if isinstance(event, VoiceStart) and start_s is None:
-                start_s = max(event.t_audio_s - PRE_ROLL_S - vad.start_ms / 1000, 0.0)
-        if start_s is None or not endpointer.in_speech:
-            continue
-        silence_ms = endpointer.silence_ms
+    for end, start_s, silence_ms in speech_frames(item.audio, vad, frame_ms):
+        now = end / SAMPLE_RATE
         if silence_ms == 0:
             asked = False
             continue
@@ -262,7 +268,7 @@ async def measure(item: Item, vad: VadConfig, min_silence_ms: int, smart_turn: S
         silences[-1] = (silences[-1][0], now - silences[-1][0])
         if silence_ms >= min_silence_ms and not asked:
             asked = True
-            utterance = item.audio[int(start_s * SAMPLE_RATE):offset + frame]
+            utterance = item.audio[int(start_s * SAMPLE_RATE):end]
             asks.append(await _ask(utterance, silences[-1][0], smart_turn, transcribe, chat, messages))
     for ask in asks:  # how long each asked silence lasted
         ask.silence_s = next(length for begin, length in silences if begin == ask.silence_start_s)

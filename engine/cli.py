@@ -170,7 +170,7 @@ def cmd_draft(a: argparse.Namespace) -> int:
     distilled = out / "distilled.jsonl"
     prompts = data.drafter_prompts(a.chat_prompts, a.assistant_prompts, a.replies, a.knowledge_prompts, seed=a.seed)
     if a.data:
-        corpus = train_draft.read_shards(base, Path(a.data), a.window, a.replies)
+        corpus = train_draft.read_shards(base, Path(a.data), a.window, a.replies, cache=out / "read-back")
     elif a.quantize == "gguf":
         if a.text_replies:
             raise SystemExit("--text-replies needs the PyTorch model (--quantize none)")

@@ -323,7 +323,8 @@ class LlamaCppModel:
         cparams.n_seq_max = SEQUENCES
         cparams.kv_unified = True  # conversations share the cells: a forked prefix costs nothing
         cparams.n_threads = cparams.n_threads_batch = self.threads()
-        self._tap = LayerTap(tuple(layers), lib.llama_model_n_layer(self._model)) if layers else None
+        self.layers = tuple(layers)
+        self._tap = LayerTap(self.layers, lib.llama_model_n_layer(self._model)) if layers else None
         if self._tap is not None:
             cparams.cb_eval = self._tap.callback
         self._ctx = lib.llama_init_from_model(self._model, cparams)

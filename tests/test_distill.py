@@ -9,6 +9,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from engine import llamacpp
 from engine.decode import CacheState, DecodeConfig, Forward, generate_ar_batch, run_many
@@ -105,7 +106,10 @@ def test_a_head_on_several_layers_trains_on_the_shards_and_verify_keeps_the_ar_r
     base = load("small", max_seq_len=1024, quantize="gguf", layers=layers)
     monkeypatch.setattr(distill, "conversations", lambda seed=0: talks() * 3)
     distill.grow(base, tmp_path / "data", in_flight=6, max_new_tokens=24, log=print)
-    corpus = train_draft.read_shards(base, tmp_path / "data", 8, log=print)
+    corpus = train_draft.read_shards(base, tmp_path / "data", 8, cache=tmp_path / "read-back", log=print)
+    said: list[str] = []  # a second read (a resumed run, another head on the same layers) runs nothing
+    again = train_draft.read_shards(base, tmp_path / "data", 8, cache=tmp_path / "read-back", log=said.append)
+    assert not said and torch.equal(again.hidden, corpus.hidden) and again.starts == corpus.starts
     assert corpus.hidden.shape == (len(corpus.ids), len(layers) * base.model.args.dim)
     assert corpus.top_ids is not None and corpus.top_probs is not None
     at = corpus.positions(list(range(len(corpus.starts))))

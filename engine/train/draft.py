@@ -22,6 +22,7 @@ hard positions.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -245,61 +246,96 @@ TOP_K = 8  # the base's likeliest next tokens kept per position for distillation
 
 @torch.inference_mode()
 def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, batch: int = 8,
-                log: Callable[[str], object] = print) -> Corpus:
+                cache: Path | None = None, log: Callable[[str], object] = print) -> Corpus:
     """The replies of `engine distill`'s shards in `folder` (the first `limit`; 0: all) read back
     through the base on llama.cpp's kernels, each prompt + reply in one forward with the reply as
     drafted rows, as verify runs it: the tapped layers' states (`LlamaCppModel(layers=...)`) of the
     last `window` prompt rows and of every reply row, and the base's top-K next tokens after each
-    reply position. Nothing of it is stored: it comes back in one prefill whenever it is needed."""
+    reply position. None of it is committed: one prefill gives it back. `cache`: a folder (of the
+    run, not the data) where each shard's read-back is kept, so a stopped run (hours for 15k replies
+    on two cores) goes on where it stopped and a second head on the same layers reads nothing."""
     from engine.llamacpp import LlamaCppModel
-    from engine.train.distill import read_shards as shard_rows
+    from engine.train.distill import shard_paths
     model = base.model
     assert isinstance(model, LlamaCppModel)
-    rows = [r for _, r in zip(range(limit) if limit else iter(int, 1), shard_rows(folder))]
+    tag = f"l{'-'.join(map(str, model.layers))}-w{window}"
+    parts: list[Corpus] = []
+    total, t0, read = 0, time.perf_counter(), 0
     model.read_states(window)
+    for path in shard_paths(folder):
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for line in f][:limit - total if limit else None]
+        if not rows:
+            break
+        total += len(rows)
+        kept = cache / f"{path.name.split('.')[0]}-{tag}.pt" if cache else None
+        if kept and kept.exists() and (saved := torch.load(kept, weights_only=True))["n"] == len(rows):
+            parts.append(Corpus(**saved["corpus"]))
+            continue
+        part = _read_back(base, rows, window, batch)
+        if kept:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"n": len(rows), "corpus": asdict(part)}, kept.with_suffix(".part"))
+            kept.with_suffix(".part").rename(kept)  # whole or absent
+        parts.append(part)
+        read += len(rows)
+        log(f"read {total} replies ({path.name}) through the base ({read / (time.perf_counter() - t0):.2f}/s)")
+    model.read_states(0)
+    return Corpus.join(parts)
+
+
+def _read_back(base: LoadedModel, rows: list[dict], window: int, batch: int) -> Corpus:
+    """`read_shards` of one shard's rows: the rows offered the same tools share their prompt's
+    prefix (the system prompt, the tools' schema), cached once and forked into `batch` states."""
+    from engine.llamacpp import LlamaCppModel
+    model = base.model
+    assert isinstance(model, LlamaCppModel)
     eos_ids, dim = base.tokenizer.eos_ids, model.state_dim
-    shared = list(os.path.commonprefix([r["prompt_ids"] for r in rows[:64]]))[:-1]
-    root = CacheState.new(model, 2048)
-    run(model, root, shared, False, [])
-    states = [root.fork(model) for _ in range(batch)]  # their ids stay `shared`: each forward is scratch
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(json.dumps(row["tools"]), []).append(row)
     ids: list[int] = []
-    hidden, tops, probs, starts, prompt_lens, lengths = [], [], [], [], [], []
+    hidden, tops, probs, starts, prompt_lens, lengths, ends_cut = [], [], [], [], [], [], []
 
     def zeros(n: int, width: int, fill: int = 0, dtype: torch.dtype = torch.float16) -> torch.Tensor:
         return torch.full((n, width), fill, dtype=dtype)
 
-    t0 = time.perf_counter()
-    for first in range(0, len(rows), batch):
-        part = rows[first:first + batch]
-        forwards = [Forward(state, row["prompt_ids"][len(shared):], draft=row["reply_ids"], draft_causal=True)
-                    for state, row in zip(states, part)]
-        for f, (logits, h) in zip(forwards, model.step(forwards)):
-            assert h is not None  # read_states asked for them
-            reply, keep = f.draft, (shared + f.clean)[-window:]
-            cut = reply[-1] not in eos_ids  # stopped at the token limit: the base would have gone on
-            seq = keep + reply + ([base.tokenizer.turn_end_id] if cut else [])
-            stated = min(len(keep), len(f.clean))  # prompt rows this forward wrote (the shared ones: none)
-            starts.append(len(ids) + window)
-            ids += [0] * window + seq
-            hidden += [zeros(window + len(keep) - stated, dim), h[len(h) - len(reply) - stated:].half(),
-                       zeros(len(seq) - len(keep) - len(reply), dim)]
-            # the base's top-K after the last prompt token and after each reply token but the last
-            p, top = logits[:len(reply)].float().softmax(-1).topk(TOP_K, -1)
-            rest = len(seq) - (len(keep) - 1) - len(reply)
-            tops += [zeros(window + len(keep) - 1, TOP_K, -1, torch.int32), top.int(),
-                     zeros(rest, TOP_K, -1, torch.int32)]
-            probs += [zeros(window + len(keep) - 1, TOP_K), p.half(), zeros(rest, TOP_K)]
-            prompt_lens.append(len(keep))
-            lengths.append(len(seq))
-        done = first + len(part)
-        if done % (batch * 25) == 0 or done == len(rows):
-            log(f"read {done}/{len(rows)} replies through the base ({done / (time.perf_counter() - t0):.1f}/s)")
-    model.read_states(0)
+    root = CacheState.new(model, 2048)
+    states = [CacheState.new(model, 2048) for _ in range(batch)]
+    for group in groups.values():
+        shared = list(os.path.commonprefix([r["prompt_ids"] for r in group]))[:-1]
+        root.clear()
+        run(model, root, shared, False, [])
+        for state in states:
+            root.fork(model, into=state)  # their ids stay `shared`: each forward is scratch
+        for first in range(0, len(group), batch):
+            part = group[first:first + batch]
+            forwards = [Forward(state, row["prompt_ids"][len(shared):], draft=row["reply_ids"], draft_causal=True)
+                        for state, row in zip(states, part)]
+            for f, (logits, h) in zip(forwards, model.step(forwards)):
+                assert h is not None  # read_states asked for them
+                reply, keep = f.draft, (shared + f.clean)[-window:]
+                cut = reply[-1] not in eos_ids  # stopped at the token limit: the base would have gone on
+                seq = keep + reply + ([base.tokenizer.turn_end_id] if cut else [])
+                stated = min(len(keep), len(f.clean))  # prompt rows this forward wrote (the shared ones: none)
+                starts.append(len(ids) + window)
+                ids += [0] * window + seq
+                hidden += [zeros(window + len(keep) - stated, dim), h[len(h) - len(reply) - stated:].half(),
+                           zeros(len(seq) - len(keep) - len(reply), dim)]
+                # the base's top-K after the last prompt token and after each reply token but the last
+                p, top = logits[:len(reply)].float().softmax(-1).topk(TOP_K, -1)
+                rest = len(seq) - (len(keep) - 1) - len(reply)
+                tops += [zeros(window + len(keep) - 1, TOP_K, -1, torch.int32), top.int(),
+                         zeros(rest, TOP_K, -1, torch.int32)]
+                probs += [zeros(window + len(keep) - 1, TOP_K), p.half(), zeros(rest, TOP_K)]
+                prompt_lens.append(len(keep))
+                lengths.append(len(seq))
+                ends_cut.append(cut)
     ids_t = torch.tensor(ids)
     targets = torch.full_like(ids_t, -1)
-    for s0, p_len, n, row in zip(starts, prompt_lens, lengths, rows):
+    for s0, p_len, n, cut in zip(starts, prompt_lens, lengths, ends_cut):
         targets[s0 + p_len - 1:s0 + n - 1] = ids_t[s0 + p_len:s0 + n]
-        if row["reply_ids"][-1] not in eos_ids:  # the end-of-turn appended to a cut-off reply is no target
+        if cut:  # the end-of-turn appended to a cut-off reply is no target
             targets[s0 + n - 2] = -1
     return Corpus(ids_t, torch.cat(hidden), targets, starts, prompt_lens, lengths, [True] * len(starts),
                   torch.cat(tops), torch.cat(probs))

@@ -284,16 +284,43 @@ def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, ba
     return Corpus.join(parts)
 
 
+def conversation_chains(rows: list[dict]) -> list[list[dict]]:
+    """`rows` as chains of one conversation's turns, each turn's prompt beginning with the turn
+    before's prompt and reply (the model's own reply in the history): one forward over the last
+    turn computes every earlier turn's rows too (causal attention), so a chain costs its longest
+    sequence instead of the sum of its turns' (1.44x fewer rows on the 1.5B's shards)."""
+    by_key: dict[str, list[dict]] = {}
+    for row in rows:
+        by_key.setdefault(row["key"], []).append(row)
+    chains: list[list[dict]] = []
+    for turns in by_key.values():
+        chain: list[dict] = []
+        for row in sorted(turns, key=lambda r: r["turn"]):
+            if chain and row["tools"] == chain[-1]["tools"] and \
+                    row["prompt_ids"][:len(sequence(chain[-1]))] == sequence(chain[-1]):
+                chain.append(row)
+            else:
+                chain = [row]
+                chains.append(chain)
+    return chains
+
+
+def sequence(row: dict) -> list[int]:
+    return row["prompt_ids"] + row["reply_ids"]
+
+
 def _read_back(base: LoadedModel, rows: list[dict], window: int, batch: int) -> Corpus:
     """`read_shards` of one shard's rows: the rows offered the same tools share their prompt's
-    prefix (the system prompt, the tools' schema), cached once and forked into `batch` states."""
+    prefix (the system prompt, the tools' schema), cached once and forked into `batch` states; a
+    conversation's turns are read in one forward (`conversation_chains`), everything after the
+    first turn's prompt as drafted rows, which give their states and logits."""
     from engine.llamacpp import LlamaCppModel
     model = base.model
     assert isinstance(model, LlamaCppModel)
     eos_ids, dim = base.tokenizer.eos_ids, model.state_dim
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(json.dumps(row["tools"]), []).append(row)
+    groups: dict[str, list[list[dict]]] = {}
+    for chain in conversation_chains(rows):
+        groups.setdefault(json.dumps(chain[0]["tools"]), []).append(chain)
     ids: list[int] = []
     hidden, tops, probs, starts, prompt_lens, lengths, ends_cut = [], [], [], [], [], [], []
 
@@ -303,34 +330,44 @@ def _read_back(base: LoadedModel, rows: list[dict], window: int, batch: int) -> 
     root = CacheState.new(model, 2048)
     states = [CacheState.new(model, 2048) for _ in range(batch)]
     for group in groups.values():
-        shared = list(os.path.commonprefix([r["prompt_ids"] for r in group]))[:-1]
+        shared = list(os.path.commonprefix([c[0]["prompt_ids"] for c in group]))[:-1]
         root.clear()
         run(model, root, shared, False, [])
         for state in states:
             root.fork(model, into=state)  # their ids stay `shared`: each forward is scratch
         for first in range(0, len(group), batch):
             part = group[first:first + batch]
-            forwards = [Forward(state, row["prompt_ids"][len(shared):], draft=row["reply_ids"], draft_causal=True)
-                        for state, row in zip(states, part)]
-            for f, (logits, h) in zip(forwards, model.step(forwards)):
+            forwards = [Forward(state, c[0]["prompt_ids"][len(shared):],
+                                draft=sequence(c[-1])[len(c[0]["prompt_ids"]):], draft_causal=True)
+                        for state, c in zip(states, part)]
+            for f, chain, (logits, h) in zip(forwards, part, model.step(forwards)):
                 assert h is not None  # read_states asked for them
-                reply, keep = f.draft, (shared + f.clean)[-window:]
-                cut = reply[-1] not in eos_ids  # stopped at the token limit: the base would have gone on
-                seq = keep + reply + ([base.tokenizer.turn_end_id] if cut else [])
-                stated = min(len(keep), len(f.clean))  # prompt rows this forward wrote (the shared ones: none)
-                starts.append(len(ids) + window)
-                ids += [0] * window + seq
-                hidden += [zeros(window + len(keep) - stated, dim), h[len(h) - len(reply) - stated:].half(),
-                           zeros(len(seq) - len(keep) - len(reply), dim)]
-                # the base's top-K after the last prompt token and after each reply token but the last
-                p, top = logits[:len(reply)].float().softmax(-1).topk(TOP_K, -1)
-                rest = len(seq) - (len(keep) - 1) - len(reply)
-                tops += [zeros(window + len(keep) - 1, TOP_K, -1, torch.int32), top.int(),
-                         zeros(rest, TOP_K, -1, torch.int32)]
-                probs += [zeros(window + len(keep) - 1, TOP_K), p.half(), zeros(rest, TOP_K)]
-                prompt_lens.append(len(keep))
-                lengths.append(len(seq))
-                ends_cut.append(cut)
+                # h: the last `window` clean rows' states (zeros before them) and every drafted row's;
+                # logits: after the last clean row and after each drafted row
+                full, stated_from = shared + f.clean + f.draft, len(shared)
+                logits_from = len(shared) + len(f.clean) - 1
+                for row in chain:
+                    end, reply = len(row["prompt_ids"]), row["reply_ids"]
+                    keep_from = max(0, end - window)
+                    keep = full[keep_from:end]
+                    cut = reply[-1] not in eos_ids  # stopped at the token limit: the base would have gone on
+                    seq = keep + reply + ([base.tokenizer.turn_end_id] if cut else [])
+                    starts.append(len(ids) + window)
+                    ids += [0] * window + seq
+                    lo = max(keep_from, stated_from)
+                    hidden += [zeros(window + lo - keep_from, dim),
+                               h[lo - stated_from:end + len(reply) - stated_from].half(),
+                               zeros(len(seq) - len(keep) - len(reply), dim)]
+                    # the base's top-K after the last prompt token and after each reply token but the last
+                    p, top = logits[end - 1 - logits_from:end - 1 - logits_from + len(reply)].float().softmax(-1) \
+                        .topk(TOP_K, -1)
+                    rest = len(seq) - (len(keep) - 1) - len(reply)
+                    tops += [zeros(window + len(keep) - 1, TOP_K, -1, torch.int32), top.int(),
+                             zeros(rest, TOP_K, -1, torch.int32)]
+                    probs += [zeros(window + len(keep) - 1, TOP_K), p.half(), zeros(rest, TOP_K)]
+                    prompt_lens.append(len(keep))
+                    lengths.append(len(seq))
+                    ends_cut.append(cut)
     ids_t = torch.tensor(ids)
     targets = torch.full_like(ids_t, -1)
     for s0, p_len, n, cut in zip(starts, prompt_lens, lengths, ends_cut):

@@ -4,7 +4,9 @@ The set (built on the fly, nothing big in the repo): the real recordings of test
 and again with a pause of PAUSES_S inserted between two of their words; sentences Piper speaks
 (SYNTHETIC: phone numbers, lists, "um", a question with more words after it, short answers),
 whole and with pauses at the marked words, labelled synthetic. Word boundaries come from
-faster-whisper's word timestamps; a pause is filled with the recording's own quietest audio.
+faster-whisper's word timestamps, the ASR's model's and Whisper base's (the `asr-base` extra): a pause goes
+at the quieter place of the two (`pause_at_s`), between two words, and is filled with the recording's own
+quietest audio.
 Each item is labelled with where speech really ends (`true_end_s`); items split into calibration
 and held-out by a hash of their utterance (`split_of`).
 

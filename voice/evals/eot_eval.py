@@ -174,9 +174,10 @@ def boundary_s(audio: np.ndarray, end_s: float, next_start_s: float) -> float:
 
 def pause_at_s(audio: np.ndarray, k: int, timings: list[list[tuple[float, float]]]) -> float:
     """Where the pause after word `k` (1-based) goes: the quieter of `boundary_s` by each model's word times
-    (those that count the same words). Neither model's times alone keep it between words: tiny.en's were 150-220
-    ms late at "ten of | clubs" and "eight of | spades" (its window's quietest 10 ms lay after "clu", and in the
-    closure after the "s"), base's up to 150 ms early at "four | queen" and "feels | like";
+    (those that count the same words). tiny.en's run late (150 ms at "ten of | clubs": the quietest 10 ms near
+    them lay after "clu"), base's early (up to ~300 ms at "four | queen"); the quieter place is between the words
+    more often than either's (15 dB or more under the speech level at 36 of the 42 boundaries, 30 by tiny.en's
+    alone), though a stop's closure inside a word can still be the quieter ("eight of | s-pades").
     bench/eot_pause_cuts.py, BENCHMARKS.md "Heard in a room"."""
     words = timings[0]
     places = [boundary_s(audio, times[k - 1][1], times[k][0]) for times in timings if len(times) == len(words)]

@@ -230,3 +230,19 @@ def test_turn_config_refuses_nonsense():
         TurnConfig(min_silence_ms=1200, ceiling_ms=1000)
     with pytest.raises(ValueError, match="threshold"):
         TurnConfig(threshold=1.5)
+
+
+def test_eot_evals_pauses_go_between_two_words_not_inside_clubs():
+    """`voice eot-eval` inserts its mid-sentence pauses at word boundaries from Whisper's word times. tiny.en's
+    alone put "ten of | clubs" and "seven of | clubs" inside "clubs" (the cut's 10 ms 2.3 and 2.9 dB under the
+    clip's speech level, its 90th percentile frame: Whisper wrote "10 of close." at the pause); with base's times
+    beside them each cut lands in the quiet before the "k" (26 dB under)."""
+    from voice.config import AsrConfig
+    from voice.evals.eot_eval import _frames_rms, _word_times, pause_at_s, timing_model
+    from voice.pipeline.asr import Whisper
+    models = [Whisper(AsrConfig()).model, timing_model()]
+    for name in ("001.wav", "003.wav"):  # "ten of clubs", "seven of clubs"
+        audio = recording(name)
+        at = pause_at_s(audio, 2, [_word_times(model, audio) for model in models])
+        db = 20 * np.log10(_frames_rms(audio) + 1e-9)
+        assert np.percentile(db, 90) - db[int(round(at * 100))] > 15, (name, at)  # not in the middle of a word

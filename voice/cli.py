@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eot-eval", help="end-of-turn policies: false cut-offs and wait after the end of speech",
-                       description="Builds the end-of-turn set (tests/speech whole and with pauses inserted, Piper "
+                       description="Builds the end-of-turn set (tests/speech whole and with pauses inserted between "
+                                   "words placed by Whisper's and Whisper base's word times: the asr-base extra; Piper "
                                    "sentences), streams it through the VAD, Smart Turn and the LM's signal, "
                                    "calibrates each policy on one split and reports the held-out one "
                                    "(voice/evals/eot_eval.py; BENCHMARKS.md \"End of turn\").")

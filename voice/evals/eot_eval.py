@@ -4,7 +4,9 @@ The set (built on the fly, nothing big in the repo): the real recordings of test
 and again with a pause of PAUSES_S inserted between two of their words; sentences Piper speaks
 (SYNTHETIC: phone numbers, lists, "um", a question with more words after it, short answers),
 whole and with pauses at the marked words, labelled synthetic. Word boundaries come from
-faster-whisper's word timestamps; a pause is filled with the recording's own quietest audio.
+faster-whisper's word timestamps, the ASR's model's and Whisper base's (the `asr-base` extra): a pause goes
+at the quieter place of the two (`pause_at_s`), between two words, and is filled with the recording's own
+quietest audio.
 Each item is labelled with where speech really ends (`true_end_s`); items split into calibration
 and held-out by a hash of their utterance (`split_of`).
 
@@ -142,9 +144,13 @@ def _frames_rms(audio: np.ndarray, frame: int = 160) -> np.ndarray:
 def speech_end_s(audio: np.ndarray) -> float:
     """Where the last speech ends: the last 10 ms frame well above the noise floor."""
     rms = _frames_rms(audio)
-    floor = float(np.percentile(rms, 10))
-    loud = np.nonzero(rms > max(4 * floor, 0.02 * float(rms.max())))[0]
+    loud = np.nonzero(rms > loud_level(rms))[0]
     return float((loud[-1] + 1) * 0.01) if len(loud) else 0.0
+
+
+def loud_level(rms: np.ndarray) -> float:
+    """The 10 ms frame level from which a recording is speech: well above its noise floor, or near its peak."""
+    return max(4 * float(np.percentile(rms, 10)), 0.02 * float(rms.max()))
 
 
 QUIET_MAX = 0.0005  # -66 dBFS: the loudest room noise a pause gets (webrtcvad hears louder white noise as speech)
@@ -166,20 +172,34 @@ def boundary_s(audio: np.ndarray, end_s: float, next_start_s: float) -> float:
     return lo + (int(np.argmin(rms)) * 0.01 if len(rms) else 0.0)
 
 
+def pause_at_s(audio: np.ndarray, k: int, timings: list[list[tuple[float, float]]]) -> float:
+    """Where the pause after word `k` (1-based) goes: the quieter of `boundary_s` by each model's word times
+    (those that count the same words). tiny.en's run late (150 ms at "ten of | clubs": the quietest 10 ms near
+    them lay after "clu"), base's early (up to ~300 ms at "four | queen"); the quieter place is between the words
+    more often than either's (15 dB or more under the speech level at 36 of the 42 boundaries, 30 by tiny.en's
+    alone), though a stop's closure inside a word can still be the quieter ("eight of | s-pades").
+    bench/eot_pause_cuts.py, BENCHMARKS.md "Heard in a room"."""
+    words = timings[0]
+    places = [boundary_s(audio, times[k - 1][1], times[k][0]) for times in timings if len(times) == len(words)]
+    rms = _frames_rms(audio)
+    return min(places, key=lambda at: float(rms[min(int(round(at * 100)), len(rms) - 1)]))
+
+
 def with_pause(audio: np.ndarray, at_s: float, pause_s: float) -> np.ndarray:
     cut = int(at_s * SAMPLE_RATE)
     return np.concatenate([audio[:cut], quiet_fill(audio, pause_s), audio[cut:]])
 
 
-def _items_from(source: str, kind: str, text: str, audio: np.ndarray, words: list[tuple[float, float]],
+def _items_from(source: str, kind: str, text: str, audio: np.ndarray, timings: list[list[tuple[float, float]]],
                 after: tuple[int, ...], counter: list[int]) -> list[Item]:
-    """The whole utterance, and one copy per (boundary, pause) with the pause inserted."""
+    """The whole utterance, and one copy per (boundary, pause) with the pause inserted (`pause_at_s`; the words
+    counted by the first model's `timings`)."""
     audio = np.concatenate([audio, quiet_fill(audio, TAIL_S)])
     out = [Item(f"{source}/whole", source, kind, text, audio, speech_end_s(audio), [])]
     for k in after:
-        if not 0 < k < len(words):
+        if not 0 < k < len(timings[0]):
             continue
-        at = boundary_s(audio, words[k - 1][1], words[k][0])
+        at = pause_at_s(audio, k, timings)
         for _ in range(2):
             pause = PAUSES_S[counter[0] % len(PAUSES_S)]
             counter[0] += 1
@@ -189,17 +209,25 @@ def _items_from(source: str, kind: str, text: str, audio: np.ndarray, words: lis
     return out
 
 
-def build_items(whisper_model: WhisperModel, piper_voice: PiperVoice | None, phone: bool = False) -> list[Item]:
-    """The evaluation set (see the module's docstring); `phone`: every item through 8 kHz G.711 µ-law."""
-    counter = [0]
-    items: list[Item] = []
+@dataclass
+class Source:
+    """A recording or Piper sentence the items are made from, at 16 kHz, and after which of its words (1-based
+    counts) a pause goes in; None: after each."""
+
+    name: str
+    kind: str  # real | synthetic
+    text: str
+    audio: np.ndarray = field(repr=False)
+    after: tuple[int, ...] | None
+
+
+def sources(piper_voice: PiperVoice | None) -> list[Source]:
+    """tests/speech's recordings and SYNTHETIC spoken by Piper."""
+    out: list[Source] = []
     transcripts = dict(line.split("\t", 1) for line in (SPEECH / "transcripts.tsv").read_text().splitlines()[1:])
     for name in sorted(transcripts):
         audio, rate = read_wav(SPEECH / name)
-        audio = resample(audio, rate, SAMPLE_RATE)
-        words = _word_times(whisper_model, audio)
-        items += _items_from(f"real/{name}", "real", transcripts[name].strip(), audio, words,
-                             tuple(range(1, len(words))), counter)
+        out.append(Source(f"real/{name}", "real", transcripts[name].strip(), resample(audio, rate, SAMPLE_RATE), None))
     if piper_voice is not None:
         from piper import SynthesisConfig
         steady = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)  # Piper samples noise: the same audio every run
@@ -209,11 +237,31 @@ def build_items(whisper_model: WhisperModel, piper_voice: PiperVoice | None, pho
                              piper_voice.config.sample_rate, SAMPLE_RATE)
             audio = np.concatenate([np.zeros(int(0.3 * SAMPLE_RATE), np.float32), audio])
             slug = re.sub(r"[^a-z]+", "-", text.lower()).strip("-")[:40]
-            items += _items_from(f"piper/{slug}", "synthetic", text, audio, _word_times(whisper_model, audio),
-                                 after, counter)
+            out.append(Source(f"piper/{slug}", "synthetic", text, audio, after))
+    return out
+
+
+def build_items(whisper_model: WhisperModel, piper_voice: PiperVoice | None, phone: bool = False) -> list[Item]:
+    """The evaluation set (see the module's docstring); `phone`: every item through 8 kHz G.711 µ-law. Word
+    times from `whisper_model` and from Whisper base (`pause_at_s`)."""
+    base = timing_model()
+    counter = [0]
+    items: list[Item] = []
+    for source in sources(piper_voice):
+        timings = [_word_times(model, source.audio) for model in (whisper_model, base)]
+        after = tuple(range(1, len(timings[0]))) if source.after is None else source.after
+        items += _items_from(source.name, source.kind, source.text, source.audio, timings, after, counter)
     if phone:
         items = [replace(item, audio=telephone(item.audio)) for item in items]
     return items
+
+
+def timing_model() -> WhisperModel:
+    """The packaged Whisper base (the `asr-base` extra), a second opinion on where words begin and end."""
+    from faster_whisper import WhisperModel
+
+    from voice.pipeline.asr import model_folder
+    return WhisperModel(model_folder("base"), device="cpu", compute_type="int8", cpu_threads=1)
 
 
 def telephone(audio: np.ndarray) -> np.ndarray:

@@ -82,9 +82,11 @@ class TurnConfig:
     # end mark ("7 of clubs": Whisper writes complete clips that way as often as cut ones) this long, at most hold_ms
     hold_unmarked_ms: int = 650
     # Any spoken reply the user may still resume is voiced no sooner than this much silence after their last
-    # word (0: as soon as it is ready): a 0.6 s pause mid-sentence is 0.46-0.56 s of silence, so 650 keeps it
-    # whole whatever the words (`voice eot-eval`), but on a machine that answers sooner every reply waits
-    voice_after_ms: int = 0
+    # word (0: as soon as it is ready): a 0.6 s pause mid-sentence is 0.46-0.56 s of silence, and words that read
+    # finished ("Eight of spades, four of close.") are no sign it is over, so 550 keeps 10 of 11 such pauses
+    # whole (650: 11; `voice eot-eval`); the reply is made meanwhile, so only one ready sooner waits (Zen 4,
+    # quiet: 13 of 28 turns waited 10-155 ms, v2v p50 no worse; BENCHMARKS.md "Heard in a room")
+    voice_after_ms: int = 550
 
     def __post_init__(self) -> None:
         if self.policy not in TURN_POLICIES:

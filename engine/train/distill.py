@@ -215,9 +215,13 @@ def shard_paths(folder: Path) -> list[Path]:
 def read_shards(folder: Path) -> Iterator[dict]:
     """Every reply in `folder`'s shards, in order."""
     for path in shard_paths(folder):
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                yield json.loads(line)
+        yield from read_shard(path)
+
+
+def read_shard(path: Path) -> list[dict]:
+    """The replies of one shard, in order."""
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
 
 
 def write_shard(folder: Path, rows: list[Row]) -> Path:

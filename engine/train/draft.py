@@ -22,7 +22,6 @@ hard positions.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -255,7 +254,7 @@ def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, ba
     run, not the data) where each shard's read-back is kept, so a stopped run (hours for 15k replies
     on two cores) goes on where it stopped and a second head on the same layers reads nothing."""
     from engine.llamacpp import LlamaCppModel
-    from engine.train.distill import shard_paths
+    from engine.train.distill import read_shard, shard_paths
     model = base.model
     assert isinstance(model, LlamaCppModel)
     tag = f"l{'-'.join(map(str, model.layers))}-w{window}"
@@ -263,8 +262,7 @@ def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, ba
     total, t0, read = 0, time.perf_counter(), 0
     model.read_states(window)
     for path in shard_paths(folder):
-        with gzip.open(path, "rt") as f:
-            rows = [json.loads(line) for line in f][:limit - total if limit else None]
+        rows = read_shard(path)[:limit - total if limit else None]
         if not rows:
             break
         total += len(rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -100,11 +101,14 @@ def test_a_head_on_several_layers_trains_on_the_shards_and_verify_keeps_the_ar_r
     from the shards with the base's top-K, trained (output rows frozen, dropout, early stopping), loaded
     by its file's word on which layers, and drafting on llama.cpp's kernels changes no greedy reply
     beyond the tolerance tests/test_llamacpp.py states for batched rows."""
+    from safetensors.torch import load_file
+    from engine.draft import read_head_info
     from engine.evals.bench import draft_despite
     from engine.train import draft as train_draft
     layers = (3, 15, 29)
     base = load("small", max_seq_len=1024, quantize="gguf", layers=layers)
     monkeypatch.setattr(distill, "conversations", lambda seed=0: talks() * 3)
+    monkeypatch.setattr(distill, "SHARD_REPLIES", 10)  # 30 replies: three shards
     distill.grow(base, tmp_path / "data", in_flight=6, max_new_tokens=24, log=print)
     corpus = train_draft.read_shards(base, tmp_path / "data", 8, cache=tmp_path / "read-back", log=print)
     said: list[str] = []  # a second read (a resumed run, another head on the same layers) runs nothing
@@ -127,6 +131,18 @@ def test_a_head_on_several_layers_trains_on_the_shards_and_verify_keeps_the_ar_r
     engine = Engine(loaded, max_seq_len=1024)
     assert engine.decoding.mode == "ar"  # drafting pays on no CPU class measured: /healthz says with which figure
     assert f"on layers 3,15,29 decoded {result['heldout_decoded_tokens_per_forward']:.2f}" in engine.decoding.why
+    # a head goes on learning from the shards after those it learnt from (a sitting reads ~10k replies back)
+    first = len(distill.read_shard(distill.shard_paths(tmp_path / "data")[0]))
+    rest = train_draft.read_shards(base, tmp_path / "data", 8, cache=tmp_path / "read-back", skip=first, log=print)
+    assert 0 < len(rest.starts) < len(corpus.starts) and torch.equal(rest.hidden, corpus.hidden[-len(rest.hidden):])
+    train_draft.train(base, rest, replace(cfg, init=str(head_file), max_steps=0, patience=0), tmp_path / "on",
+                      log=print)
+    started, saved = (load_file(str(f)) for f in (head_file, tmp_path / "on" / "drafter.safetensors"))
+    assert started.keys() == saved.keys() and all(torch.equal(started[k], saved[k]) for k in started)
+    assert read_head_info(tmp_path / "on" / "drafter.safetensors")["replies"] == \
+        read_head_info(head_file)["replies"] + len(rest.starts)
+    with pytest.raises(ValueError, match="another shape"):
+        train_draft.train(base, rest, replace(cfg, init=str(head_file), width=64), tmp_path / "other", log=print)
     draft_despite(engine)
     same = 0
     for talk in talks():

@@ -29,7 +29,7 @@ import random
 import time
 from collections.abc import Callable
 from typing import cast
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.train.data import chat
-from engine.draft import DraftArgs, DraftHead, save_head
+from engine.draft import DraftArgs, DraftHead, load_head, read_head_info, save_head
 from engine.loading import LoadedModel
 from engine.decode import CacheState, DecodeConfig, Forward, ar_batch, run
 from engine.model import Transformer
@@ -71,6 +71,7 @@ class DraftTrainConfig:
     weight_decay: float = 0.01
     distill_weight: float = 0.0  # share of the loss from the base's top-K distribution (HASS), the rest greedy CE
     patience: int = 0  # stop after this many evaluations without a better decoded held-out figure (0: never)
+    init: str = ""  # a head file to go on training (its weights and vocabulary; the LR schedule starts again)
 
 
 @dataclass
@@ -245,14 +246,17 @@ TOP_K = 8  # the base's likeliest next tokens kept per position for distillation
 
 @torch.inference_mode()
 def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, batch: int = 8,
-                cache: Path | None = None, log: Callable[[str], object] = print) -> Corpus:
-    """The replies of `engine distill`'s shards in `folder` (the first `limit`; 0: all) read back
+                cache: Path | None = None, skip: int = 0, log: Callable[[str], object] = print) -> Corpus:
+    """The replies of `engine distill`'s shards in `folder` (the first `limit` after the whole shards
+    that hold the first `skip`; 0: all) read back
     through the base on llama.cpp's kernels, each prompt + reply in one forward with the reply as
     drafted rows, as verify runs it: the tapped layers' states (`LlamaCppModel(layers=...)`) of the
     last `window` prompt rows and of every reply row, and the base's top-K next tokens after each
     reply position. None of it is committed: one prefill gives it back. `cache`: a folder (of the
     run, not the data) where each shard's read-back is kept, so a stopped run (hours for 15k replies
-    on two cores) goes on where it stopped and a second head on the same layers reads nothing."""
+    on two cores) goes on where it stopped and a second head on the same layers reads nothing.
+    `skip` is how a head goes on learning from the shards after those it was trained on (`init`):
+    the cache is the run's, and a sitting reads ~10k replies back on two cores."""
     from engine.llamacpp import LlamaCppModel
     from engine.train.distill import read_shard, shard_paths
     model = base.model
@@ -261,7 +265,11 @@ def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, ba
     parts: list[Corpus] = []
     total, t0, read = 0, time.perf_counter(), 0
     model.read_states(window)
+    skipped = 0
     for path in shard_paths(folder):
+        if skipped < skip:
+            skipped += len(read_shard(path))
+            continue
         rows = read_shard(path)[:limit - total if limit else None]
         if not rows:
             break
@@ -510,8 +518,11 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     held, train_set = split(corpus, cfg.seed)
     state_path = out / "train_state.pt"
     saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    init = load_head(cfg.init, base.model.args.dim, base.model.args.vocab_size) if cfg.init else None
     if saved:
         vocab = saved["vocab_ids"]
+    elif init is not None:
+        vocab = init.vocab_ids.cpu()
     else:
         vocab = draft_vocabulary(corpus, corpus.positions(train_set), cfg.draft_vocab, base.tokenizer.eos_ids)
     a = base.model.args
@@ -523,6 +534,14 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
                                norm_eps=getattr(a, "norm_eps", DraftArgs.norm_eps)), vocab)
     with torch.no_grad():
         head.head.weight.copy_(lm_head[vocab.to(lm_head.device)].float().cpu())
+    before = 0  # replies the head learnt from before this run (`init`)
+    if init is not None:
+        if replace(init.args, dropout=cfg.dropout) != head.args:
+            raise ValueError(f"{cfg.init} is a head of another shape ({init.args}) than the one asked for "
+                             f"({head.args})")
+        head.load_state_dict(init.state_dict())
+        before = int(read_head_info(cfg.init).get("replies", 0))
+        log(f"going on from {cfg.init} (trained on {before} replies)")
     if cfg.layers:  # the base's output rows, frozen (DFlash): the head learns states the base's own head reads
         head.head.weight.requires_grad_(False)
     head.to(device)
@@ -551,7 +570,7 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab},
                    state_path)
         save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures),
-                                                            "replies": sum(corpus.distilled)})
+                                                            "replies": before + sum(corpus.distilled)})
         head.to(device)
 
     def result(figures: tuple[float, float] | None) -> dict:

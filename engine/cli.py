@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                         "through the base on llama.cpp's kernels (--quantize gguf; --replies: only the first N)")
     p.add_argument("--data-from", type=int, default=0,
                    help="skip the whole shards that hold the first N replies (with --init: go on learning from the "
-                        "shards after those the head was trained on; reading 15k replies back takes ~2.7 hours on "
+                        "shards after those the head was trained on; reading 15k replies back takes ~2.3 hours on "
                         "two Zen 4 cores, more than a sitting)")
     p.add_argument("--init", default="",
                    help="go on training this head file (its shape, weights and draft vocabulary; the LR schedule "

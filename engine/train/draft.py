@@ -256,7 +256,7 @@ def read_shards(base: LoadedModel, folder: Path, window: int, limit: int = 0, ba
     run, not the data) where each shard's read-back is kept, so a stopped run (hours for 15k replies
     on two cores) goes on where it stopped and a second head on the same layers reads nothing.
     `skip` is how a head goes on learning from the shards after those it was trained on (`init`):
-    the cache is the run's, and a sitting reads ~10k replies back on two cores."""
+    the cache is the run's, and a sitting reads ~12k replies back on two cores."""
     from engine.llamacpp import LlamaCppModel
     from engine.train.distill import read_shard, shard_paths
     model = base.model

@@ -96,7 +96,7 @@ def test_a_greedy_reply_gives_the_same_targets_read_either_way(tiny, distilled, 
         assert torch.equal(own.targets[pos], computed.targets[pos])
 
 
-def test_a_chained_head_trains_on_both_and_resumes(tiny, distilled, tmp_path):
+def test_a_chained_head_trains_on_both_and_resumes_only_on_the_same_data(tiny, distilled, tmp_path):
     rows = [(p, list(range(20 + i, 32 + i))) for i, p in enumerate(PROMPTS)]
     write_rows(tmp_path / "text.jsonl", rows)
     corpus = Corpus.join([read_corpus(tiny, distilled, WINDOW, log=quiet),
@@ -114,6 +114,10 @@ def test_a_chained_head_trains_on_both_and_resumes(tiny, distilled, tmp_path):
     again = train(tiny, corpus, DraftTrainConfig(**{**cfg.__dict__, "max_steps": 6}), tmp_path / "out",
                   log=lines.append)
     assert "resumed at step 4" in lines and again["steps"] == 6
+    # more data in the same folder is another run: resuming it would hold out replies already trained on
+    fewer = read_corpus(tiny, distilled, WINDOW, log=quiet)
+    with pytest.raises(ValueError, match="other data"):
+        train(tiny, fewer, DraftTrainConfig(**{**cfg.__dict__, "max_steps": 8}), tmp_path / "out", log=lines.append)
 
 
 @pytest.mark.parametrize("chain", [False, True])

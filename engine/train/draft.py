@@ -548,6 +548,12 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     step = 0
+    # what the run learns from: a resumed run must have the same, or its held-out replies are others,
+    # most of them trained on (the split is drawn over the whole corpus)
+    data = {"replies": len(corpus.distilled), "positions": len(corpus.ids), "seed": cfg.seed}
+    if saved and saved.get("data") != data:
+        raise ValueError(f"{state_path} is a run on other data ({saved.get('data')}) than this one ({data}): "
+                         "use another --out, or delete it to start over")
     if saved:
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])
@@ -567,8 +573,8 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
         return figures
 
     def checkpoint(figures: tuple[float, float] | None) -> None:
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab},
-                   state_path)
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "vocab_ids": vocab,
+                    "data": data}, state_path)
         save_head(out / "drafter.safetensors", head.cpu(), {"step": step, "config": asdict(cfg), **result(figures),
                                                             "replies": before + sum(corpus.distilled)})
         head.to(device)

@@ -191,7 +191,10 @@ def cmd_draft(a: argparse.Namespace) -> int:
                                        weight_decay=a.weight_decay,
                                        distill_weight=a.distill_weight, patience=a.patience, eval_every=a.eval_every,
                                        init=a.init)
-    result = train_draft.train(base, corpus, cfg, out, device)
+    try:
+        result = train_draft.train(base, corpus, cfg, out, device)
+    except ValueError as err:  # --init of another shape, --out holding a run on other data: said, not a traceback
+        raise SystemExit(f"engine draft: {err}") from None
     if a.ship:  # the file a release carries: fp16 (half the size; the head's drafts are the same to ~1e-3)
         head = load_head(out / "drafter.safetensors", base.model.args.dim, base.model.args.vocab_size)
         save_head(a.ship, head, result, dtype=torch.float16)

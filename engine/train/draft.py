@@ -518,6 +518,12 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     held, train_set = split(corpus, cfg.seed)
     state_path = out / "train_state.pt"
     saved = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    # what the run learns from: a resumed run must have the same, or its held-out replies are others,
+    # most of them trained on (the split is drawn over the whole corpus)
+    data = {"replies": len(corpus.distilled), "positions": len(corpus.ids), "seed": cfg.seed}
+    if saved and saved.get("data") != data:
+        raise ValueError(f"{state_path} is a run on other data ({saved.get('data')}) than this one ({data}): "
+                         "use another --out, or delete it to start over")
     init = load_head(cfg.init, base.model.args.dim, base.model.args.vocab_size) if cfg.init else None
     if saved:
         vocab = saved["vocab_ids"]
@@ -548,12 +554,6 @@ def train(base: LoadedModel, corpus: Corpus, cfg: DraftTrainConfig, out: Path, d
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     step = 0
-    # what the run learns from: a resumed run must have the same, or its held-out replies are others,
-    # most of them trained on (the split is drawn over the whole corpus)
-    data = {"replies": len(corpus.distilled), "positions": len(corpus.ids), "seed": cfg.seed}
-    if saved and saved.get("data") != data:
-        raise ValueError(f"{state_path} is a run on other data ({saved.get('data')}) than this one ({data}): "
-                         "use another --out, or delete it to start over")
     if saved:
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["optimizer"])

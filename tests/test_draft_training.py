@@ -114,7 +114,7 @@ def test_a_chained_head_trains_on_both_and_resumes_only_on_the_same_data(tiny, d
     again = train(tiny, corpus, DraftTrainConfig(**{**cfg.__dict__, "max_steps": 6}), tmp_path / "out",
                   log=lines.append)
     assert "resumed at step 4" in lines and again["steps"] == 6
-    # more data in the same folder is another run: resuming it would hold out replies already trained on
+    # other data in the same folder is another run: resuming it would hold out replies already trained on
     fewer = read_corpus(tiny, distilled, WINDOW, log=quiet)
     with pytest.raises(ValueError, match="other data"):
         train(tiny, fewer, DraftTrainConfig(**{**cfg.__dict__, "max_steps": 8}), tmp_path / "out", log=lines.append)

@@ -285,3 +285,22 @@ def test_a_reply_about_to_fall_silent_speaks_the_words_it_has():
     assert played[0] == "There are"
     assert len(played) >= 3 and len(played[1].split()) >= 3 and not played[1].endswith(".")
     assert " ".join(played) == "There are many kinds of queens in old card games played today."
+
+
+def test_a_reply_cuts_its_next_phrase_in_time_for_a_slow_synthesis():
+    """Where synthesis is slow (two other talkers' replies on the same cores), a reply about to run dry
+    cuts its next phrase while what is left to play still covers synthesising it, as long as the first
+    phrase's synthesis took: no silence between them. With a fixed 0.15 s margin the cut came when that
+    little was left, and the listener heard 0.3 s of silence before the 0.4 s synthesis was done."""
+    synthesizer = FakeSynth()
+    synthesizer.delay_s = 0.4
+    instance = instance_for(True, synthesizer)
+    instance.lm.blocks = ["There ", "are ", "many ", "kinds ", "of ", "queens ", "in ", "old ", "card ", "games ",
+                          "played ", "today."]
+    instance.lm.delay_s = 0.12
+    seen = asyncio.run(one_turn(instance, "001.wav"))
+    audio = [e for e in seen if isinstance(e, TtsAudio)]
+    assert " ".join(e.text for e in audio) == "There are many kinds of queens in old card games played today."
+    first, second = audio[0], audio[1]
+    assert first.text == "There are"
+    assert second.t - (first.t + first.seconds) < 0.15  # it arrived before (or as) "There are" ended

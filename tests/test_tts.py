@@ -345,3 +345,14 @@ def test_a_splitter_gives_its_complete_words_on_request_and_keeps_the_rest():
     assert splitter.words(3) == ["of clothes is"]
     assert splitter.push(" queen.") == []  # "a queen." is under min_chars
     assert splitter.flush() == "a queen."
+
+
+def test_a_word_that_ends_a_sentence_is_complete_without_the_space_after_it():
+    """A reply about to run dry need not wait a forward (often for the reply's end) to say "things."; a
+    number's point may be a decimal one ("3." of "3.5")."""
+    for text, phrase, rest in [("10 close things.", "10 close things.", ""), ("Is it a queen?", "Is it a queen?", ""),
+                               ("it is 3.", "", "it is 3."), ("of clothes is a", "of clothes is", " a")]:
+        splitter = PhraseSplitter(min_chars=12)
+        assert splitter.push(text) == []
+        assert splitter.words(3) == ([phrase] if phrase else [])
+        assert splitter.pending == rest

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from prometheus_client import Counter
 
@@ -55,10 +55,29 @@ class Send(Protocol):
 
     def __call__(self, ev: Event, wire: bool = True, track: bool = True) -> bool: ...
 
-# A reply whose audio is about to run out (less than this left to play, nothing being synthesised)
-# speaks the words it has, at least this many, without waiting for the phrase's punctuation: a cut
-# between words (its silence trimmed, voice/pipeline/tts.py) is heard less than a pause mid-sentence.
+# A reply whose audio is about to run out (nothing being synthesised, and less left to play than this
+# margin, about one forward under load, plus what synthesising the words it has takes) speaks those words,
+# at least this many, without waiting for the phrase's punctuation: a cut between words (its silence
+# trimmed, voice/pipeline/tts.py) is heard less than a pause mid-sentence.
 DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
+
+
+@dataclass
+class SynthesisPace:
+    """How long a phrase takes from asking for its synthesis to its audio, queue included, per character
+    of it and `FIXED_CHARS` more (a call's own cost): on two idle cores ~2 ms, beside two other talkers'
+    replies 4-6 ms (tests/speech). Learned from each phrase a session synthesises, quick to rise and slow
+    to fall: a cut a little early costs a seam, one too late a silence."""
+
+    FIXED_CHARS: ClassVar[int] = 10
+    per_char_s: float = 0.004
+
+    def seconds(self, text: str) -> float:
+        return self.per_char_s * (len(text) + self.FIXED_CHARS)
+
+    def took(self, text: str, seconds: float) -> None:
+        measured = seconds / (len(text) + self.FIXED_CHARS)
+        self.per_char_s += (measured - self.per_char_s) * (0.5 if measured > self.per_char_s else 0.1)
 
 log = logging.getLogger("voice.reply")
 session_log = logging.getLogger("voice.session")  # the Floor logs as the session it is part of
@@ -147,6 +166,7 @@ class ReplyRunner:
         self.apology = apology
         self.sink = sink
         self.name = name  # the session, for logs
+        self.pace = SynthesisPace()  # how soon a reply about to run dry must cut its next phrase
         # A session that serves requests (voice/conversation/oneshot.py): its LM replies are text only, and the
         # conversation is its caller's (nothing is prepared ahead in it).
         self.requests = requests
@@ -246,8 +266,8 @@ class ReplyRunner:
                     reply.did("lm_first_block")
                     if block.text:
                         complete = splitter.push(block.text)
-                        if not complete and reply.phrased and not reply.unvoiced \
-                                and reply.playback.runs_dry(time.monotonic(), DRY_CUT_S):
+                        if not complete and reply.phrased and not reply.unvoiced and reply.playback.runs_dry(
+                                time.monotonic(), DRY_CUT_S + self.pace.seconds(splitter.pending)):
                             complete = splitter.words(DRY_CUT_WORDS)
                         self._add_text(reply, block.text, complete, phrases)
                         await self.sink.voiced(reply)
@@ -365,8 +385,10 @@ class ReplyRunner:
             return
         playback = reply.playback
         reply.did("tts_asked")
+        asked = time.monotonic()
         pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults,
                                      urgent=Due(playback.runs_out, TTS_HORIZON_S))
+        self.pace.took(phrase, time.monotonic() - asked)
         reply.did("tts_first_audio")
         self.sink.first_audio()
         await self.sink.voiced(reply)

@@ -25,6 +25,9 @@ LEAD_MS, TAIL_MS = 10, 30  # silence kept before a phrase, and after one cut bet
 
 # Punctuation followed by whitespace, or a line break, ends a phrase; the "." in "3.5" does not.
 _PHRASE_END = re.compile(r"[.!?;:,](?=\s)|\n")
+# The last word of text that ends a sentence: "?" or "!", or "." after a letter (after a digit it may be
+# a decimal point: "3." of "3.5"). Nothing is likely to follow it but a space or the reply's end.
+_SENTENCE_END = re.compile(r"\S*(?:[^\W\d_]\.|[!?])$")
 
 
 def load_voice(config: TtsConfig) -> PiperVoice:
@@ -96,10 +99,17 @@ class PhraseSplitter:
         thread: it reads nothing of this splitter's state but its settings.)"""
         return bool(PhraseSplitter(self.min_chars, self.first_words, self.max_chars).push(text))
 
+    @property
+    def pending(self) -> str:
+        """The text not yet in a phrase."""
+        return self._pending
+
     def words(self, at_least: int) -> list[str]:
         """The pending text's complete words as a phrase, if there are `at_least` of them (a reply
-        about to fall silent says them instead of waiting for punctuation); the rest stays."""
-        words = list(re.finditer(r"\S+(?=\s)", self._pending))
+        about to fall silent says them instead of waiting for punctuation); the rest stays. A last
+        word that ends a sentence counts as complete: its phrase need not wait for the next forward
+        (the reply's end, often) to show that a space follows."""
+        words = list(re.finditer(r"\S+(?=\s)|" + _SENTENCE_END.pattern, self._pending))
         if len(words) < at_least:
             return []
         phrase, self._pending = self._pending[:words[-1].end()].strip(), self._pending[words[-1].end():]

@@ -155,6 +155,51 @@ def test_the_reply_whose_audio_runs_out_first_gets_the_next_forward():
     assert rounds.this_round([long, short]) == [short, long]
 
 
+def test_a_step_whose_audio_runs_out_goes_ahead_of_a_prompt_chunk_in_a_forward_of_its_own():
+    """A newcomer's prompt chunk of 20 tokens at 20 ms a token takes 0.4 s: a reply with 0.5 s of audio
+    left, in that forward, would get its next token when its listener has heard nothing for a while, so
+    its step goes first, alone; one with 1.5 s left can wait for the chunk and shares its forward. No
+    chunk, or a token's cost not measured yet: one forward, as before."""
+    from engine.serving.cost import PrefillCost
+    from engine.serving.scheduler import HURRY_S
+    from engine.serving.scheduler import Scheduler as Rounds
+    now = [1000.0]
+    cost = PrefillCost(token_s=0.02)
+    rounds = Rounds(cast("Any", None), cost, cast("Any", None), cast("Any", None), cast("Any", None), max_batch=8)
+    rounds.clock = lambda: now[0]
+    newcomer = _step(0.0, lambda: -math.inf, now[0])
+    newcomer.forward = SimpleNamespace(clean=list(range(20)), draft=[])
+    running_out = _step(1.0, lambda: now[0] + 0.5, now[0])
+    to_spare = _step(1.0, lambda: now[0] + 0.4 + HURRY_S + 0.6, now[0])
+    assert rounds.batches([newcomer, running_out, to_spare]) == [[running_out], [newcomer, to_spare]]
+    assert rounds.batches([running_out, to_spare]) == [[running_out, to_spare]]
+    cost.token_s = None
+    assert rounds.batches([newcomer, running_out, to_spare]) == [[newcomer, running_out, to_spare]]
+
+
+def test_a_warm_sits_out_while_anyone_is_waited_for_however_long():
+    """A warm (reading a conversation ahead; nobody waits for it) sits out while a reply is waited for or
+    someone waits outside the engine, not just `max_defer_s`: each of its chunks, due after that, took
+    0.35-0.74 s on two busy cores and silenced the replies playing beside it. With nobody waiting it runs
+    after `max_defer_s`, as before."""
+    from engine.serving.cost import PrefillCost
+    from engine.serving.scheduler import Scheduler as Rounds
+    from voice.service.scheduler import LM_HORIZON_S
+    now = [1000.0]
+    rounds = Rounds(cast("Any", None), PrefillCost(), cast("Any", None), cast("Any", None), cast("Any", None),
+                    max_batch=8)
+    rounds.clock, rounds.horizon_s = lambda: now[0], LM_HORIZON_S
+    warm = _step(0.0, lambda: math.inf, now[0])
+    warm.warm, warm.forward = True, SimpleNamespace(clean=list(range(16)), draft=[])
+    playing = _step(1.0, lambda: now[0] + 0.5, now[0])
+    now[0] += 10 * rounds.max_defer_s
+    assert rounds.this_round([warm, playing]) == [playing]
+    rounds.someone_waits = lambda: True
+    assert rounds.this_round([warm]) == []
+    rounds.someone_waits = lambda: False
+    assert rounds.this_round([warm]) == [warm]
+
+
 # --- the real service -------------------------------------------------------------------------
 
 @contextlib.contextmanager

@@ -66,8 +66,9 @@ DRY_CUT_S, DRY_CUT_WORDS = 0.15, 3
 class SynthesisPace:
     """How long a phrase takes from asking for its synthesis to its audio, queue included, per character
     of it and `FIXED_CHARS` more (a call's own cost): on two idle cores ~2 ms, beside two other talkers'
-    replies 4-6 ms (tests/speech). Learned from each phrase a session synthesises, quick to rise and slow
-    to fall: a cut a little early costs a seam, one too late a silence."""
+    replies 4-6 ms (tests/speech). Learned from each phrase a session synthesises while its listener's
+    audio runs low (as a dry cut's is), quick to rise and slow to fall: a cut a little early costs a seam,
+    one too late a silence."""
 
     FIXED_CHARS: ClassVar[int] = 10
     per_char_s: float = 0.004
@@ -385,10 +386,11 @@ class ReplyRunner:
             return
         playback = reply.playback
         reply.did("tts_asked")
-        asked = time.monotonic()
-        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults,
-                                     urgent=Due(playback.runs_out, TTS_HORIZON_S))
-        self.pace.took(phrase, time.monotonic() - asked)
+        asked, urgent = time.monotonic(), Due(playback.runs_out, TTS_HORIZON_S)
+        hurried = urgent()  # else it may be held behind others' urgent phrases: not what a dry cut waits for
+        pcm = await synthesis_within(self.synthesizer, phrase, self.out_rate, self.config.faults, urgent=urgent)
+        if hurried:
+            self.pace.took(phrase, time.monotonic() - asked)
         reply.did("tts_first_audio")
         self.sink.first_audio()
         await self.sink.voiced(reply)

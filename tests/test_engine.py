@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shutil
 import threading
 import time
@@ -314,8 +315,14 @@ def smol_engine(smol):
     return Engine(smol, max_seq_len=512, defaults=DecodeConfig(max_new_tokens=12))
 
 
+def apart(smol) -> Engine:
+    """An engine of its own on the same weights: its conversations read nothing another engine's have
+    (`CachePool.share`), so its replies are references read from an empty cache."""
+    return Engine(smol, max_seq_len=512, defaults=DecodeConfig(max_new_tokens=12))
+
+
 @pytest.fixture(scope="module")
-def barge_in(smol_engine):
+def barge_in(smol_engine, smol):
     """First turn cut after its first piece; the second turn's messages and a fresh conversation's reply."""
     conv = ConversationCache()
     pieces = smol_engine.generate_sync(FIRST, conversation=conv)
@@ -324,7 +331,7 @@ def barge_in(smol_engine):
     assert not first.done and first.text.strip()
     second = FIRST + [{"role": "assistant", "content": first.text},
                       {"role": "user", "content": "Interesting. And the sun?"}]
-    fresh = list(smol_engine.generate_sync(second, conversation=ConversationCache()))
+    fresh = list(apart(smol).generate_sync(second, conversation=ConversationCache()))
     return conv, second, fresh
 
 
@@ -376,17 +383,37 @@ def test_cancelled_task_mid_reply_then_next_turn_equals_fresh(smol_engine, barge
     assert reply_ids(pieces) == reply_ids(fresh)
 
 
-def test_full_multi_turn_reuses_prefix_and_equals_fresh(smol_engine):
-    conv = ConversationCache()
+def test_full_multi_turn_reuses_prefix_and_equals_fresh(smol):
+    engine, conv = apart(smol), ConversationCache()
     cfg = DecodeConfig(mode="ar", max_new_tokens=8)
-    first = list(smol_engine.generate_sync(FIRST, cfg, conversation=conv))
+    first = list(engine.generate_sync(FIRST, cfg, conversation=conv))
     assert first[0].prefilled_tokens == first[0].prompt_tokens
     second = FIRST + [{"role": "assistant", "content": "".join(p.text for p in first)},
                       {"role": "user", "content": "Thanks!"}]
-    again = list(smol_engine.generate_sync(second, cfg, conversation=conv))
-    fresh = list(smol_engine.generate_sync(second, cfg, conversation=ConversationCache()))
+    again = list(engine.generate_sync(second, cfg, conversation=conv))
+    fresh = list(apart(smol).generate_sync(second, cfg, conversation=ConversationCache()))
     assert reply_ids(again) == reply_ids(fresh)
     assert again[0].prefilled_tokens < again[0].prompt_tokens - first[0].prompt_tokens
+
+
+def test_a_new_conversation_starts_from_what_another_has_read(smol):
+    """Every voice session's prompt starts with the same system prompt: the second session's first
+    turn reads only what its prompt does not share with the first's, and replies as if it read it all."""
+    engine, cfg = apart(smol), DecodeConfig(mode="ar", max_new_tokens=8)
+    system = {"role": "system", "content": "You are a friendly voice assistant. Answer in one short sentence."}
+    one = [system, {"role": "user", "content": "What colour is the sky?"}]
+    two = [system, {"role": "user", "content": "Name a fruit."}]
+    a, b = ConversationCache(), ConversationCache()
+    first = list(engine.generate_sync(one, cfg, conversation=a))
+    assert first[0].prefilled_tokens == first[0].prompt_tokens
+    second = list(engine.generate_sync(two, cfg, conversation=b))
+    fresh = list(apart(smol).generate_sync(two, cfg, conversation=ConversationCache()))
+    shared = len(os.path.commonprefix([engine.prompt_ids(one), engine.prompt_ids(two)]))
+    assert shared > 10  # the system prompt and the user's turn header
+    assert second[0].prefilled_tokens == second[0].prompt_tokens - shared == fresh[0].prefilled_tokens - shared
+    assert reply_ids(second) == reply_ids(fresh)
+    again = list(engine.generate_sync(one, cfg, conversation=a))  # the first goes on from its own cache
+    assert reply_ids(again) == reply_ids(first) and again[0].prefilled_tokens < first[0].prompt_tokens - shared
 
 
 # --- 6. bad input ---------------------------------------------------------------------------------

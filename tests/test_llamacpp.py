@@ -26,7 +26,7 @@ from engine.decode import (CacheState, ContextOverflow, DecodeConfig, Forward, d
                            run_many)
 from engine.loading import ModelLoadError, load
 from engine.runtime import Interrupted
-from engine.stream import Engine
+from engine.stream import ConversationCache, Engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -204,6 +204,24 @@ def test_a_fork_shares_the_prefix_and_goes_on_separately(small):
     ref = step(small.model, CacheState.new(small.model, 512), prompt)
     assert int(la.argmax()) == int(ref.argmax()) and torch.allclose(la.softmax(-1), ref.softmax(-1), atol=2e-3)
     assert not torch.allclose(lb, la)
+
+
+def test_a_new_conversation_shares_the_cells_another_has_read(small):
+    """A session's first turn starts from the system prompt another session's sequence holds
+    (`CachePool.share`: llama_memory_seq_cp, no copy) and replies as one that read it all does."""
+    system = {"role": "system", "content": "You are a friendly voice assistant. Answer in one short sentence."}
+    one = [system, {"role": "user", "content": "What colour is the sky?"}]
+    two = [system, {"role": "user", "content": "Name a fruit."}]
+    cfg = DecodeConfig(mode="ar", max_new_tokens=8)
+    engine = Engine(small, max_seq_len=512, defaults=cfg)
+    a, b = ConversationCache(), ConversationCache()
+    list(engine.generate_sync(one, conversation=a))
+    second = list(engine.generate_sync(two, conversation=b))
+    fresh = list(Engine(small, max_seq_len=512, defaults=cfg).generate_sync(two))
+    shared = len(os.path.commonprefix([engine.prompt_ids(one), engine.prompt_ids(two)]))
+    assert second[0].prefilled_tokens == second[0].prompt_tokens - shared and shared > 10
+    assert a.state is not None and b.state is not None and a.state.slot.seq != b.state.slot.seq
+    assert [t for p in second for t in p.token_ids] == [t for p in fresh for t in p.token_ids]
 
 
 def test_a_full_cache_evicts_idle_conversations_not_busy_ones():

@@ -134,7 +134,7 @@ class Engine:
         if conversation.state is None:
             conversation.state = self.caches.take()
         if shared := self.caches.share(conversation.state, prompt, self.model.copy_cache):
-            log.debug("a prompt of %d tokens: %d more of it read from another conversation's cache", len(prompt), shared)
+            log.debug("a prompt of %d tokens: %d more of it from another conversation's cache", len(prompt), shared)
         reply = Reply(self.tokenizer, prompt, conversation.state, start)
         steps = plan(conversation.state, prompt, cfg, self.spec, self.tokenizer.eos_ids, self.loaded.drafter,
                      self.model.embed_tokens, constraint, self.scheduler.chunking(background))

@@ -177,26 +177,39 @@ def test_a_step_whose_audio_runs_out_goes_ahead_of_a_prompt_chunk_in_a_forward_o
     assert rounds.batches([newcomer, running_out, to_spare]) == [[newcomer, running_out, to_spare]]
 
 
-def test_a_warm_sits_out_while_anyone_is_waited_for_however_long():
-    """A warm (reading a conversation ahead; nobody waits for it) sits out while a reply is waited for or
-    someone waits outside the engine, not just `max_defer_s`: each of its chunks, due after that, took
-    0.35-0.74 s on two busy cores and silenced the replies playing beside it. With nobody waiting it runs
-    after `max_defer_s`, as before."""
+def test_a_warm_runs_only_where_no_reader_runs_out_while_it_is_read():
+    """A warm (reading a conversation ahead; nobody waits for it) sits out, however long, while someone
+    waits (outside the engine, or for a first piece) or a playing reply's audio would run out before the
+    warm's rows are read (at a token's cost lately) and `HURRY_S` more: each of its chunks, due after
+    `max_defer_s`, took 0.35-0.74 s on two busy cores and silenced the replies playing beside it. Where
+    every reader has that much audio it runs, in a forward of its own after theirs: sitting out while any
+    reply was being read, it never ran beside three talkers, and their next turns read their
+    conversations on the critical path. A token's cost not measured yet: only beside no reader."""
     from engine.serving.cost import PrefillCost
+    from engine.serving.scheduler import HURRY_S
     from engine.serving.scheduler import Scheduler as Rounds
     from voice.service.scheduler import LM_HORIZON_S
     now = [1000.0]
-    rounds = Rounds(cast("Any", None), PrefillCost(), cast("Any", None), cast("Any", None), cast("Any", None),
-                    max_batch=8)
+    cost = PrefillCost(token_s=0.02)
+    rounds = Rounds(cast("Any", None), cost, cast("Any", None), cast("Any", None), cast("Any", None), max_batch=8)
     rounds.clock, rounds.horizon_s = lambda: now[0], LM_HORIZON_S
     warm = _step(0.0, lambda: math.inf, now[0])
-    warm.warm, warm.forward = True, SimpleNamespace(clean=list(range(16)), draft=[])
-    playing = _step(1.0, lambda: now[0] + 0.5, now[0])
+    warm.warm, warm.forward = True, SimpleNamespace(clean=list(range(16)), draft=[])  # 0.32 s to read
+    left = [0.32 + HURRY_S - 0.05]
+    playing = _step(1.0, lambda: now[0] + left[0], now[0])
     now[0] += 10 * rounds.max_defer_s
     assert rounds.this_round([warm, playing]) == [playing]
+    left[0] = 0.32 + HURRY_S + 0.05  # still within the horizon: its reply is being read, with audio to spare
+    assert rounds.this_round([warm, playing]) == [playing, warm]
+    assert rounds.batches([playing, warm]) == [[playing], [warm]]
+    newcomer = _step(0.0, lambda: -math.inf, now[0])
+    assert rounds.this_round([warm, playing, newcomer]) == [newcomer, playing]
     rounds.someone_waits = lambda: True
     assert rounds.this_round([warm]) == []
     rounds.someone_waits = lambda: False
+    assert rounds.this_round([warm]) == [warm]
+    cost.token_s = None
+    assert rounds.this_round([warm, playing]) == [playing]
     assert rounds.this_round([warm]) == [warm]
 
 

@@ -8,8 +8,9 @@ granularity). Each round is ordered by when each request's reader runs out of te
 for the voice service, when the listener's queued audio runs out): those that run out within
 `horizon_s` are waited for and go first, the earliest first; the others sit out, each forward at
 most `max_defer_s`, so they are delayed, never starved; so do they, even alone, while someone waits
-outside the engine (`someone_waits`), and a warm always: a warm (reading ahead, nobody waits for it)
-for as long as anyone waits or is waited for. Among the waited-for that wait alike (-inf:
+outside the engine (`someone_waits`); and a warm (reading ahead, nobody waits for it) for as long as
+anyone waits or a reader would run out of text while its rows are read (`slack_for`), then in a
+forward of its own that someone who starts waiting stops. Among the waited-for that wait alike (-inf:
 now; inf: on no clock) the least served go first (each is charged its rows' share of the model time
 of the batches it was in); one with a deadline goes by it. A prompt is prefilled in chunks of about
 `SLICE_S` of model time, one chunk a round: a conversation that sends a long prompt cannot hold the
@@ -30,7 +31,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 from engine.decode import Forward, Steps, run_many
@@ -166,8 +167,10 @@ class Scheduler:
         if chunk is not None and chunk.forward is not None and self.cost.token_s is not None:
             read_by = self.clock() + len(chunk.forward.clean) * self.cost.token_s + HURRY_S
             hurried = [r for r in round_ if r is not chunk and r.runs_out() < read_by]
-        rest = [r for r in round_ if all(r is not h for h in hurried)]
-        return [group[i:i + self.max_batch] for group in (hurried, rest) for i in range(0, len(group), self.max_batch)]
+        warm = [chunk] if chunk is not None and chunk.warm else []  # last and alone: someone may stop it
+        rest = [r for r in round_ if all(r is not h for h in hurried + warm)]
+        return [group[i:i + self.max_batch] for group in (hurried, rest, warm) for i in range(0, len(group),
+                                                                                           self.max_batch)]
 
     def run_batch(self, batch: list[Request]) -> None:
         """One batched forward of `batch`'s planned forwards; each request gets its result."""
@@ -177,7 +180,7 @@ class Scheduler:
         results: Sequence[object] | None
         began = time.perf_counter()
         try:
-            results = run_many(self.model, forwards, interruptible=all(map(_long_prompt, batch)))
+            results = run_many(self.model, forwards, interruptible=all(_long_prompt(r) or r.warm for r in batch))
         except Interrupted:
             results = None
         except Exception as err:  # one bad batch fails its requests, not the scheduler
@@ -279,7 +282,7 @@ class Scheduler:
                 return False
             if first:
                 return True
-            if request.warm and (top == WAITED or someone_waits):
+            if request.warm and (someone_waits or not self.slack_for(request, runs_out.values(), now)):
                 # however long: nobody waits for a warm, and its chunk (0.35-0.74 s of 16-34 tokens of the 1.5B on
                 # two busy cores, due after max_defer_s) silenced the replies playing beside it mid-sentence
                 return False
@@ -300,6 +303,16 @@ class Scheduler:
             return True, r.rows_left() if id(r) in near else self.short_rows + 1, r.used_s, r.ready_since
         chunks = sorted((r for r in chosen if _chunk(r)), key=order)
         return sorted([r for r in chosen if not _chunk(r)] + chunks[:1], key=lambda r: runs_out[id(r)])
+
+    def slack_for(self, warm: Request, deadlines: Iterable[float], now: float) -> bool:
+        """May a warm's forward run now, nobody waiting for it? Only while nobody waits for a first piece
+        and every reader has text for the warm's rows (at what a token costs lately) and `HURRY_S` more:
+        a warm that sat out while any reply was being read (audio running out within `horizon_s`) never
+        ran beside three talkers, and each one's next turn read its conversation again (the history
+        forgets half its turns at a time: 100+ tokens, 1.1-2.9 s of its first block on two busy cores)."""
+        rows = len(warm.forward.clean) if warm.forward is not None else 0
+        read_by = now + rows * (self.cost.token_s or math.inf) + HURRY_S
+        return all(runs_out >= read_by for runs_out in deadlines)
 
     @property
     def short_rows(self) -> int:

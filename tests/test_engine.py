@@ -819,34 +819,6 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
     assert short_waited_s < 2.5 and firsts["short"] < firsts["long"]
 
 
-def test_a_newcomer_stops_a_warm_under_way(smol, monkeypatch):
-    """A warm (a conversation read ahead, nobody waiting) runs in a forward of its own that a request
-    someone waits for stops when it comes: the newcomer's first piece does not wait for the warm's
-    chunk (here 5 s), the warm is read again after, and the reply it was for reads only what is new."""
-    eng = Engine(smol, max_seq_len=512, max_defer_s=0.05)
-    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
-    expected = reply_ids(eng.generate_sync(SHORT, cfg))
-    model = StoppableModel(smol.model, hold_s=5.0)
-    monkeypatch.setattr(eng.scheduler, "model", model)
-    conversation = ConversationCache()
-
-    async def main():
-        warming = asyncio.create_task(eng.warm(LONG, conversation))
-        assert await asyncio.to_thread(model.began.wait, 10)  # the warm's chunk is under way, stoppable
-        asked = time.monotonic()
-        short = [p async for p in eng.stream(SHORT, cfg, deadline=lambda text: -math.inf)]
-        waited = time.monotonic() - asked
-        model.hold_s = 0.0
-        model.interrupt()
-        await warming
-        return short, waited, [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
-
-    short, waited, after = asyncio.run(main())
-    assert reply_ids(short) == expected and waited < 2.5
-    assert model.interrupted >= 1
-    assert after[0].prefilled_tokens < 5 < after[0].prompt_tokens
-
-
 def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
     the measured cost is refused before any forward (a clear error), and short ones still run; a

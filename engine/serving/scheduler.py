@@ -9,8 +9,9 @@ for the voice service, when the listener's queued audio runs out): those that ru
 `horizon_s` are waited for and go first, the earliest first; the others sit out, each forward at
 most `max_defer_s`, so they are delayed, never starved; so do they, even alone, while someone waits
 outside the engine (`someone_waits`); and a warm (reading ahead, nobody waits for it) for as long as
-anyone waits or a reader would run out of text while its rows are read (`slack_for`), then in a
-forward of its own that someone who starts waiting stops. Among the waited-for that wait alike (-inf:
+anyone waits or a reader would run out of text while its rows are read (`slack_for`); it is not
+stopped when someone starts waiting (mostly its own user, whose reply goes on from it). Among the
+waited-for that wait alike (-inf:
 now; inf: on no clock) the least served go first (each is charged its rows' share of the model time
 of the batches it was in); one with a deadline goes by it. A prompt is prefilled in chunks of about
 `SLICE_S` of model time, one chunk a round: a conversation that sends a long prompt cannot hold the
@@ -167,10 +168,8 @@ class Scheduler:
         if chunk is not None and chunk.forward is not None and self.cost.token_s is not None:
             read_by = self.clock() + len(chunk.forward.clean) * self.cost.token_s + HURRY_S
             hurried = [r for r in round_ if r is not chunk and r.runs_out() < read_by]
-        warm = [chunk] if chunk is not None and chunk.warm else []  # last and alone: someone may stop it
-        rest = [r for r in round_ if all(r is not h for h in hurried + warm)]
-        return [group[i:i + self.max_batch] for group in (hurried, rest, warm) for i in range(0, len(group),
-                                                                                           self.max_batch)]
+        rest = [r for r in round_ if all(r is not h for h in hurried)]
+        return [group[i:i + self.max_batch] for group in (hurried, rest) for i in range(0, len(group), self.max_batch)]
 
     def run_batch(self, batch: list[Request]) -> None:
         """One batched forward of `batch`'s planned forwards; each request gets its result."""
@@ -180,7 +179,7 @@ class Scheduler:
         results: Sequence[object] | None
         began = time.perf_counter()
         try:
-            results = run_many(self.model, forwards, interruptible=all(_long_prompt(r) or r.warm for r in batch))
+            results = run_many(self.model, forwards, interruptible=all(map(_long_prompt, batch)))
         except Interrupted:
             results = None
         except Exception as err:  # one bad batch fails its requests, not the scheduler

@@ -305,13 +305,14 @@ class Scheduler:
 
     def slack_for(self, warm: Request, deadlines: Iterable[float], now: float) -> bool:
         """May a warm's forward run now, nobody waiting for it? Only while nobody waits for a first piece
-        and every reader has text for the warm's rows (at what a token costs lately) and `HURRY_S` more:
-        a warm that sat out while any reply was being read (audio running out within `horizon_s`) never
-        ran beside three talkers, and each one's next turn read its conversation again (the history
-        forgets half its turns at a time: 100+ tokens, 1.1-2.9 s of its first block on two busy cores)."""
+        and every reader has text for the warm's rows (at what a token costs lately) and `HURRY_S` more,
+        so it runs in whatever slack there is: sitting out while any reply was being read (audio running
+        out within `horizon_s`), it ran in none beside three talkers, and the history's re-read (~90
+        tokens once it forgets half its turns) landed on the next turn's first block (on two saturated
+        Zen 4 cores it mostly still does: BENCHMARKS.md, "a new caller's system prompt already read")."""
         rows = len(warm.forward.clean) if warm.forward is not None else 0
-        read_by = now + rows * (self.cost.token_s or math.inf) + HURRY_S
-        return all(runs_out >= read_by for runs_out in deadlines)
+        reading = rows * self.cost.token_s if self.cost.token_s is not None else math.inf
+        return all(runs_out >= now + reading + HURRY_S for runs_out in deadlines)
 
     @property
     def short_rows(self) -> int:

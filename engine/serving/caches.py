@@ -74,8 +74,8 @@ class CachePool:
         if source is None:
             return 0
         copy(source, state, best)
-        state.ids[:] = source.ids[:best]
-        state.blocks = [block for block in source.blocks if block[1] <= best]
+        state.ids, state.blocks = source.ids[:best], list(source.blocks)
+        state.reuse_for(prompt)  # drops the blocks past what was copied, as a conversation's own turn does
         return best - own
 
     def put(self, state: CacheState) -> None:

@@ -70,8 +70,8 @@ class FakeChat:
                 await asyncio.sleep(3600)
             yield Piece(text, i + 1, 1)
 
-    async def prepare(self, messages, tools=None):
-        self.lm.prepared.append((messages, tools))
+    async def prepare(self, messages, tools=None, aside=False):
+        (self.lm.prepared_aside if aside else self.lm.prepared).append((messages, tools))
 
     async def end_of_turn_probability(self, messages, text, tools=None) -> float | None:
         """`FakeLM.end_of_turn` when scripted, else 0.9 after a sentence's closing punctuation, 0.1 elsewhere."""
@@ -98,6 +98,7 @@ class FakeLM:
         self.tool_calls: list[dict] = []  # when set, a reply offered tools calls these (OpenAI-shaped)
         self.asked: list[tuple] = []  # (messages, tools) of every reply
         self.prepared: list[tuple] = []  # (messages, tools) of every `prepare`
+        self.prepared_aside: list[tuple] = []  # and of every `prepare(aside=True)`
         self.end_of_turn: float | None = None  # scripted end_of_turn_probability (None: from the punctuation)
         self.end_of_turn_asked: list[str] = []  # the texts it was asked about
 

@@ -215,6 +215,48 @@ def test_a_warm_runs_only_where_no_reader_runs_out_while_it_is_read():
 
 # --- the real service -------------------------------------------------------------------------
 
+def test_the_turns_a_sliding_history_keeps_are_read_aside_and_the_turn_after_reads_one(real_instance):
+    """When the history's window slides the prompt's start changes: the turn after read the whole
+    kept conversation again (~90 tokens; seconds on two cores busy with three talkers). The turns
+    it keeps are read aside as they end (`Chat.prepare(aside=True)`), and the conversation copies
+    them from there (`CachePool.share`): it reads only the newest turn and the question."""
+    import os
+
+    from fakes import REAL_REPLY_TOKENS
+    from voice.conversation.history import History
+    config = Config()
+    config.lm.max_new_tokens = REAL_REPLY_TOKENS
+    lm = real_instance(config).lm
+    engine, chat = lm.engine, lm.chat()
+    history = History(config.lm.system_prompt, turns=3)
+    said = [("What is the capital of France?", "Paris is the capital of France."),
+            ("And of Spain?", "Madrid is the capital of Spain."),
+            ("How far apart are they?", "About a thousand kilometres by road."),
+            ("Which is bigger?", "Madrid has more people than Paris proper.")]
+
+    async def the_turn_after_the_slide() -> tuple[Any, list[dict], list[dict]]:
+        for question, answer in said[:3]:
+            history.add(question, answer)
+        await chat.prepare(history.messages(""))  # what the turns' read-ahead leaves in the conversation
+        kept = history.kept()
+        await chat.prepare(kept, aside=True)
+        history.add(*said[3])  # the window slides: the prompt starts with turns 3 and 4
+        prompt = history.messages("Thanks, bye.")
+        async for piece in engine.stream(prompt, conversation=chat.conversation, max_new_tokens=1):
+            return piece, kept, prompt
+        raise AssertionError("no reply")
+
+    try:
+        piece, kept, prompt = asyncio.run(the_turn_after_the_slide())
+    finally:
+        chat.close()
+    assert [m["content"] for m in kept[1:]] == list(said[2]) and prompt[1]["content"] == said[2][0]
+    read_aside = len(os.path.commonprefix([engine.prompt_ids(kept), engine.prompt_ids(prompt)]))
+    system = len(engine.open_prompt_ids(prompt[:1]))
+    assert read_aside > system + 15  # turn 3, beyond the system prompt every conversation shares
+    assert piece.prefilled_tokens == piece.prompt_tokens - read_aside
+
+
 @contextlib.contextmanager
 def _serving_with_capacity(real_instance, limits: dict, agent_port: int = 0):
     """The real service whose Instance admits by a Capacity of `limits` (real_instance has none):

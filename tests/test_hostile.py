@@ -58,7 +58,7 @@ class StrictLM(FakeLM):
                 async for block in inner.reply(messages, mode, runs_out, tools):
                     yield block
 
-            async def prepare(self, messages, tools=None):
+            async def prepare(self, messages, tools=None, aside=False):
                 await inner.prepare(messages, tools)
 
             def close(self):

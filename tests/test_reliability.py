@@ -80,7 +80,7 @@ class FaultyChat:
     def close(self):
         self.real.close()
 
-    async def prepare(self, messages, tools=None):
+    async def prepare(self, messages, tools=None, aside=False):
         await self.real.prepare(messages, tools)
 
     async def reply(self, messages, mode=None, runs_out=None, tools=None):

@@ -195,15 +195,16 @@ def test_the_session_waits_from_end_of_speech_to_its_first_audio(speculative):
 def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
     """Once a reply is decoded the LM prefills the conversation the next turn starts from, the
     history's oldest turns already forgotten when its window is full: the next turn's prompt
-    then differs only by the user's new words, even on the turn the window slides."""
-    instance = fake_instance(make_config(lm={"history_turns": 1}), LengthWhisper(), None, TimedLM())
+    then differs only by the user's new words, even on the turn the window slides. The turns the
+    window keeps when it slides are read aside a turn earlier (`History.kept`)."""
+    instance = fake_instance(make_config(lm={"history_turns": 3}), LengthWhisper(), None, TimedLM())
 
     async def scenario():
         s = Session(instance, 16000, 16000)
         seen: list = []
         reader = drain(s, seen)
         asked: list[list[dict]] = []
-        for _ in range(3):
+        for _ in range(4):
             await push(s, speech("001.wav"))
             await push(s, silence(1000), realtime=True)
             await until_reply_done(seen)
@@ -215,9 +216,12 @@ def test_the_next_turn_is_prepared_while_the_reply_is_spoken():
 
     asked = asyncio.run(scenario())
     prepared = [messages[:-1] for messages, _ in instance.lm.prepared]  # each without its empty question
-    assert len(prepared) == 4  # the session's start, then once per reply
+    assert len(prepared) == 5  # the session's start, then once per reply
     assert prepared[1:] == asked
-    assert [m["role"] for m in asked[2]] == ["system", "user", "assistant"]  # the window slid: turn 1 forgotten
+    assert [m["role"] for m in asked[3]] == ["system", "user", "assistant", "user", "assistant"]  # turns 1, 2 forgotten
+    aside = [messages for messages, _ in instance.lm.prepared_aside]
+    assert aside == [asked[2][:1] + asked[2][-2:]]  # after turn 3: the system prompt and turn 3
+    assert asked[3][:3] == aside[0]
 
 
 def test_the_lm_reads_the_partial_transcripts_while_the_user_speaks():

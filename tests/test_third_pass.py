@@ -184,8 +184,25 @@ def test_the_history_forgets_old_turns_until_the_prompt_fits_the_lms_context_in_
     prompt = history.messages("Say hi.")
     assert fits(prompt) and prompt[0]["content"] == "Be brief." and prompt[-1]["content"] == "Say hi."
     assert [m["content"][:1] for m in prompt[1:-1]] == ["3", "N"]  # only the newest turn still fits beside it
-    ahead = history.ahead("Say hi.", "Hi!")
+    ahead = history.after("Say hi.", "Hi!").messages("")
     assert fits(ahead)
+
+
+def test_the_turns_the_history_will_keep_are_known_before_it_forgets():
+    """`kept` is how the prompt starts once the history forgets (half its window, whole turns), as
+    far as those turns are said: what the LM reads aside as each ends (voice/conversation/reply.py)."""
+    from voice.conversation.history import History
+    for turns in (1, 2, 3, 6, 7):
+        history, known = History("Be brief.", turns), []
+        for n in range(1, 4 * turns + 3):
+            before = len(history.said)
+            history.add(f"question {n}", f"answer {n}")
+            if len(history.said) < before + 2:  # it forgot: the prompt starts with what was known a turn before
+                assert (history.messages("")[:len(known)] == known) if turns >= 3 else not known
+                assert len(known) == (0 if turns < 3 else 1 + 2 * ((turns + 1) // 2 - 1))
+            known = history.kept()
+            assert not known or known[0]["role"] == "system" and known[-1]["content"] == f"answer {n}"
+    assert History("Be brief.", 0).kept() == []
 
 
 def test_a_reply_of_deeply_nested_json_is_no_tool_call_and_no_recursion_error():

@@ -24,8 +24,11 @@ class History:
     def __iter__(self) -> Iterator[dict]:
         return iter(self.said)
 
+    def _system(self) -> list[dict]:
+        return [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+
     def messages(self, user_text: str) -> list[dict]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        system = self._system()
         self._fit(len(self.system_prompt) + len(user_text))
         while True:
             prompt = system + (self.said if self.turns else []) + [{"role": "user", "content": user_text}]
@@ -61,13 +64,31 @@ class History:
         if heard:
             self.said.insert(0, {"role": "assistant", "content": heard})
 
-    def ahead(self, user_text: str, heard: str) -> list[dict]:
-        """The next turn's conversation before its question, if this turn ends with `heard`
-        (what `add` would keep): for preparing the LM while the reply is spoken."""
+    def after(self, user_text: str, heard: str) -> History:
+        """The history once this turn ends with `heard` (what `add` would keep), this one unchanged:
+        for preparing the LM while the reply is spoken (`messages("")`, `kept`)."""
         later = History(self.system_prompt, self.turns, self.max_chars, self.fits)
         later.said = list(self.said)
         later.add(user_text, heard)
-        return later.messages("")
+        return later
+
+    def kept(self) -> list[dict]:
+        """How the prompt will start once the history next forgets, as far as those turns are said
+        (if every turn until then adds a question and a reply): the LM reads it aside a turn at a
+        time, where it would read it all on the turn after the forgetting (~90 tokens on two busy
+        cores: up to seconds). Empty while none of the turns it will keep is said."""
+        if not self.turns:
+            return []
+        said = {id(m) for m in self.said}
+        later = History(self.system_prompt, self.turns)
+        later.said = list(self.said)
+        while True:  # placeholder turns until it forgets
+            before = len(later.said)
+            later.add("?", "?")
+            if len(later.said) <= before:
+                break
+        kept = [m for m in later.said if id(m) in said]
+        return self._system() + kept if kept else []
 
     def heard_only(self, text: str) -> None:
         """The last reply was heard only up to `text` (a Realtime client's truncate): keep that."""

@@ -123,7 +123,7 @@ class NoChat:
         raise RuntimeError("this session answers only in a conversation it is given")
         yield
 
-    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None, aside: bool = False) -> None:
         return None
 
     async def end_of_turn_probability(self, messages: list[dict], text: str,

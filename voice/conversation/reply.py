@@ -172,29 +172,35 @@ class ReplyRunner:
         # conversation is its caller's (nothing is prepared ahead in it).
         self.requests = requests
 
-    async def prepare(self, messages: list[dict]) -> None:
+    async def prepare(self, messages: list[dict], chat: Chat | None = None, aside: bool = False) -> None:
         """The LM prefills `messages` ahead of the reply that will start with them: the session's
-        start, the words heard so far, the next turn's conversation (best effort)."""
+        start, the words heard so far, the next turn's conversation (best effort). `chat`: the
+        conversation, if not the session's own; `aside`: into its cache aside (`Chat.prepare`)."""
         if self.requests:
             return
         try:
-            await self.chat.prepare(messages, (self.tools.openai() + self.client_tools) or None)
+            await (chat or self.chat).prepare(messages, (self.tools.openai() + self.client_tools) or None, aside)
         except Exception as err:  # noqa: BLE001 - the reply will simply prefill it itself
             log.warning("session=%s preparing the LM failed: %r", self.name, err)
 
-    async def prepare_next(self, reply: Reply, ahead: Callable[[str], list[dict]]) -> None:
+    async def prepare_next(self, reply: Reply, after: Callable[[str], History], chat: Chat | None = None) -> None:
         """Once the decoded reply is released to the user, prefill the conversation the next turn
         will start from. When the history forgets its oldest turns the prompt's start changes, and
         without this the next turn would prefill the whole conversation again while the user waits
-        (a first block of 1.4-1.5 s instead of 0.35 s, every fourth turn on two cores)."""
+        (a first block of 1.4-1.5 s instead of 0.35 s, every fourth turn on two cores); and the turns
+        it will keep then are read aside as they end (`History.kept`), so that this prefill, when it
+        comes, reads one turn, not three (three talkers on two cores often leave it no time)."""
         await reply.released.wait()
-        await self.prepare(ahead(reply.text.strip()))
+        later = after(reply.text.strip())
+        await self.prepare(later.messages(""), chat)
+        if kept := later.kept():
+            await self.prepare(kept, chat, aside=True)
 
     async def run(self, reply: Reply, messages: list[dict],
-                  ahead: Callable[[str], list[dict]] | None = None, chat: Chat | None = None) -> None:
+                  after: Callable[[str], History] | None = None, chat: Chat | None = None) -> None:
         """The whole reply, until the client has played it (a barge-in cancels this task).
-        `ahead(text)`: the next turn's conversation if this reply is heard whole; the LM prefills
-        it as soon as the reply is decoded, while it is spoken (`prepare_next`). `chat`: the
+        `after(text)`: the history once this reply is heard whole; the LM prefills the next turn's
+        conversation as soon as the reply is decoded, while it is spoken (`prepare_next`). `chat`: the
         conversation it is a turn of, if not the session's own (Wyoming's answer)."""
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speaker(reply, phrases))
@@ -202,8 +208,8 @@ class ReplyRunner:
             try:
                 await self._generate(reply, messages, phrases, speaker, chat or self.chat)
                 phrases.put_nowait(None)
-                if ahead is not None and not reply.tools:
-                    self.sink.spawn(self.prepare_next(reply, ahead))
+                if after is not None and not reply.tools:
+                    self.sink.spawn(self.prepare_next(reply, after, chat))
                 await speaker
             except StageFailure as failure:
                 speaker.cancel()
@@ -476,7 +482,7 @@ class Floor:
 
     async def _respond(self, reply: Reply, user_text: str, history: History, chat: Chat | None) -> None:
         try:
-            await self.replies.run(reply, history.messages(user_text), functools.partial(history.ahead, user_text),
+            await self.replies.run(reply, history.messages(user_text), functools.partial(history.after, user_text),
                                    chat)
         finally:
             if reply.released.is_set():  # else a speculation that was dropped: it never happened

@@ -64,8 +64,10 @@ class Chat(Protocol):
         """The reply's pieces as they come (an async generator); the last one carries any tool calls."""
         ...
 
-    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
-        """Get ready for a conversation that starts with `messages` (the user is still speaking)."""
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None, aside: bool = False) -> None:
+        """Get ready for a conversation that starts with `messages` (the user is still speaking).
+        `aside`: not the next turn's start but a later one's (after the history forgets): kept apart
+        from what the next turn continues."""
 
     async def end_of_turn_probability(self, messages: list[dict], text: str,
                                       tools: list[dict] | None = None) -> float | None:
@@ -206,6 +208,8 @@ class LocalChat:
     def __init__(self, lm: LocalLM):
         from engine.stream import ConversationCache
         self.lm, self.conversation = lm, ConversationCache()
+        # where `prepare(aside=True)` reads: a later prompt's start, copied from here when it comes (CachePool.share)
+        self.aside = ConversationCache()
         self.tool_call_log_odds: float | None = None  # this conversation's own gate (a phone call's), else the LM's
 
     @staticmethod
@@ -237,10 +241,11 @@ class LocalChat:
         if calling:
             yield Piece("", calls=calls_in(text))
 
-    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None, aside: bool = False) -> None:
         """Prefill the start of the conversation (system prompt, tools) while the user is still
-        speaking, so their first turn prefills only their words."""
-        await self.lm.engine.warm(messages, self.conversation, self.lm.tool_grammar(tools)[0] if tools else None)
+        speaking, so their first turn prefills only their words; or (`aside`) a later turn's start."""
+        await self.lm.engine.warm(messages, self.aside if aside else self.conversation,
+                                  self.lm.tool_grammar(tools)[0] if tools else None)
 
     async def end_of_turn_probability(self, messages: list[dict], text: str,
                                       tools: list[dict] | None = None) -> float | None:
@@ -253,8 +258,9 @@ class LocalChat:
         return (await engine.probe(prompt, [engine.tokenizer.turn_end_id], self.conversation))[0]
 
     def close(self) -> None:
-        """Nobody continues this conversation: its KV cache goes back to the engine's pool."""
+        """Nobody continues this conversation: its KV caches go back to the engine's pool."""
         self.lm.engine.abandon(self.conversation)
+        self.lm.engine.abandon(self.aside)
 
 
 class RemoteLM:
@@ -352,7 +358,7 @@ class RemoteChat:
     def __init__(self, lm: RemoteLM):
         self.lm = lm
 
-    async def prepare(self, messages: list[dict], tools: list[dict] | None = None) -> None:
+    async def prepare(self, messages: list[dict], tools: list[dict] | None = None, aside: bool = False) -> None:
         """Nothing to prepare: the endpoint keeps its own caches."""
 
     async def end_of_turn_probability(self, messages: list[dict], text: str,

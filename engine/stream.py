@@ -128,7 +128,7 @@ class Engine:
         cfg = self.resolve(cfg)
         prompt = self.prompt_ids(messages, tools)
         if not background:  # a warm has no one waiting: it may take as long as it takes
-            self.admission.affordable(prompt, conversation.state, others)
+            self.admission.affordable(prompt, self.caches.holder(conversation.state, prompt)[1], others)
         if conversation.active is not None:
             conversation.active.close()
         if conversation.state is None:
@@ -145,7 +145,8 @@ class Engine:
         if len(probe.prompt) >= self.max_seq_len:
             raise ContextOverflow(f"a prompt of {len(probe.prompt)} tokens does not fit the context "
                                   f"of {self.max_seq_len}")
-        self.admission.affordable(probe.prompt, conversation.state, others)
+        state = conversation.state  # a probe reads on a copy of its conversation's cache, none other
+        self.admission.affordable(probe.prompt, state.cached_prefix(probe.prompt) if state is not None else 0, others)
         return probes.begin(probe, conversation, self.model, self.caches, self.tokenizer, start,
                             self.scheduler.chunking())
 

@@ -822,7 +822,8 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
 def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
     the measured cost is refused before any forward (a clear error), and short ones still run; a
-    warm of the same prompt is not refused, and the reply after it prefills only what is new."""
+    warm of the same prompt is not refused, and the reply after it (or another conversation's
+    reply to it) prefills only what is new."""
     eng = Engine(smol, max_seq_len=512, max_prefill_s=1.0)
     eng.cost.best_token_s = 0.01  # measured: 100 new tokens fit in a second
     cfg = DecodeConfig(mode="ar", max_new_tokens=4)
@@ -837,13 +838,20 @@ def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     assert eng.scheduler.batch_sizes == []  # refused before any forward
     assert reply_ids(asyncio.run(stream(SHORT)))
 
+    conversation = ConversationCache()
+
     async def warm_then_reply():  # a warm is never refused (nobody waits for it): the reply then fits
-        conversation = ConversationCache()
         await eng.warm(LONG, conversation)
         eng.cost.best_token_s = 0.01  # as measured before (the warm's own forwards measured this machine)
         return [p async for p in eng.stream(LONG, cfg, conversation=conversation)]
 
     assert reply_ids(asyncio.run(warm_then_reply()))
+
+    async def another_conversation():  # what another conversation's cache holds need not be read either
+        eng.cost.best_token_s = 0.01
+        return [p async for p in eng.stream(LONG, cfg, conversation=ConversationCache())]
+
+    assert reply_ids(asyncio.run(another_conversation())) and conversation.state is not None
 
 
 def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_the_model(smol):
@@ -851,7 +859,8 @@ def test_a_prompt_that_fits_alone_is_refused_while_another_conversation_shares_t
     so a prefill that fits `max_prefill_s` alone is refused beside another reply, and runs alone."""
     eng = Engine(smol, max_seq_len=1024)
     medium = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(20))}]
-    new_tokens = len(eng.prompt_ids(medium))
+    shared = len(os.path.commonprefix([eng.prompt_ids(medium), eng.prompt_ids(LONG)]))  # the other's cache holds it
+    new_tokens = len(eng.prompt_ids(medium)) - shared
 
     async def beside_another():
         conversation = ConversationCache()

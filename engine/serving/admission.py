@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from engine.runtime import CacheState, ContextOverflow
+from engine.runtime import ContextOverflow
 from engine.serving.cost import PrefillCost
 from engine.serving.requests import Request
 from engine.tools import Tool
@@ -29,12 +29,13 @@ class Admission:
         # the scheduler thread, to keep at most this many tokens when a request needs the room.
         self.release_idle: Callable[[int], None] = lambda tokens: None
 
-    def affordable(self, prompt: list[int], state: CacheState | None, others: int = 0) -> None:
+    def affordable(self, prompt: list[int], cached: int, others: int = 0) -> None:
         """Refuse a prompt whose new tokens would take longer than `max_prefill_s` to prefill: at the
         fastest cost measured for the chunks it will be read in, times its share of the model: the
         conversations served now (`others`: the scheduler gives each an equal share, so a prefill
-        that fits alone may not fit beside them), and at least half while others may come."""
-        new = len(prompt) - (state.cached_prefix(prompt) if state is not None else 0)
+        that fits alone may not fit beside them), and at least half while others may come. `cached`:
+        the prompt's first tokens it need not read (its conversation's cache, or another's: `CachePool.holder`)."""
+        new = len(prompt) - cached
         alone = self.cost.prefill_s(new, sliced=bool(others) or self.may_share)
         shares = max(1 + others, 2 if self.may_share else 1)
         if self.max_prefill_s is None or alone is None or alone * shares <= self.max_prefill_s:

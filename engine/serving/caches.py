@@ -60,18 +60,25 @@ class CachePool:
             self.made = [ref for ref in self.made if ref() is not None] + [weakref.ref(state)]
         return state
 
-    def share(self, state: CacheState, prompt: list[int], copy: Callable[[CacheState, CacheState, int], None]) -> int:
-        """Start `state` from the longest prefix of `prompt` another cache holds, if longer than its own:
-        `copy(source, state, n)` (the model's `copy_cache`; llama.cpp shares the cells). Call it where
-        no forward runs on either (the scheduler's thread, between rounds). Returns the tokens gained."""
-        own = best = state.cached_prefix(prompt)
-        source = None
+    def holder(self, state: CacheState | None, prompt: list[int]) -> tuple[CacheState | None, int]:
+        """The cache holding the longest prefix of `prompt` and that prefix's length: `state` itself
+        (or None, with nothing held) unless another cache holds more."""
+        best = state.cached_prefix(prompt) if state is not None else 0
+        source = state
         with self.lock:
             others = [other for ref in self.made if (other := ref()) is not None and other is not state]
         for other in others:
             if (n := other.cached_prefix(prompt)) > best:
                 best, source = n, other
-        if source is None:
+        return source, best
+
+    def share(self, state: CacheState, prompt: list[int], copy: Callable[[CacheState, CacheState, int], None]) -> int:
+        """Start `state` from the longest prefix of `prompt` another cache holds, if longer than its own:
+        `copy(source, state, n)` (the model's `copy_cache`; llama.cpp shares the cells). Call it where
+        no forward runs on either (the scheduler's thread, between rounds). Returns the tokens gained."""
+        own = state.cached_prefix(prompt)
+        source, best = self.holder(state, prompt)
+        if source is None or source is state:
             return 0
         copy(source, state, best)
         state.ids, state.blocks = source.ids[:best], list(source.blocks)

@@ -252,10 +252,11 @@ class Scheduler:
         that have sat out `max_defer_s` (a prompt's chunk behind a newcomer of its level, or a long
         prompt's while `yield_to`, `PREFILL_DEFER` times that, and as many times again as such chunks
         sit out together: with six long prompts one of them was due every round, and each of a
-        newcomer's steps took a slice longer). A request near
-        its end (`short_rows`) counts as least served, and the chunks of longer requests sit out
-        behind it: least served alone did not tell an 8-token request from six long prompts that
-        had had as little as it (each went between its two chunks and joined each of its steps)."""
+        newcomer's steps took a slice longer). A request near its end (`short_rows`) counts as least
+        served, and the chunks of longer requests sit out behind it unless it is on a clock (`batches`
+        keeps a playing reply's steps from a chunk): least served alone did not tell an 8-token request
+        from six long prompts that had had as little as it (each went between its two chunks and joined
+        each of its steps)."""
         now, someone_waits = self.clock(), self.someone_waits()
         runs_out = {id(r): r.runs_out() for r in ready}
         levels = [self.level(runs_out[id(r)], r.warm, now, someone_waits) for r in ready]
@@ -264,13 +265,17 @@ class Scheduler:
         yielding = self.yield_to()
         near = {id(r) for r, level in zip(ready, levels)
                 if level == top > BACKGROUND and r.rows_left() <= self.short_rows}
+        # ...but a reply on a clock (a voice's, its audio playing) holds no chunk back: `batches` puts its step
+        # first where the chunk would make it run dry (a newcomer's 18 tokens sat out 1.3 s behind two replies
+        # near their ends, three talkers on two cores)
+        near_unclocked = any(not math.isfinite(runs_out[id(r)]) for r in ready if id(r) in near)
 
         def front(request: Request, level: int) -> bool:
             if level != top or top == BACKGROUND:
                 return False
             if id(request) in near or math.isfinite(runs_out[id(request)]):
                 return True
-            return request.used_s <= least + SLICE_S and not (near and _chunk(request))
+            return request.used_s <= least + SLICE_S and not (near_unclocked and _chunk(request))
         fronts = [front(r, level) for r, level in zip(ready, levels)]
         behind_chunks = sum(1 for r, level, f in zip(ready, levels, fronts) if level == top > BACKGROUND
                             and _chunk(r) and not f)

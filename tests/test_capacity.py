@@ -177,30 +177,6 @@ def test_a_step_whose_audio_runs_out_goes_ahead_of_a_prompt_chunk_in_a_forward_o
     assert rounds.batches([newcomer, running_out, to_spare]) == [[newcomer, running_out, to_spare]]
 
 
-def test_a_newcomers_prompt_does_not_sit_out_behind_playing_replies_near_their_ends():
-    """A request near its end holds longer requests' prompt chunks back (an 8-token request beside six long
-    prompts, `engine serve`); a voice reply near its end, its audio playing (a deadline on a clock), held a
-    newcomer's 18 prompt tokens back 1.3 s while its user waited in silence (three talkers, two cores). The
-    reply's step is kept from the chunk by `batches` instead: it goes first where the chunk would make it
-    run dry."""
-    from engine.serving.cost import PrefillCost
-    from engine.serving.scheduler import Scheduler as Rounds
-    from voice.service.scheduler import LM_HORIZON_S
-    now = [1000.0]
-    rounds = Rounds(cast("Any", None), PrefillCost(token_s=0.02), cast("Any", None), cast("Any", None),
-                    cast("Any", None), max_batch=8)
-    rounds.clock, rounds.horizon_s = lambda: now[0], LM_HORIZON_S
-    newcomer = _step(0.0, lambda: -math.inf, now[0])
-    newcomer.forward = SimpleNamespace(clean=list(range(18)), draft=[])
-    playing = _step(1.0, lambda: now[0] + 0.6, now[0])
-    playing.rows_left = lambda: 5
-    assert rounds.this_round([newcomer, playing]) == [newcomer, playing]
-    assert rounds.batches([newcomer, playing]) == [[playing], [newcomer]]  # its step first, alone
-    short = _step(0.0, lambda: -math.inf, now[0])  # on no clock (`engine serve`'s): the chunk waits for it
-    short.rows_left = lambda: 5
-    assert rounds.this_round([newcomer, short]) == [short]
-
-
 def test_a_warm_runs_only_where_no_reader_runs_out_while_it_is_read():
     """A warm (reading a conversation ahead; nobody waits for it) sits out, however long, while someone
     waits (outside the engine, or for a first piece) or a playing reply's audio would run out before the

@@ -9,7 +9,8 @@ caches: RSS rose by hundreds of MB per 100 requests. bench/serve_soak.py measure
 
 A conversation also starts from what another one has read (`CachePool.share`): every voice session's
 prompt begins with the same system prompt, and on two busy cores reading its 34 tokens again took
-0.6-0.7 s of a new caller's first reply.
+0.6-0.7 s of a new caller's first reply. A voice session also reads the turns its history will keep
+into a cache aside (`LocalChat.aside`), and the turn after the history forgets copies them from there.
 """
 
 from __future__ import annotations

@@ -253,10 +253,11 @@ class Scheduler:
         prompt's while `yield_to`, `PREFILL_DEFER` times that, and as many times again as such chunks
         sit out together: with six long prompts one of them was due every round, and each of a
         newcomer's steps took a slice longer). A request near its end (`short_rows`) counts as least
-        served, and the chunks of longer requests sit out behind it unless it is on a clock (`batches`
-        keeps a playing reply's steps from a chunk): least served alone did not tell an 8-token request
-        from six long prompts that had had as little as it (each went between its two chunks and joined
-        each of its steps)."""
+        served, and the chunks of longer requests sit out behind it: least served alone did not tell an
+        8-token request from six long prompts that had had as little as it (each went between its two
+        chunks and joined each of its steps). So does a newcomer's chunk behind voice replies near their
+        ends, up to `PREFILL_DEFER` x `max_defer_s` (s2's 11th turn at three talkers: 0.9-1.3 s); letting
+        it through doubled the others' silences mid-reply (BENCHMARKS.md, "the turns the history keeps")."""
         now, someone_waits = self.clock(), self.someone_waits()
         runs_out = {id(r): r.runs_out() for r in ready}
         levels = [self.level(runs_out[id(r)], r.warm, now, someone_waits) for r in ready]
@@ -265,17 +266,13 @@ class Scheduler:
         yielding = self.yield_to()
         near = {id(r) for r, level in zip(ready, levels)
                 if level == top > BACKGROUND and r.rows_left() <= self.short_rows}
-        # ...but a reply on a clock (a voice's, its audio playing) holds no chunk back: `batches` puts its step
-        # first where the chunk would make it run dry (a newcomer's 18 tokens sat out 1.3 s behind two replies
-        # near their ends, three talkers on two cores)
-        near_unclocked = any(not math.isfinite(runs_out[id(r)]) for r in ready if id(r) in near)
 
         def front(request: Request, level: int) -> bool:
             if level != top or top == BACKGROUND:
                 return False
             if id(request) in near or math.isfinite(runs_out[id(request)]):
                 return True
-            return request.used_s <= least + SLICE_S and not (near_unclocked and _chunk(request))
+            return request.used_s <= least + SLICE_S and not (near and _chunk(request))
         fronts = [front(r, level) for r, level in zip(ready, levels)]
         behind_chunks = sum(1 for r, level, f in zip(ready, levels, fronts) if level == top > BACKGROUND
                             and _chunk(r) and not f)
@@ -313,8 +310,9 @@ class Scheduler:
         and every reader has text for the warm's rows (at what a token costs lately) and `HURRY_S` more,
         so it runs in whatever slack there is: sitting out while any reply was being read (audio running
         out within `horizon_s`), it ran in none beside three talkers, and the history's re-read (~90
-        tokens once it forgets half its turns) landed on the next turn's first block (on two saturated
-        Zen 4 cores it mostly still does: BENCHMARKS.md, "a new caller's system prompt already read")."""
+        tokens once it forgets half its turns) landed on the next turn's first block. (On two saturated
+        Zen 4 cores even this slack is rare: the voice service reads the turns the history will keep a
+        turn at a time, `History.kept`.)"""
         rows = len(warm.forward.clean) if warm.forward is not None else 0
         reading = rows * self.cost.token_s if self.cost.token_s is not None else math.inf
         return all(runs_out >= now + reading + HURRY_S for runs_out in deadlines)

@@ -905,6 +905,24 @@ def test_a_warm_that_a_reply_overtakes_ends(smol):
     assert reply_ids(asyncio.run(main())) == expected
 
 
+def test_a_warm_that_comes_while_a_reply_runs_leaves_the_reply_alone(smol):
+    """A warm of a conversation arriving while its reply runs (a session's read-ahead of the words heard
+    so far, spawned just before the reply began) ends at once: it used to take the reply's place, and
+    the reply failed ("a newer request on this conversation took its place", CI's soak at cb5df53)."""
+    eng = Engine(smol, max_seq_len=512)
+    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
+    expected = reply_ids(eng.generate_sync(LONG, cfg))
+
+    async def main():
+        conversation = ConversationCache()
+        stream = eng.stream(LONG, cfg, conversation=conversation)
+        first = await anext(stream)  # the reply runs
+        await asyncio.wait_for(eng.warm(LONG[:1], conversation), 10.0)
+        return [first] + [p async for p in stream]
+
+    assert reply_ids(asyncio.run(main())) == expected
+
+
 def test_a_prompt_that_fits_alone_is_refused_while_other_sessions_may_come(smol):
     """While another session may speak (`may_share`), a long prompt is read a slice at a time and
     half the time a reply may wait is kept for the others: the estimate uses the slice-sized rate

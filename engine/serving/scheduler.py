@@ -335,6 +335,9 @@ class Scheduler:
             return
         others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is None and isinstance(conversation.active, Request) and conversation.active in active:
+            if request.warm and not conversation.active.warm:  # nobody waits for a warm; someone waits for the reply
+                request.deliver(Superseded("a reply runs on this conversation: it reads its own prompt"))
+                return
             active.remove(conversation.active)
             conversation.active.deliver(Superseded("a newer request on this conversation took its place"))
         try:  # a probe runs beside the conversation's reply, on a copy of its cache

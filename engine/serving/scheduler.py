@@ -365,7 +365,8 @@ class Scheduler:
             return
         others = sum(1 for r in active if not r.warm and r.conversation is not conversation)  # someone waits on them
         if request.probe is None and isinstance(conversation.active, Request) and conversation.active in active:
-            if request.warm and not conversation.active.warm:  # nobody waits for a warm; someone waits for the reply
+            replying = not (conversation.active.warm or conversation.active.cancelled)
+            if request.warm and replying:  # nobody waits for a warm; someone waits for the reply
                 request.deliver(Superseded("a reply runs on this conversation: it reads its own prompt"))
                 return
             active.remove(conversation.active)

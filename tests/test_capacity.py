@@ -182,10 +182,9 @@ def test_a_warm_runs_only_where_no_reader_runs_out_while_it_is_read():
     waits (outside the engine, or for a first piece) or a playing reply's audio would run out before the
     warm's rows are read (at a token's cost lately) and `HURRY_S` more: each of its chunks, due after
     `max_defer_s`, took 0.35-0.74 s on two busy cores and silenced the replies playing beside it. Where
-    every reader has that much audio it runs, after their steps: sitting out while any reply was being
+    every reader has that much audio it runs, beside their steps: sitting out while any reply was being
     read, it never ran beside three talkers, and their next turns read their conversations on the
-    critical path. Its forward stops `HURRY_S` before the first reader runs out, should it run late.
-    A token's cost not measured yet: only beside no reader."""
+    critical path. A token's cost not measured yet: only beside no reader."""
     from engine.serving.cost import PrefillCost
     from engine.serving.scheduler import HURRY_S
     from engine.serving.scheduler import Scheduler as Rounds
@@ -202,9 +201,7 @@ def test_a_warm_runs_only_where_no_reader_runs_out_while_it_is_read():
     assert rounds.this_round([warm, playing]) == [playing]
     left[0] = 0.32 + HURRY_S + 0.05  # still within the horizon: its reply is being read, with audio to spare
     assert rounds.this_round([warm, playing]) == [playing, warm]
-    assert rounds.batches([playing, warm]) == [[playing], [warm]]  # last, alone: it stops if it runs late
-    assert rounds.stop_by([warm], [warm, playing]) == pytest.approx(now[0] + left[0] - HURRY_S)
-    assert rounds.stop_by([playing], [warm, playing]) == math.inf and rounds.stop_by([warm], [warm]) == math.inf
+    assert rounds.batches([playing, warm]) == [[playing, warm]]
     newcomer = _step(0.0, lambda: -math.inf, now[0])
     assert rounds.this_round([warm, playing, newcomer]) == [newcomer, playing]
     rounds.someone_waits = lambda: True

@@ -819,52 +819,6 @@ def test_a_newcomer_stops_a_long_prompts_chunk_under_way(smol, monkeypatch):
     assert short_waited_s < 2.5 and firsts["short"] < firsts["long"]
 
 
-class SlowChunks(StoppableModel):
-    """Once `armed`, a step that reads a prompt's chunk (several rows of one conversation) takes `hold_s`,
-    interruptible or not, as a warm's chunk did on two AVX2 cores once speech synthesis started beside it."""
-
-    armed = False
-
-    def step(self, forwards, interruptible=False):
-        if self.armed and any(len(f.clean) > 1 for f in forwards):
-            self.stopped.clear()
-            if self.stopped.wait(self.hold_s) and interruptible:
-                self.interrupted += 1
-                raise Interrupted("stopped")
-        return self.model.step(forwards)
-
-
-def test_a_warms_chunk_that_runs_late_stops_before_a_reply_beside_it_runs_dry(smol, monkeypatch):
-    """A warm runs where a playing reply has text for its rows at a token's cost lately, but its chunk
-    may take longer (here 5 s): its forward, of its own, stops `HURRY_S` before the reply's reader runs
-    out, the reply's steps go on, and the warm is read again later. Before, the warm's chunk rode in the
-    reply's forward and each of the reply's tokens waited for it; both replies are the ones given alone."""
-    eng = Engine(smol, max_seq_len=512, max_defer_s=0.05)
-    cfg = DecodeConfig(mode="ar", max_new_tokens=6)
-    expected = reply_ids(eng.generate_sync(SHORT, cfg))
-    model = SlowChunks(smol.model, hold_s=5.0)
-    monkeypatch.setattr(eng.scheduler, "model", model)
-    eng.cost.token_s = engine.serving.scheduler.SLICE_S / 64  # chunks of 64 rows, 0.25 s each, as set
-    monkeypatch.setattr(eng.scheduler, "measure", lambda forwards, took: None)
-
-    async def main():
-        pieces, warming = [], None
-        # its listener has 0.8 s of audio left at every piece: time for a chunk (0.25 s) and HURRY_S
-        async for piece in eng.stream(SHORT, cfg, deadline=lambda text: time.monotonic() + 0.8):
-            pieces.append(piece)
-            if warming is None:
-                model.armed, began = True, time.monotonic()
-                warming = asyncio.create_task(eng.warm(LONG, ConversationCache()))
-        took = time.monotonic() - began
-        model.armed = False
-        await asyncio.wait_for(warming, 30.0)
-        return reply_ids(pieces), took
-
-    reply, took = asyncio.run(main())
-    assert reply == expected
-    assert model.interrupted >= 1 and took < 4.0  # not a 5-s chunk per token
-
-
 def test_a_prompt_too_slow_to_answer_is_refused_up_front(smol):
     """With `max_prefill_s`, a prompt whose new tokens would take longer than that to prefill at
     the measured cost is refused before any forward (a clear error), and short ones still run; a

@@ -10,9 +10,7 @@ for the voice service, when the listener's queued audio runs out): those that ru
 most `max_defer_s`, so they are delayed, never starved; so do they, even alone, while someone waits
 outside the engine (`someone_waits`); and a warm (reading ahead, nobody waits for it) for as long as
 anyone waits or a reader would run out of text while its rows are read (`slack_for`); it is not
-stopped when someone starts waiting (mostly its own user, whose reply goes on from it), but its
-chunk, in a forward of its own, stops if it is still running when a reader needs its next step
-(`stop_by`). Among the
+stopped when someone starts waiting (mostly its own user, whose reply goes on from it). Among the
 waited-for that wait alike (-inf:
 now; inf: on no clock) the least served go first (each is charged its rows' share of the model time
 of the batches it was in); one with a deadline goes by it. A prompt is prefilled in chunks of about
@@ -112,7 +110,6 @@ class Scheduler:
         self.interrupted = 0  # forwards stopped by `interrupt` (read again later)
         self.batch_sizes: list[int] = []  # recent forwards' batch sizes, for benchmarks
         self.sharing = False  # more than one request is active (the scheduler's view)
-        self.long_prompts = False  # the forward running now is of long prompts' chunks only (`interrupt` stops it)
         self.inbox: queue.Queue[Request] = queue.Queue()
         self.queued: list[Request] = []  # waiting for room in the shared KV cache, first come first served
         self.thread: threading.Thread | None = None
@@ -128,10 +125,8 @@ class Scheduler:
         """Someone waits now (a new request; the voice service's speech recognition or synthesis
         for a silent user): a forward of long prompts' chunks only, running now, stops (on kernels
         that can stop one) and its chunks are read again after the others' turn, so nobody waits
-        for a chunk already under way. A warm's forward goes on (mostly its own user's reply
-        continues from it)."""
-        if self.long_prompts:
-            self.model.interrupt()
+        for a chunk already under way."""
+        self.model.interrupt()
 
     @property
     def prefill_chunk(self) -> int:
@@ -159,7 +154,7 @@ class Scheduler:
                 self.admit_new(active, timeout=0.005)
                 continue
             for batch in self.batches(batch_from):
-                self.run_batch(batch, self.stop_by(batch, active))
+                self.run_batch(batch)
 
     def batches(self, round_: list[Request]) -> list[list[Request]]:
         """The round's forwards, `max_batch` rows each, in its order; but the steps whose readers run out
@@ -167,61 +162,36 @@ class Scheduler:
         their next phrase made (`HURRY_S`) go first, in forwards of their own. On two cores a chunk of
         10-34 prompt tokens of the 1.5B took 0.2-0.7 s, a step 35-50 ms: three talkers' replies went
         silent mid-sentence for the length of each newcomer's chunk. The chunk's reader waits a step
-        longer. A warm's chunk goes last, in a forward of its own, which stops when a reader would
-        run out of text (`stop_by`)."""
+        longer."""
         chunk = next((r for r in round_ if _chunk(r)), None)
         hurried: list[Request] = []
         if chunk is not None and chunk.forward is not None and self.cost.token_s is not None:
             read_by = self.clock() + len(chunk.forward.clean) * self.cost.token_s + HURRY_S
             hurried = [r for r in round_ if r is not chunk and r.runs_out() < read_by]
-        warms = [r for r in round_ if r.warm and _chunk(r)]
-        rest = [r for r in round_ if all(r is not h for h in hurried + warms)]
-        return [group[i:i + self.max_batch] for group in (hurried, rest, warms)
-                for i in range(0, len(group), self.max_batch)]
+        rest = [r for r in round_ if all(r is not h for h in hurried)]
+        return [group[i:i + self.max_batch] for group in (hurried, rest) for i in range(0, len(group), self.max_batch)]
 
-    def stop_by(self, batch: list[Request], active: list[Request]) -> float:
-        """When a forward of warms only stops if it is still running (on `clock`): `HURRY_S` before the
-        first reader beside it runs out of text. A warm runs only where every reader has text for its rows
-        at what a token costs lately (`slack_for`), but on two cores with the AVX2 kernels its chunks ran
-        past that once speech synthesis or recognition started beside them, and the other talkers' replies
-        went silent mid-sentence (BENCHMARKS.md, "the turns the history keeps"). Its rows are read again
-        later. Anything else runs to its end (inf)."""
-        if not all(r.warm for r in batch):
-            return math.inf
-        return min((r.runs_out() for r in active if not r.warm), default=math.inf) - HURRY_S
-
-    def run_batch(self, batch: list[Request], stop_by: float = math.inf) -> None:
-        """One batched forward of `batch`'s planned forwards; each request gets its result. One of long
-        prompts' chunks stops when someone starts waiting (`interrupt`); one that is not done by `stop_by`
-        (`clock`) stops then."""
+    def run_batch(self, batch: list[Request]) -> None:
+        """One batched forward of `batch`'s planned forwards; each request gets its result."""
         self.batch_sizes = (self.batch_sizes + [len(batch)])[-1000:]
         forwards = cast("list[Forward]", [request.forward for request in batch])  # `ready` planned them
         rows = [len(f.clean) + len(f.draft) for f in forwards]
         results: Sequence[object] | None
-        self.long_prompts = all(map(_long_prompt, batch))
-        timer = threading.Timer(max(stop_by - self.clock(), 0.0), self.model.interrupt) \
-            if math.isfinite(stop_by) else None
         began = time.perf_counter()
         try:
-            if timer is not None:
-                timer.start()
-            results = run_many(self.model, forwards, interruptible=self.long_prompts or timer is not None)
+            results = run_many(self.model, forwards, interruptible=all(map(_long_prompt, batch)))
         except Interrupted:
             results = None
         except Exception as err:  # one bad batch fails its requests, not the scheduler
             log.exception("batched forward failed")
             results = [err] * len(batch)
-        finally:
-            self.long_prompts = False
-            if timer is not None:
-                timer.cancel()
         took = time.perf_counter() - began
         for request, n in zip(batch, rows):  # each is charged its rows' share, stopped or not
             request.used_s += took * n / max(sum(rows), 1)
         if results is None:  # the same forwards, planned still, sit out as if deferred
             self.interrupted += 1
-            log.debug("a forward of %d rows stopped after %.0f ms: %s", sum(rows), 1000 * took,
-                      "a reader runs out of text" if math.isfinite(stop_by) else "someone waits")
+            log.debug("a forward of %d rows of long prompts stopped after %.0f ms: someone waits",
+                      sum(rows), 1000 * took)
             for request in batch:
                 request.ready_since = self.clock()
             return

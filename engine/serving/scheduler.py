@@ -312,7 +312,10 @@ class Scheduler:
         out within `horizon_s`), it ran in none beside three talkers, and the history's re-read (~90
         tokens once it forgets half its turns) landed on the next turn's first block. (On two saturated
         Zen 4 cores even this slack is rare: the voice service reads the turns the history will keep a
-        turn at a time, `History.kept`.)"""
+        turn at a time, `History.kept`.) A warm's chunk in a forward of its own that stopped should it
+        still run when a reader needed its next step was tried: it stopped 0-5 forwards a run, silence
+        mid-reply did not change beyond the noise, and v2v p95 at three talkers rose in 5 of 6 pairs
+        (BENCHMARKS.md, "a warm that runs late")."""
         rows = len(warm.forward.clean) if warm.forward is not None else 0
         reading = rows * self.cost.token_s if self.cost.token_s is not None else math.inf
         return all(runs_out >= now + reading + HURRY_S for runs_out in deadlines)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -92,7 +91,6 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:  # the product's venv: the best CPU variant of its llama.cpp, as the service loads it
         from engine.llamacpp import bindings, cpu_variant
         lib = bindings()

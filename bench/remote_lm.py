@@ -126,7 +126,6 @@ def main(argv=None) -> int:
     lm_urls: dict[str, str] = {}
     voice_urls: dict[str, str] = {}
     tmp = Path(tempfile.mkdtemp(prefix="remote_lm-"))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as engine/llamacpp.py sets for its own process
     from engine.llamacpp import backend_env
     os.environ.update(backend_env())  # llama.cpp's server finds its CPU variant (engine/llamacpp.py)
     try:

@@ -78,7 +78,7 @@ def messages_for(rng: random.Random, long_tokens: int = 0) -> list[dict]:
 
 
 def start_server(a, port: int, log_path: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    env = dict(os.environ)  # engine serve sets how its thread pools wait (engine/__init__.py)
     for item in a.env:
         key, _, value = item.partition("=")
         env[key] = value

@@ -132,9 +132,6 @@ def bindings() -> Any:  # llama_cpp.llama_cpp, a ctypes module (untyped)
     this CPU (`cpu_variant`), llama.cpp's warnings routed to our log."""
     global _lib, _log_callback, _variant
     if _lib is None:
-        # ggml's OpenMP threads sleep between steps instead of spinning on the cores that speech
-        # recognition and synthesis need (read once, when the library loads)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from llama_cpp import llama_cpp as lib
 
         @lib.llama_log_callback

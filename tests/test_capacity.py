@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +45,27 @@ class Clock:
 def measured(limits: LimitsConfig, cores: int = 2) -> tuple[Capacity, Clock]:
     clock = Clock()
     return Capacity(limits, cores, cpu=lambda: clock.cpu, clock=lambda: clock.wall), clock
+
+
+def _run_python(code: str, **env: str) -> str:
+    ours = ("OPENBLAS_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+    base = {k: v for k, v in os.environ.items() if k not in ours}
+    return subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()
+
+
+def test_the_service_s_native_thread_pools_do_not_spin_beside_the_lm():
+    """numpy's OpenBLAS starts no thread of its own in the service (its second thread spun on a core
+    after every mel spectrogram: 12% of one talker's CPU, measured as load), ggml's libgomp spins
+    briefly, and a wait policy the user set is theirs."""
+    threads = "import os; {first}import numpy; numpy.ones((256, 256)) @ numpy.ones((256, 256)); " \
+              "print(len(os.listdir('/proc/self/task')))"
+    ours = int(_run_python(threads.format(first="import voice; ")))
+    two = int(_run_python(threads.format(first=""), OPENBLAS_NUM_THREADS="2"))
+    assert ours == 1 and two > ours
+    spin = "import os, voice; print(os.environ.get('GOMP_SPINCOUNT'))"
+    assert _run_python(spin) == "10000"
+    assert _run_python(spin, OMP_WAIT_POLICY="PASSIVE") == "None"
 
 
 def test_the_load_and_a_sessions_cost_come_from_the_cpu_time_used():
